@@ -1,0 +1,130 @@
+"""Tiny models that exercise every awkward case, and the single-process reference run."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from zerokit.models.gpt import GPT, GPTConfig
+
+VOCAB = 11
+
+
+class Awkward(nn.Module):
+    """Uneven sizes, an embedding tied to the output head, a frozen layer, a parameter never
+    used, one used only when the batch holds token 0 (so only on some ranks), a 1-element
+    parameter (smaller than any world size > 1), a buffer, and a block called twice."""
+
+    def __init__(self):
+        super().__init__()
+        dim = 6
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.block = nn.Sequential(nn.Linear(dim, 7), nn.Tanh(), nn.Linear(7, dim))
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.tiny = nn.Parameter(torch.full((1,), 0.9))
+        self.odd = nn.Parameter(torch.randn(3) * 0.1)
+        self.unused = nn.Parameter(torch.randn(4))
+        self.rare = nn.Parameter(torch.randn(dim) * 0.1)
+        self.head = nn.Linear(dim, VOCAB)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx) * self.scale  # [B, T, dim]
+        x = x + self.block(x)
+        x = x + self.block(x)  # the same block again
+        x = self.frozen(x) * self.tiny
+        x = torch.cat([x[..., :3] + self.odd, x[..., 3:]], dim=-1)
+        is_zero = idx == 0
+        if is_zero.any():  # per-token, so the function is the same with or without the branch
+            x = x + self.rare * is_zero.unsqueeze(-1)
+        return self.head(x)
+
+
+def make_model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "awkward":
+        return Awkward()
+    if kind == "gpt":
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=2, n_head=2, n_embd=8))
+    raise ValueError(kind)
+
+
+def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
+    """Two param groups (alternate parameters) with different lr and weight decay; every
+    parameter is decayed, so a parameter wrongly given a zero gradient would change."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": params[0::2]}, {"params": params[1::2], "lr": 0.05, "weight_decay": 0.05}]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=0.01)
+    if kind == "adamw":
+        # eps=1e-6, not 1e-8: attention's key bias has an analytically zero gradient, so its
+        # gradient is float noise (~1e-10) that differs with summation order; with eps=1e-8
+        # Adam divides that noise by sqrt(v) ~ |noise| and takes full lr-sized steps in random
+        # directions, in any two runs that sum in different orders, one process or many.
+        return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, eps=1e-6)
+    raise ValueError(kind)
+
+
+def global_batches(steps: int, batch: int, seq: int = 5, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=gen)
+        out.append((tokens[:, :-1], tokens[:, 1:]))
+    return out
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def local_slice(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    per_rank = tensor.shape[0] // world_size
+    return tensor[rank * per_rank : (rank + 1) * per_rank]
+
+
+def train_reference(model: nn.Module, opt, batches) -> list[float]:
+    """Single-process training on the global batches: the result every level must reproduce."""
+    losses = []
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def train_sharded(model: nn.Module, opt, batches, rank: int, world_size: int) -> list[float]:
+    """Each rank trains on its slice; returns the global loss (mean of the ranks' losses)."""
+    losses = []
+    for x, y in batches:
+        loss = loss_fn(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        losses.append(global_loss.item() / world_size)
+    return losses
+
+
+def reference_pair(model_kind: str, opt_kind: str):
+    """A model and optimizer for the reference, and an identical pair to be wrapped."""
+    ref_model = make_model(model_kind)
+    model = copy.deepcopy(ref_model)
+    return (ref_model, make_optimizer(opt_kind, ref_model)), (model, make_optimizer(opt_kind, model))
+
+
+def assert_same_params(model: nn.Module, ref_model: nn.Module, atol: float, what: str) -> None:
+    ref = ref_model.state_dict()
+    got = model.state_dict()
+    assert got.keys() == ref.keys(), f"{what}: state_dict keys differ"
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=atol, rtol=0, msg=lambda m: f"{what}: {name}: {m}")

@@ -1,0 +1,12 @@
+"""zerokit: ZeRO sharded data parallelism for PyTorch.
+
+>>> import zerokit
+>>> sorted(zerokit.LEVELS)
+['os', 'os_g']
+"""
+
+from .api import LEVELS, group_sharded_parallel
+from .clip import clip_grad_norm_
+
+__all__ = ["LEVELS", "group_sharded_parallel", "clip_grad_norm_"]
+__version__ = "0.1.0"

@@ -1,0 +1,158 @@
+"""``group_sharded_parallel``: the one call that shards a model and its optimizer.
+
+Levels (PaddlePaddle's names; each means exactly what it says):
+
+* ``'os'``   — stage 1: optimizer state sharded. Every rank keeps full parameters and full
+  gradients; gradients are averaged with a bucketed all-reduce during backward; each rank
+  steps only its shard; updated shards are all-gathered so parameters stay identical.
+* ``'os_g'`` — stage 2: stage 1 plus sharded gradients. Gradients are reduce-scattered bucket
+  by bucket during backward; each rank keeps only its gradient shard.
+* ``'p_g_os'`` — stage 3 (not yet available in this release).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .flat_param import FlatParamBucket
+from .grad_sync import BucketedGradSync
+from .layout import ParamSpec, plan_buckets
+from .module import ModuleShardState, broadcast_module_state, convert_module_, register_buffer_sync
+from .optimizer import shard_optimizer_
+from .stage1 import AllReduceGrads
+from .stage2 import ReduceScatterGrads
+
+# A wrapped model holds its process group inside reference cycles (parameter hooks -> gradient
+# sync -> buckets -> parameters). Left to interpreter shutdown, the group is destroyed after
+# gloo's threads are gone and the process aborts ("terminate called without an active
+# exception"); collecting the cycles at exit, while torch is still intact, avoids that.
+atexit.register(gc.collect)
+
+LEVELS = {"os": AllReduceGrads, "os_g": ReduceScatterGrads}
+_PLANNED_LEVELS = {"p_g_os": "level 'p_g_os' (stage 3) is not implemented yet; use 'os' or 'os_g'"}
+
+
+def group_sharded_parallel(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    level: str,
+    scaler: Any = None,
+    group: dist.ProcessGroup | None = None,
+    offload: bool = False,
+    sync_buffers: bool = False,
+    buffer_max_size: int = 2**23,
+    segment_size: int = 2**20,
+    sync_comm: bool = False,
+    dp_group: dist.ProcessGroup | None = None,
+    exclude_layer: Sequence[Any] | None = None,
+) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """Shard ``optimizer`` (and, from 'os_g', gradients) of ``model`` across ``group``.
+
+    Every rank of ``group`` must call this with the same model architecture. The model and the
+    optimizer are converted in place and returned, with ``scaler`` unchanged.
+
+    Args:
+        model: the model to train; its trainable parameters must all be on one device.
+        optimizer: an elementwise torch optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...)
+            over parameters of ``model``. Create LR schedulers from it before or after.
+        level: ``'os'`` (stage 1) or ``'os_g'`` (stage 2); see the module docstring.
+        scaler: loss scaler for fp16; not supported yet (must be None).
+        group: process group to shard across; the default group if None.
+        offload: move optimizer state to CPU; not supported yet (must be False).
+        sync_buffers: broadcast rank 0's buffers to every rank before each forward.
+        buffer_max_size: most elements per flat bucket (one collective per bucket).
+        segment_size: unit size for stage 3; unused by 'os' and 'os_g'.
+        sync_comm: wait for each bucket's collective at once instead of overlapping backward.
+        dp_group: an outer data-parallel group; not supported yet (must be None).
+        exclude_layer: layers kept whole under stage 3; unused by 'os' and 'os_g'.
+    """
+    if level in _PLANNED_LEVELS:
+        raise NotImplementedError(_PLANNED_LEVELS[level])
+    if level not in LEVELS:
+        raise ValueError(f"unknown level {level!r}; valid levels: 'os' (stage 1), 'os_g' (stage 2)")
+    if scaler is not None:
+        raise NotImplementedError("scaler: mixed precision with a sharded loss scaler is not implemented yet; pass scaler=None")
+    if offload:
+        raise NotImplementedError("offload=True is not implemented yet; pass offload=False")
+    if dp_group is not None:
+        raise NotImplementedError("dp_group (an outer data-parallel group) is not implemented yet; pass dp_group=None")
+    if exclude_layer:
+        raise ValueError("exclude_layer only applies to level 'p_g_os' (stage 3)")
+    if hasattr(model, "_zerokit") or hasattr(optimizer, "_zerokit"):
+        raise ValueError("this model or optimizer is already wrapped by group_sharded_parallel")
+    group = _resolve_group(group)
+    named = _trainable_params(model)
+    _check_optimizer_params(model, optimizer)
+
+    rank = group.rank()
+    specs = [ParamSpec(name, tuple(p.shape), p.dtype, p.device) for name, p in named]
+    layouts = plan_buckets(specs, group.size(), buffer_max_size)
+    # Nothing is changed before this point: every check above can fail without side effects.
+    broadcast_module_state(model, group, params=True)  # every rank starts from rank 0's model
+    buckets = [
+        FlatParamBucket(layout, [named[s.param_index][1] for s in layout.slots], rank)
+        for layout in layouts
+    ]
+    grad_sync: BucketedGradSync = LEVELS[level](buckets, group, sync_comm)
+    state = ModuleShardState(level, grad_sync, group)
+    convert_module_(model, state)
+    if sync_buffers:
+        register_buffer_sync(model, state)
+    shard_optimizer_(optimizer, buckets, grad_sync, group)
+    return model, optimizer, scaler
+
+
+def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    if group is not None:
+        return group
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend)  # launched by torchrun: its environment says how
+        else:
+            raise RuntimeError(
+                "no torch.distributed process group is initialized. Launch with torchrun "
+                "(`torchrun --nproc-per-node 2 train.py`, zerokit then initializes from its "
+                "environment) or call torch.distributed.init_process_group('gloo' or 'nccl') "
+                "first; for one process: init_process_group('gloo', rank=0, world_size=1, "
+                "init_method='tcp://127.0.0.1:29500')."
+            )
+    return dist.group.WORLD
+
+
+def _trainable_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Trainable parameters in registration order, each once (tied parameters are shared)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # deduplicated
+    devices = {p.device for _, p in named}
+    if len(devices) > 1:
+        listing = ", ".join(f"{n} on {p.device}" for n, p in named[:8])
+        raise ValueError(
+            f"trainable parameters are on more than one device ({listing}, ...); move the "
+            "whole model to one device (model.to(device)) before group_sharded_parallel"
+        )
+    for name, p in named:
+        if p.layout != torch.strided:
+            raise ValueError(f"parameter {name!r} is not a dense tensor; zerokit shards dense tensors only")
+    return named
+
+
+def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model_params = {id(p) for p in model.parameters()}
+    foreign = [
+        (g, tuple(p.shape))
+        for g, group in enumerate(optimizer.param_groups)
+        for p in group["params"]
+        if id(p) not in model_params
+    ]
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} tensor(s) that are not parameters of the model "
+            f"(param_group, shape): {foreign[:5]}; build the optimizer from model.parameters()"
+        )

@@ -1,0 +1,111 @@
+"""The few collectives zerokit needs, chosen per backend, as ``start_*`` / ``finish`` pairs.
+
+Every function takes the process group explicitly and does no communication at world size 1.
+
+Note: on gloo (CPU) the textbook collectives are the slow path. torch 2.13's gloo
+``reduce_scatter`` clones its input, runs a full all-reduce and copies one chunk out, and its
+``all_gather_into_tensor`` gathers into a temporary list. Measured on 2 ranks of this machine,
+108 MB fp32 (``benchmarks/collectives.py``): all-reduce 68 ms, reduce_scatter 141 ms, but
+all-to-all + a local sum 47 ms; all_gather_into_tensor 128 ms, but one in-place broadcast per
+rank 32 ms. So on gloo a reduce-scatter is an all-to-all of the chunks followed by a sum, and an
+all-gather is one broadcast per rank straight into the full buffer (no extra memory). Other
+backends (NCCL) use their native reduce-scatter and all-gather.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+# torch 2.13 renamed the flat-tensor collectives and deprecated the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+class Pending:
+    """In-flight collective work; ``finish()`` waits for it and runs the local epilogue once."""
+
+    def __init__(self, works: list, epilogue: Callable[[], None] | None = None):
+        self._works = works
+        self._epilogue = epilogue
+
+    def finish(self) -> None:
+        for work in self._works:
+            work.wait()
+        self._works = []
+        if self._epilogue is not None:
+            epilogue, self._epilogue = self._epilogue, None
+            epilogue()
+
+
+def _is_gloo(group: ProcessGroup) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def start_all_reduce_mean(tensor: torch.Tensor, group: ProcessGroup) -> Pending:
+    """Average ``tensor`` in place across ``group``."""
+    size = group.size()
+    if size == 1:
+        return Pending([])
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return Pending([work], lambda: tensor.div_(size))
+
+
+def start_reduce_scatter_mean(
+    full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, accumulate: bool
+) -> Pending:
+    """Average the 1-D ``full`` across ``group`` and write (or add) this rank's chunk to ``shard``.
+
+    ``full`` must stay untouched until ``finish()``; it holds ``group.size()`` equal chunks.
+    """
+    size = group.size()
+    chunks_in: torch.Tensor  # [size, shard_numel]: chunk i of every rank, or a view of full
+    if size == 1:
+        works, chunks_in = [], full.view(1, -1)
+    elif _is_gloo(group):
+        chunks_in = torch.empty(size, shard.numel(), dtype=full.dtype, device=full.device)
+        works = [dist.all_to_all_single(chunks_in, full, group=group, async_op=True)]
+    else:
+        chunks_in = torch.empty(1, shard.numel(), dtype=full.dtype, device=full.device)
+        works = [_reduce_scatter(chunks_in[0], full, group=group, async_op=True)]
+
+    def epilogue() -> None:
+        reduced = chunks_in.sum(dim=0) if chunks_in.shape[0] > 1 else chunks_in[0]
+        reduced = reduced.div(size) if size > 1 else reduced
+        shard.add_(reduced) if accumulate else shard.copy_(reduced)
+
+    return Pending(works, epilogue)
+
+
+def start_all_gather_(full: torch.Tensor, group: ProcessGroup) -> Pending:
+    """Fill the 1-D ``full`` in place from every rank's own chunk of it."""
+    size = group.size()
+    if size == 1:
+        return Pending([])
+    chunks = full.view(size, -1)
+    if _is_gloo(group):
+        works = [
+            dist.broadcast(chunks[r], group_src=r, group=group, async_op=True) for r in range(size)
+        ]
+    else:
+        own = chunks[group.rank()]
+        works = [_all_gather(full, own, group=group, async_op=True)]
+    return Pending(works)
+
+
+def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM):
+    """Blocking in-place all-reduce; a no-op at world size 1."""
+    if group.size() > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def broadcast_(tensor: torch.Tensor, group: ProcessGroup, group_src: int = 0) -> torch.Tensor:
+    """Blocking in-place broadcast from the group's rank ``group_src``; a no-op at world size 1."""
+    if group.size() > 1:
+        dist.broadcast(tensor, group_src=group_src, group=group)
+    return tensor

@@ -1,0 +1,50 @@
+"""Flat parameter storage: one bucket's contiguous buffer, the parameter views into it, and
+the pieces of it that this rank's optimizer updates.
+
+After construction every parameter of the bucket *is* a view of ``FlatParamBucket.data``
+(``param.data`` is re-pointed), so gathering the flat buffer updates the model in place and the
+optimizer's in-place update of a piece writes straight into the parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layout import BucketLayout
+
+
+class FlatParamBucket:
+    """Owns one bucket's flat parameter buffer and hands out views of buffers laid out like it."""
+
+    def __init__(self, layout: BucketLayout, params: list[nn.Parameter], rank: int):
+        assert len(params) == len(layout.slots)
+        self.layout = layout
+        self.params = params
+        self.pieces = layout.pieces(rank)
+        self.shard_start, self.shard_end = layout.shard_range(rank)
+        self.data = torch.zeros(layout.padded_numel, dtype=layout.dtype, device=layout.device)
+        with torch.no_grad():
+            for i, param in enumerate(params):
+                view = self.slot_view(self.data, i)
+                view.copy_(param)
+                param.data = view  # the parameter now lives in the flat buffer
+        # What this rank's optimizer updates: 1-D views of its shard, one per parameter piece.
+        self.param_pieces = self.piece_views(self.shard(self.data))
+
+    def slot_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Slot ``i`` of a full-size buffer laid out like ``data``, shaped like its parameter."""
+        slot = self.layout.slots[i]
+        return flat[slot.offset : slot.end].view(slot.shape)
+
+    def shard(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a full-size buffer."""
+        return flat[self.shard_start : self.shard_end]
+
+    def piece_views(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """1-D views of this rank's pieces inside a shard-size buffer."""
+        views = []
+        for piece in self.pieces:
+            start = self.layout.slots[piece.slot].offset + piece.start - self.shard_start
+            views.append(shard[start : start + piece.numel])
+        return views

@@ -1,0 +1,76 @@
+"""The wrapped model: the user's module, converted in place to also be a ``ShardedModule``.
+
+As FSDP2 does, the model keeps its object identity, forward and ``state_dict`` keys; its class
+becomes a subclass of the original that adds ``no_sync()``. Stage 1/2 keep full parameters on
+every rank (views of the flat buckets), so ``state_dict``/``load_state_dict`` work unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from .collectives import broadcast_
+from .grad_sync import BucketedGradSync
+
+
+class ModuleShardState:
+    """What zerokit keeps for a wrapped model; reachable as ``model._zerokit``."""
+
+    def __init__(self, level: str, grad_sync: BucketedGradSync, group: ProcessGroup):
+        self.level = level
+        self.grad_sync = grad_sync
+        self.group = group
+        self.hook_handles: list = []
+
+
+class ShardedModule:
+    """Mixed in front of the user's model class."""
+
+    _zerokit: ModuleShardState
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block communicates.
+
+        >>> # for x in micro_batches[:-1]:
+        >>> #     with model.no_sync(): loss_fn(model(x)).backward()
+        >>> # loss_fn(model(micro_batches[-1])).backward()   # reduces the accumulated sum
+        """
+        grad_sync = self._zerokit.grad_sync
+        previous, grad_sync.sync_enabled = grad_sync.sync_enabled, False
+        try:
+            yield
+        finally:
+            grad_sync.sync_enabled = previous
+
+
+def convert_module_(model: nn.Module, state: ModuleShardState) -> nn.Module:
+    cls = type(model)
+    model.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+    model._zerokit = state
+    return model
+
+
+def broadcast_module_state(model: nn.Module, group: ProcessGroup, *, params: bool) -> None:
+    """Make every rank's buffers (and parameters, if ``params``) equal to group rank 0's."""
+    with torch.no_grad():
+        tensors = list(model.buffers()) + (list(model.parameters()) if params else [])
+        seen = set()
+        for tensor in tensors:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                broadcast_(tensor.data, group)
+
+
+def register_buffer_sync(model: nn.Module, state: ModuleShardState) -> None:
+    """``sync_buffers=True``: before every forward, rank 0's buffers go to every rank."""
+
+    def pre_forward(module: nn.Module, args) -> None:
+        broadcast_module_state(module, state.group, params=False)
+
+    state.hook_handles.append(model.register_forward_pre_hook(pre_forward))
