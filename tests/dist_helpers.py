@@ -16,7 +16,9 @@ def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
     faulthandler.enable()  # a native abort in a rank prints that rank's Python stack
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
     try:
         fn(rank, world_size, *args)
     finally:

@@ -119,7 +119,10 @@ def reference_pair(model_kind: str, opt_kind: str):
     """A model and optimizer for the reference, and an identical pair to be wrapped."""
     ref_model = make_model(model_kind)
     model = copy.deepcopy(ref_model)
-    return (ref_model, make_optimizer(opt_kind, ref_model)), (model, make_optimizer(opt_kind, model))
+    return (ref_model, make_optimizer(opt_kind, ref_model)), (
+        model,
+        make_optimizer(opt_kind, model),
+    )
 
 
 def assert_same_params(model: nn.Module, ref_model: nn.Module, atol: float, what: str) -> None:
@@ -127,4 +130,6 @@ def assert_same_params(model: nn.Module, ref_model: nn.Module, atol: float, what
     got = model.state_dict()
     assert got.keys() == ref.keys(), f"{what}: state_dict keys differ"
     for name in ref:
-        torch.testing.assert_close(got[name], ref[name], atol=atol, rtol=0, msg=lambda m: f"{what}: {name}: {m}")
+        torch.testing.assert_close(
+            got[name], ref[name], atol=atol, rtol=0, msg=lambda m, name=name: f"{what}: {name}: {m}"
+        )

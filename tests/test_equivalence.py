@@ -2,10 +2,16 @@
 process on the whole global batch. Losses and final parameters within 2e-5 (fp32)."""
 
 import pytest
+from dist_helpers import run_distributed
+from models import (
+    assert_same_params,
+    global_batches,
+    reference_pair,
+    train_reference,
+    train_sharded,
+)
 
 import zerokit
-from dist_helpers import run_distributed
-from models import assert_same_params, global_batches, reference_pair, train_reference, train_sharded
 
 STEPS = 10
 ATOL = 2e-5
@@ -20,7 +26,9 @@ def _equivalence_matrix(rank, world_size):
                 (ref_model, ref_opt), (model, opt) = reference_pair(model_kind, opt_kind)
                 ref_losses = train_reference(ref_model, ref_opt, batches)
                 # a small bucket limit: several buckets, and parameters larger than a bucket
-                model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, buffer_max_size=40)
+                model, opt, _ = zerokit.group_sharded_parallel(
+                    model, opt, level, buffer_max_size=40
+                )
                 losses = train_sharded(model, opt, batches, rank, world_size)
                 for step, (got, ref) in enumerate(zip(losses, ref_losses)):
                     assert abs(got - ref) <= ATOL, f"{what}: step {step} loss {got} != {ref}"

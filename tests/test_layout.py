@@ -41,7 +41,10 @@ def test_buckets_follow_registration_order_and_size_limit():
 def test_dtypes_never_share_a_bucket():
     params = specs((4,)) + specs((4,), dtype=BF16) + specs((4,))
     buckets = plan_buckets(params, 3, max_bucket_numel=100)
-    assert [(b.dtype, [s.param_index for s in b.slots]) for b in buckets] == [(F32, [0, 2]), (BF16, [1])]
+    assert [(b.dtype, [s.param_index for s in b.slots]) for b in buckets] == [
+        (F32, [0, 2]),
+        (BF16, [1]),
+    ]
 
 
 def test_tensor_smaller_than_world_size_leaves_empty_shards():

@@ -8,5 +8,5 @@
 from .api import LEVELS, group_sharded_parallel
 from .clip import clip_grad_norm_
 
-__all__ = ["LEVELS", "group_sharded_parallel", "clip_grad_norm_"]
+__all__ = ["LEVELS", "clip_grad_norm_", "group_sharded_parallel"]
 __version__ = "0.1.0"

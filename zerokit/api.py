@@ -15,7 +15,8 @@ from __future__ import annotations
 import atexit
 import gc
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -78,11 +79,15 @@ def group_sharded_parallel(
     if level not in LEVELS:
         raise ValueError(f"unknown level {level!r}; valid levels: 'os' (stage 1), 'os_g' (stage 2)")
     if scaler is not None:
-        raise NotImplementedError("scaler: mixed precision with a sharded loss scaler is not implemented yet; pass scaler=None")
+        raise NotImplementedError(
+            "scaler: mixed precision with a sharded loss scaler is not implemented yet; pass scaler=None"
+        )
     if offload:
         raise NotImplementedError("offload=True is not implemented yet; pass offload=False")
     if dp_group is not None:
-        raise NotImplementedError("dp_group (an outer data-parallel group) is not implemented yet; pass dp_group=None")
+        raise NotImplementedError(
+            "dp_group (an outer data-parallel group) is not implemented yet; pass dp_group=None"
+        )
     if exclude_layer:
         raise ValueError("exclude_layer only applies to level 'p_g_os' (stage 3)")
     if hasattr(model, "_zerokit") or hasattr(optimizer, "_zerokit"):
@@ -139,7 +144,9 @@ def _trainable_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
         )
     for name, p in named:
         if p.layout != torch.strided:
-            raise ValueError(f"parameter {name!r} is not a dense tensor; zerokit shards dense tensors only")
+            raise ValueError(
+                f"parameter {name!r} is not a dense tensor; zerokit shards dense tensors only"
+            )
     return named
 
 

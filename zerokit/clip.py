@@ -24,7 +24,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     norm_type = float(norm_type)
     device = grad_sync.buckets[0].data.device if grad_sync.buckets else torch.device("cpu")
     if norm_type == float("inf"):
-        local = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros((), device=device)
+        local = (
+            torch.stack([g.abs().max() for g in grads]).max()
+            if grads
+            else torch.zeros((), device=device)
+        )
         total = all_reduce_(local.float(), state.group, op=dist.ReduceOp.MAX)
     else:
         powered = [g.float().abs().pow(norm_type).sum() for g in grads]

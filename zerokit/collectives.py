@@ -14,12 +14,11 @@ backends (NCCL) use their native reduce-scatter and all-gather.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-
 
 # torch 2.13 renamed the flat-tensor collectives and deprecated the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)

@@ -49,7 +49,9 @@ class BucketedGradSync:
         self.sync_comm = sync_comm
         self.sync_enabled = True  # False inside no_sync()
         self.state = SyncState.IDLE
-        self._where = {id(p): (b, i) for b, bucket in enumerate(buckets) for i, p in enumerate(bucket.params)}
+        self._where = {
+            id(p): (b, i) for b, bucket in enumerate(buckets) for i, p in enumerate(bucket.params)
+        }
         # has_grad[b][i]: parameter i of bucket b holds a gradient (agreed across ranks)
         self.has_grad = [torch.zeros(len(b.params), dtype=torch.bool) for b in buckets]
         self._unsynced = False  # no_sync() gradients are waiting for a synchronised backward
@@ -149,7 +151,9 @@ class BucketedGradSync:
 
     def owned_grads(self) -> list[torch.Tensor]:
         """The gradients of this rank's pieces: every element of the model exactly once."""
-        return [p.grad for bucket in self.buckets for p in bucket.param_pieces if p.grad is not None]
+        return [
+            p.grad for bucket in self.buckets for p in bucket.param_pieces if p.grad is not None
+        ]
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

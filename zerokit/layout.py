@@ -11,8 +11,8 @@ Everything here is pure: shapes, dtypes and a world size in, frozen dataclasses 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -121,7 +121,9 @@ def plan_buckets(
 
     def close(key: tuple[torch.dtype, torch.device]) -> None:
         slots = open_slots.pop(key)
-        closed.append((slots[0].param_index, BucketLayout(key[0], key[1], tuple(slots), world_size)))
+        closed.append(
+            (slots[0].param_index, BucketLayout(key[0], key[1], tuple(slots), world_size))
+        )
 
     for index, spec in enumerate(params):
         if spec.numel == 0:
@@ -132,7 +134,9 @@ def plan_buckets(
             close(key)
             slots = None
         offset = slots[-1].end if slots else 0
-        open_slots.setdefault(key, []).append(Slot(index, spec.name, spec.shape, offset, spec.numel))
+        open_slots.setdefault(key, []).append(
+            Slot(index, spec.name, spec.shape, offset, spec.numel)
+        )
     for key in list(open_slots):
         close(key)
     return tuple(layout for _, layout in sorted(closed, key=lambda item: item[0]))

@@ -8,7 +8,7 @@ every rank (views of the flat buckets), so ``state_dict``/``load_state_dict`` wo
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn

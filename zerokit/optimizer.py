@@ -22,7 +22,7 @@ from .grad_sync import BucketedGradSync
 class ShardedOptimizer:
     """Mixed in front of the user's optimizer class."""
 
-    _zerokit: "OptimizerShardState"
+    _zerokit: OptimizerShardState
 
     def step(self, closure=None):
         state = self._zerokit
@@ -36,7 +36,9 @@ class ShardedOptimizer:
 
 
 class OptimizerShardState:
-    def __init__(self, buckets: list[FlatParamBucket], grad_sync: BucketedGradSync, group: ProcessGroup):
+    def __init__(
+        self, buckets: list[FlatParamBucket], grad_sync: BucketedGradSync, group: ProcessGroup
+    ):
         self.buckets = buckets
         self.grad_sync = grad_sync
         self.group = group

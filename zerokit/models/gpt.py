@@ -59,7 +59,11 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight
         for name, p in self.named_parameters():
             if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("proj.weight", "fc_out.weight")) else 0.02
+                std = (
+                    0.02 / math.sqrt(2 * cfg.n_layer)
+                    if name.endswith(("proj.weight", "fc_out.weight"))
+                    else 0.02
+                )
                 nn.init.normal_(p, std=std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -70,7 +74,9 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))  # [B, T, vocab]
 
 
-def synthetic_batch(cfg: GPTConfig, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch(
+    cfg: GPTConfig, batch: int, seq: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A reproducible (inputs, targets) pair of token ids, each [batch, seq]."""
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)
