@@ -13,7 +13,7 @@ def test_no_process_group_says_how_to_start_one(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):
         monkeypatch.delenv(var, raising=False)
     model = make_model("awkward")
-    with pytest.raises(RuntimeError, match="torchrun.*init_process_group"):
+    with pytest.raises(RuntimeError, match=r"torchrun.*init_process_group"):
         zerokit.group_sharded_parallel(model, make_optimizer("sgd", model), "os")
 
 
@@ -56,7 +56,7 @@ def _bad_inputs(rank, world_size):
         ),
         ("exclude_layer", {"level": "os_g", "exclude_layer": [nn.Linear]}, ValueError, "p_g_os"),
     ]
-    for what, kwargs, error, match in cases:
+    for _what, kwargs, error, match in cases:
         model = make_model("awkward")
         opt = make_optimizer("adamw", model)
         snapshot = _snapshot(model, opt)
@@ -66,7 +66,7 @@ def _bad_inputs(rank, world_size):
 
     model = make_model("awkward")
     stranger = nn.Parameter(torch.zeros(3))
-    opt = torch.optim.SGD(list(model.parameters()) + [stranger], lr=0.1)
+    opt = torch.optim.SGD([*model.parameters(), stranger], lr=0.1)
     snapshot = _snapshot(model, opt)
     with pytest.raises(ValueError, match="not parameters of the model"):
         zerokit.group_sharded_parallel(model, opt, "os")

@@ -89,7 +89,9 @@ def _compare(
 
 
 def _loop_semantics(rank, world_size):
-    step_lr = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    def step_lr(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
     for level in ("os", "os_g"):
         _compare(rank, world_size, level, "accumulate no_sync", micro=3, no_sync=True)
         _compare(rank, world_size, level, "accumulate, reduce every micro-batch", micro=3)
@@ -166,7 +168,7 @@ def _check_no_sync_then_step_is_refused(rank, world_size, level):
     model, opt, _ = zerokit.group_sharded_parallel(model, opt, level)
     with model.no_sync():
         loss_fn(model(x), y).backward()
-    with pytest.raises(RuntimeError, match="outside `with model.no_sync"):
+    with pytest.raises(RuntimeError, match=r"outside `with model\.no_sync"):
         opt.step()
 
 

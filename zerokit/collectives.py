@@ -32,6 +32,18 @@ class Pending:
         self._works = works
         self._epilogue = epilogue
 
+    def then(self, fn: Callable[[], None]) -> Pending:
+        """Run ``fn`` after the epilogue, when the work is finished."""
+        first = self._epilogue
+
+        def chained() -> None:
+            if first is not None:
+                first()
+            fn()
+
+        self._epilogue = chained
+        return self
+
     def finish(self) -> None:
         for work in self._works:
             work.wait()
@@ -55,18 +67,23 @@ def start_all_reduce_mean(tensor: torch.Tensor, group: ProcessGroup) -> Pending:
 
 
 def start_reduce_scatter_mean(
-    full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, accumulate: bool
+    full: torch.Tensor,
+    shard: torch.Tensor,
+    group: ProcessGroup,
+    accumulate: bool,
+    scratch: torch.Tensor | None = None,
 ) -> Pending:
     """Average the 1-D ``full`` across ``group`` and write (or add) this rank's chunk to ``shard``.
 
     ``full`` must stay untouched until ``finish()``; it holds ``group.size()`` equal chunks.
+    ``scratch``, a buffer shaped like ``full``, receives the chunks on gloo (else one is made).
     """
     size = group.size()
     chunks_in: torch.Tensor  # [size, shard_numel]: chunk i of every rank, or a view of full
     if size == 1:
         works, chunks_in = [], full.view(1, -1)
     elif _is_gloo(group):
-        chunks_in = torch.empty(size, shard.numel(), dtype=full.dtype, device=full.device)
+        chunks_in = (torch.empty_like(full) if scratch is None else scratch).view(size, -1)
         works = [dist.all_to_all_single(chunks_in, full, group=group, async_op=True)]
     else:
         chunks_in = torch.empty(1, shard.numel(), dtype=full.dtype, device=full.device)

@@ -1,0 +1,122 @@
+"""Step time and bytes per rank: torch DDP, ZeroRedundancyOptimizer and zerokit's levels, side
+by side in one run on gloo CPU ranks, alternating so every runner sees the same machine state.
+
+    python benchmarks/step_time.py                       # 27M-parameter GPT, 2 ranks, AdamW
+    MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/step_time.py   # freed memory back to the OS
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import held_bytes, spawn
+
+import zerokit
+from zerokit.models.gpt import GPT, GPTConfig, synthetic_batch
+
+# "local" trains each rank alone with no communication: the floor no data-parallel runner can beat.
+RUNNERS = ("ddp", "zero_redundancy", "os", "os_g", "local")
+
+
+def build(runner: str, base: torch.nn.Module, lr: float):
+    model = copy.deepcopy(base)
+    if runner == "local":
+        return model, torch.optim.AdamW(model.parameters(), lr=lr)
+    if runner == "ddp":
+        model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        return model, torch.optim.AdamW(model.parameters(), lr=lr)
+    if runner == "zero_redundancy":
+        model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=lr)
+        return model, opt
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, runner)
+    return model, opt
+
+
+def train_step(model, opt, x, y) -> float:
+    logits = model(x)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def worker(rank: int, world_size: int, args) -> None:
+    cfg = GPTConfig(
+        vocab_size=4096, block_size=args.seq, n_layer=args.layers, n_head=8, n_embd=args.width
+    )
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    n_params = sum(p.numel() for p in base.parameters())
+    runners = args.runners.split(",")
+    built = {r: build(r, base, 1e-4) for r in runners}
+    x, y = synthetic_batch(cfg, args.batch, args.seq, seed=rank)
+    memory = {}
+    for r, (model, opt) in built.items():  # warm-up; measure held bytes after a step + backward
+        train_step(model, opt, x, y)
+        logits = model(x)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+        memory[r] = held_bytes(model, opt)
+        opt.zero_grad(set_to_none=True)
+    times = {r: [] for r in runners}
+    for _ in range(args.rounds):
+        for r, (model, opt) in built.items():
+            for _ in range(args.steps):
+                dist.barrier()
+                start = time.perf_counter()
+                train_step(model, opt, x, y)
+                times[r].append(time.perf_counter() - start)
+    # the slowest rank decides a step: take each step's max over ranks
+    stacked = torch.tensor([times[r] for r in runners], dtype=torch.float64)
+    dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    if rank != 0:
+        return
+    medians = {r: statistics.median(stacked[i].tolist()) for i, r in enumerate(runners)}
+    base_time = medians.get("ddp", next(iter(medians.values())))
+    mib = 2**20
+    print(
+        f"GPT {n_params / 1e6:.1f}M params, {world_size} gloo ranks, AdamW fp32, batch {args.batch}x{args.seq} per rank"
+    )
+    print(
+        f"{'runner':<16}{'step s':>9}{'vs ddp':>8}{'params MiB':>12}{'grads MiB':>11}{'optim MiB':>11}"
+    )
+    for r in runners:
+        m = memory[r]
+        print(
+            f"{r:<16}{medians[r]:>9.3f}{medians[r] / base_time:>7.2f}x"
+            f"{m['params'] / mib:>12.1f}{m['grads'] / mib:>11.1f}{m['optimizer'] / mib:>11.1f}"
+        )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated, from {RUNNERS}")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per runner per round")
+    args = p.parse_args()
+    spawn(worker, args.nproc, args)
+
+
+if __name__ == "__main__":
+    main()
