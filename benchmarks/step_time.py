@@ -21,16 +21,17 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import held_bytes, spawn
+from _common import held_bytes
 
 import zerokit
+from zerokit.launch import spawn_local
 from zerokit.models.gpt import GPT, GPTConfig, synthetic_batch
 
 # "local" trains each rank alone with no communication: the floor no data-parallel runner can beat.
 RUNNERS = ("ddp", "zero_redundancy", "os", "os_g", "local")
 
 
-def build(runner: str, base: torch.nn.Module, lr: float):
+def build(runner: str, base: torch.nn.Module, lr: float, bucket_elems: int = 2**23):
     model = copy.deepcopy(base)
     if runner == "local":
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
@@ -42,7 +43,7 @@ def build(runner: str, base: torch.nn.Module, lr: float):
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=lr)
         return model, opt
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model, opt, _ = zerokit.group_sharded_parallel(model, opt, runner)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, runner, buffer_max_size=bucket_elems)
     return model, opt
 
 
@@ -63,7 +64,7 @@ def worker(rank: int, world_size: int, args) -> None:
     base = GPT(cfg)
     n_params = sum(p.numel() for p in base.parameters())
     runners = args.runners.split(",")
-    built = {r: build(r, base, 1e-4) for r in runners}
+    built = {r: build(r, base, 1e-4, args.bucket_elems) for r in runners}
     x, y = synthetic_batch(cfg, args.batch, args.seq, seed=rank)
     memory = {}
     for r, (model, opt) in built.items():  # warm-up; measure held bytes after a step + backward
@@ -112,10 +113,11 @@ def main() -> None:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    p.add_argument("--bucket-elems", type=int, default=2**21, help="zerokit buffer_max_size")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=3, help="timed steps per runner per round")
     args = p.parse_args()
-    spawn(worker, args.nproc, args)
+    spawn_local(worker, args.nproc, args)
 
 
 if __name__ == "__main__":

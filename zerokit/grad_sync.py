@@ -40,7 +40,8 @@ class SyncState(enum.Enum):
 class BucketedGradSync:
     """Hooks, bucket readiness and launch order; subclasses say how a bucket is reduced."""
 
-    #: how many bucket collectives may be in flight before the oldest is waited for
+    #: most bucket collectives in flight at once (None: no bound); the oldest is finished
+    #: before a new one starts
     max_in_flight: int | None = None
 
     def __init__(self, buckets: list[FlatParamBucket], group: ProcessGroup, sync_comm: bool):
@@ -108,11 +109,13 @@ class BucketedGradSync:
                 return
             for i in missing:  # unused in this forward, or accumulated under no_sync()
                 self._contributed[b][i] = self._take_grad(b, i, self.buckets[b].params[i])
+            if self.max_in_flight is not None:  # make room first, so its buffers are free
+                while len(self._in_flight) >= self.max_in_flight:
+                    self._in_flight.pop(0).finish()
             self._in_flight.append(self._start_reduce(b))
             self._next_bucket -= 1
-            limit = 0 if self.sync_comm else self.max_in_flight
-            while limit is not None and len(self._in_flight) > limit:
-                self._in_flight.pop(0).finish()
+            if self.sync_comm:
+                self._in_flight.pop().finish()
 
     def _end_of_backward(self) -> None:
         self._launch_ready_buckets(force=True)

@@ -4,8 +4,10 @@ Buffers (owned here): one persistent shard-size gradient buffer per bucket, whic
 optimizer's pieces' ``.grad`` are views of; and a small pool of bucket-size staging buffers. A
 bucket takes a staging buffer when its first gradient arrives (gradients are copied in and
 autograd's full-size ``.grad`` is released at once) and gives it back, with the receive buffer
-of its reduce-scatter, when that finishes. At most ``max_in_flight`` reductions wait at once,
-so the pool stays at about three buckets whatever the model size. Parameters' own ``.grad`` is
+of its reduce-scatter, when that finishes. One reduction is in flight at a time and it is
+finished before the next takes its receive buffer, so the pool holds at most three bucket-size
+buffers (the one filling, and the one in flight with its receive buffer), whatever the model
+size. Parameters' own ``.grad`` is
 always None after backward: the full gradient is gone.
 
 Note: the pool exists because fresh bucket-size buffers every step are slow on CPU. A 32 MiB

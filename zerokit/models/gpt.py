@@ -27,15 +27,18 @@ class GPTConfig:
 
 
 class Block(nn.Module):
+    # No biases in the linear layers, as in most current GPTs. (A key bias would also have an
+    # analytically zero gradient, softmax being shift-invariant, whose float noise Adam turns
+    # into full-size steps that differ with summation order.)
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
-        self.fc_out = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.fc_out = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -77,7 +80,14 @@ class GPT(nn.Module):
 def synthetic_batch(
     cfg: GPTConfig, batch: int, seq: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A reproducible (inputs, targets) pair of token ids, each [batch, seq]."""
+    """A reproducible, learnable (inputs, targets) pair of token ids, each [batch, seq].
+
+    Each sequence starts at a random token and every next token is a fixed function of the
+    previous one, so a model can learn it and the loss falls.
+    """
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)
+    tokens = torch.empty(batch, seq + 1, dtype=torch.long)
+    tokens[:, 0] = torch.randint(0, cfg.vocab_size, (batch,), generator=gen)
+    for t in range(seq):
+        tokens[:, t + 1] = (tokens[:, t] * 5 + 3) % cfg.vocab_size
     return tokens[:, :-1], tokens[:, 1:]
