@@ -1,13 +1,14 @@
 """Start N local ranks without torchrun: gloo on CPU, one thread each.
 
-Used by the examples and benchmarks; under torchrun, call your function directly instead.
+Used by the examples, benchmarks and tests; under torchrun, call your function directly.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
-import socket
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -20,20 +21,21 @@ def spawn_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``nproc`` local gloo ranks and wait for them.
 
     ``fn`` must be importable (a module-level function). A failure on any rank is re-raised.
+    Ranks meet through a file in a fresh temporary directory, so runs never race for a port.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_entry, args=(nproc, port, fn, args), nprocs=nproc, join=True)
+    with tempfile.TemporaryDirectory(prefix="zerokit-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        mp.spawn(_entry, args=(nproc, init_file, fn, args), nprocs=nproc, join=True)
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
+    faulthandler.enable()  # a native abort in a rank prints that rank's Python stack
     os.environ["OMP_NUM_THREADS"] = "1"  # ranks share the machine's cores
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
     try:
         fn(rank, world_size, *args)
