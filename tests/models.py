@@ -12,6 +12,14 @@ from torch import nn
 from zerokit.models.gpt import GPT, GPTConfig
 
 VOCAB = 11
+# Wrapping options that make the awkward cases bite. Stages 1-2: tiny buckets, so there are
+# several and parameters larger than a bucket. Stage 3: a small segment_size makes units of the
+# embeddings and the head too, besides the blocks, so a tied weight is shared between units.
+SMALL = {
+    "os": {"buffer_max_size": 40},
+    "os_g": {"buffer_max_size": 40},
+    "p_g_os": {"segment_size": 10},
+}
 
 
 class Awkward(nn.Module):

@@ -45,7 +45,6 @@ class TwoDevices(nn.Module):
 def _bad_inputs(rank, world_size):
     cases = [
         ("unknown level", {"level": "stage2"}, ValueError, "valid levels: 'os'"),
-        ("stage 3 not yet", {"level": "p_g_os"}, NotImplementedError, "p_g_os"),
         ("scaler", {"level": "os", "scaler": object()}, NotImplementedError, "scaler"),
         ("offload", {"level": "os", "offload": True}, NotImplementedError, "offload"),
         (

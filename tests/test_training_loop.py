@@ -8,6 +8,7 @@ import pytest
 import torch
 from dist_helpers import run_distributed
 from models import (
+    SMALL,
     assert_same_params,
     global_batches,
     local_slice,
@@ -76,7 +77,7 @@ def _compare(
     ref_sched = sched_factory(ref_opt) if sched_factory else None
     sched = sched_factory(opt) if sched_factory and sched_before_wrap else None
     ref_norms = train(ref_model, ref_opt, batches, sched=ref_sched, **loop)
-    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, buffer_max_size=40)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **SMALL[level])
     if sched_factory and not sched_before_wrap:
         sched = sched_factory(opt)
     norms = train(model, opt, batches, shard=(rank, world_size), sched=sched, **loop)
@@ -92,7 +93,7 @@ def _loop_semantics(rank, world_size):
     def step_lr(opt):
         return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
-    for level in ("os", "os_g"):
+    for level in ("os", "os_g", "p_g_os"):
         _compare(rank, world_size, level, "accumulate no_sync", micro=3, no_sync=True)
         _compare(rank, world_size, level, "accumulate, reduce every micro-batch", micro=3)
         _compare(
@@ -120,14 +121,14 @@ def _loop_semantics(rank, world_size):
 
 
 def _check_full_grads(rank, world_size, level):
-    """'os' keeps full averaged gradients on every parameter; 'os_g' keeps none."""
+    """'os' keeps full averaged gradients on every parameter; 'os_g' and 'p_g_os' keep none."""
     ((x, y),) = global_batches(1, batch=2 * world_size)
     (ref_model, _), (model, opt) = reference_pair("awkward", "sgd")
     loss_fn(ref_model(x), y).backward()
-    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, buffer_max_size=40)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **SMALL[level])
     loss_fn(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
     for (name, p), ref_p in zip(model.named_parameters(), ref_model.parameters()):
-        if level == "os_g" or ref_p.grad is None:
+        if level != "os" or ref_p.grad is None:
             assert p.grad is None, f"{level}: {name} should have no full gradient"
         else:
             torch.testing.assert_close(
@@ -145,13 +146,13 @@ def _check_resume(rank, world_size, level):
     batches = global_batches(8, batch=2 * world_size)
     (ref_model, ref_opt), (model, opt) = reference_pair("awkward", "adamw")
     train(ref_model, ref_opt, batches)
-    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, buffer_max_size=40)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **SMALL[level])
     train(model, opt, batches[:4], shard=(rank, world_size))
     model_state = {k: v.clone() for k, v in model.state_dict().items()}
     opt_state = opt.state_dict()
     _, (fresh_model, fresh_opt) = reference_pair("awkward", "adamw")
     fresh_model, fresh_opt, _ = zerokit.group_sharded_parallel(
-        fresh_model, fresh_opt, level, buffer_max_size=40
+        fresh_model, fresh_opt, level, **SMALL[level]
     )
     fresh_model.load_state_dict(model_state)
     fresh_opt.load_state_dict(opt_state)

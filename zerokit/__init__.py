@@ -1,8 +1,8 @@
 """zerokit: ZeRO sharded data parallelism for PyTorch.
 
 >>> import zerokit
->>> sorted(zerokit.LEVELS)
-['os', 'os_g']
+>>> zerokit.LEVELS
+('os', 'os_g', 'p_g_os')
 """
 
 from .api import LEVELS, group_sharded_parallel

@@ -7,12 +7,15 @@ Levels (PaddlePaddle's names; each means exactly what it says):
   steps only its shard; updated shards are all-gathered so parameters stay identical.
 * ``'os_g'`` — stage 2: stage 1 plus sharded gradients. Gradients are reduce-scattered bucket
   by bucket during backward; each rank keeps only its gradient shard.
-* ``'p_g_os'`` — stage 3 (not yet available in this release).
+* ``'p_g_os'`` — stage 3: parameters, gradients and optimizer state all sharded. The model
+  is cut into units (repeated blocks by default); each unit's parameters are all-gathered by
+  hooks just before it runs and freed after, gradients are reduce-scattered as in stage 2.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import os
 from collections.abc import Sequence
@@ -22,13 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .config import ShardingConfig
 from .flat_param import FlatParamBucket
-from .grad_sync import BucketedGradSync
 from .layout import ParamSpec, plan_buckets
 from .module import ModuleShardState, broadcast_module_state, convert_module_, register_buffer_sync
-from .optimizer import shard_optimizer_
+from .optimizer import gather_params, shard_optimizer_
 from .stage1 import AllReduceGrads
 from .stage2 import ReduceScatterGrads
+from .stage3 import ShardedParamBucket, ShardedParamGrads, Stage3Runtime, Unit
+from .units import plan_units
 
 # A wrapped model holds its process group inside reference cycles (parameter hooks -> gradient
 # sync -> buckets -> parameters). Left to interpreter shutdown, the group is destroyed after
@@ -36,8 +41,7 @@ from .stage2 import ReduceScatterGrads
 # exception"); collecting the cycles at exit, while torch is still intact, avoids that.
 atexit.register(gc.collect)
 
-LEVELS = {"os": AllReduceGrads, "os_g": ReduceScatterGrads}
-_PLANNED_LEVELS = {"p_g_os": "level 'p_g_os' (stage 3) is not implemented yet; use 'os' or 'os_g'"}
+LEVELS = ("os", "os_g", "p_g_os")
 
 
 def group_sharded_parallel(
@@ -53,6 +57,8 @@ def group_sharded_parallel(
     sync_comm: bool = False,
     dp_group: dist.ProcessGroup | None = None,
     exclude_layer: Sequence[Any] | None = None,
+    *,
+    config: ShardingConfig | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     """Shard ``optimizer`` (and, from 'os_g', gradients) of ``model`` across ``group``.
 
@@ -63,21 +69,25 @@ def group_sharded_parallel(
         model: the model to train; its trainable parameters must all be on one device.
         optimizer: an elementwise torch optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...)
             over parameters of ``model``. Create LR schedulers from it before or after.
-        level: ``'os'`` (stage 1) or ``'os_g'`` (stage 2); see the module docstring.
+        level: ``'os'`` (stage 1), ``'os_g'`` (stage 2) or ``'p_g_os'`` (stage 3); see the
+            module docstring.
         scaler: loss scaler for fp16; not supported yet (must be None).
         group: process group to shard across; the default group if None.
         offload: move optimizer state to CPU; not supported yet (must be False).
         sync_buffers: broadcast rank 0's buffers to every rank before each forward.
         buffer_max_size: most elements per flat bucket (one collective per bucket).
-        segment_size: unit size for stage 3; unused by 'os' and 'os_g'.
+        segment_size: stage 3: a module whose own parameters reach this many elements becomes
+            a unit of its own (unused by 'os' and 'os_g').
         sync_comm: wait for each bucket's collective at once instead of overlapping backward.
         dp_group: an outer data-parallel group; not supported yet (must be None).
-        exclude_layer: layers kept whole under stage 3; unused by 'os' and 'os_g'.
+        exclude_layer: stage 3: modules (or module classes) kept whole on every rank.
+        config: rarely used knobs (``ShardingConfig``), e.g. the stage-3 wrap policy.
     """
-    if level in _PLANNED_LEVELS:
-        raise NotImplementedError(_PLANNED_LEVELS[level])
     if level not in LEVELS:
-        raise ValueError(f"unknown level {level!r}; valid levels: 'os' (stage 1), 'os_g' (stage 2)")
+        raise ValueError(
+            f"unknown level {level!r}; valid levels: 'os' (stage 1), 'os_g' (stage 2), "
+            "'p_g_os' (stage 3)"
+        )
     if scaler is not None:
         raise NotImplementedError(
             "scaler: mixed precision with a sharded loss scaler is not implemented yet; pass scaler=None"
@@ -88,30 +98,61 @@ def group_sharded_parallel(
         raise NotImplementedError(
             "dp_group (an outer data-parallel group) is not implemented yet; pass dp_group=None"
         )
-    if exclude_layer:
-        raise ValueError("exclude_layer only applies to level 'p_g_os' (stage 3)")
+    config = config or ShardingConfig()
+    if level != "p_g_os" and (exclude_layer or config.wrap):
+        raise ValueError("exclude_layer and config.wrap only apply to level 'p_g_os' (stage 3)")
     if hasattr(model, "_zerokit") or hasattr(optimizer, "_zerokit"):
         raise ValueError("this model or optimizer is already wrapped by group_sharded_parallel")
     group = _resolve_group(group)
     named = _trainable_params(model)
     _check_optimizer_params(model, optimizer)
 
-    rank = group.rank()
-    specs = [ParamSpec(name, tuple(p.shape), p.dtype, p.device) for name, p in named]
-    layouts = plan_buckets(specs, group.size(), buffer_max_size)
+    if level == "p_g_os":
+        plans = plan_units(
+            model, named, segment_size=segment_size, wrap=config.wrap, exclude=exclude_layer or ()
+        )
     # Nothing is changed before this point: every check above can fail without side effects.
     broadcast_module_state(model, group, params=True)  # every rank starts from rank 0's model
-    buckets = [
-        FlatParamBucket(layout, [named[s.param_index][1] for s in layout.slots], rank)
-        for layout in layouts
-    ]
-    grad_sync: BucketedGradSync = LEVELS[level](buckets, group, sync_comm)
+    if level == "p_g_os":
+        grad_sync, after_step = _build_stage3(model, plans, group, sync_comm)
+    else:
+        grad_sync, after_step = _build_stage12(level, named, group, buffer_max_size, sync_comm)
     state = ModuleShardState(level, grad_sync, group)
     convert_module_(model, state)
     if sync_buffers:
         register_buffer_sync(model, state)
-    shard_optimizer_(optimizer, buckets, grad_sync, group)
+    shard_optimizer_(optimizer, grad_sync.buckets, grad_sync, after_step)
     return model, optimizer, scaler
+
+
+def _build_stage12(level, named, group, buffer_max_size, sync_comm):
+    specs = [ParamSpec(name, tuple(p.shape), p.dtype, p.device) for name, p in named]
+    buckets = [
+        FlatParamBucket(layout, [named[s.param_index][1] for s in layout.slots], group.rank())
+        for layout in plan_buckets(specs, group.size(), buffer_max_size)
+    ]
+    grads_cls = AllReduceGrads if level == "os" else ReduceScatterGrads
+    grad_sync = grads_cls(buckets, group, sync_comm)
+    return grad_sync, functools.partial(gather_params, buckets, group)
+
+
+def _build_stage3(model, plans, group, sync_comm):
+    units = []
+    for plan in plans:  # one bucket per dtype in each unit, whatever its size
+        specs = [ParamSpec(n, tuple(p.shape), p.dtype, p.device) for n, p in plan.params]
+        layouts = plan_buckets(specs, group.size(), max_bucket_numel=2**62)
+        buckets = [
+            ShardedParamBucket(
+                layout, [plan.params[s.param_index][1] for s in layout.slots], group.rank(), group
+            )
+            for layout in layouts
+        ]
+        units.append(Unit(plan, buckets))
+    buckets = [b for unit in units for b in unit.buckets]
+    grad_sync = ShardedParamGrads(buckets, group, sync_comm, units)
+    runtime = Stage3Runtime(model, units, grad_sync)
+    grad_sync.runtime = runtime  # reachable from the model's state, for tests and measurement
+    return grad_sync, runtime.after_step
 
 
 def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

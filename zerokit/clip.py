@@ -22,7 +22,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     grad_sync.check_ready_for_step()
     grads = grad_sync.owned_grads()
     norm_type = float(norm_type)
-    device = grad_sync.buckets[0].data.device if grad_sync.buckets else torch.device("cpu")
+    device = grad_sync.buckets[0].shard_data.device if grad_sync.buckets else torch.device("cpu")
     if norm_type == float("inf"):
         local = (
             torch.stack([g.abs().max() for g in grads]).max()

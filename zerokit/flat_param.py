@@ -15,7 +15,12 @@ from .layout import BucketLayout
 
 
 class FlatParamBucket:
-    """Owns one bucket's flat parameter buffer and hands out views of buffers laid out like it."""
+    """Owns one bucket's flat parameter buffer and hands out views of buffers laid out like it.
+
+    ``data`` is the full flat buffer the parameters are views of; ``shard_data`` is this rank's
+    shard, which the optimizer's pieces are views of. Here (levels 'os', 'os_g') the shard is a
+    view of ``data``; level 'p_g_os' keeps it as a tensor of its own (see ``stage3.py``).
+    """
 
     def __init__(self, layout: BucketLayout, params: list[nn.Parameter], rank: int):
         assert len(params) == len(layout.slots)
@@ -29,8 +34,12 @@ class FlatParamBucket:
                 view = self.slot_view(self.data, i)
                 view.copy_(param)
                 param.data = view  # the parameter now lives in the flat buffer
+        self.shard_data = self._make_shard()
         # What this rank's optimizer updates: 1-D views of its shard, one per parameter piece.
-        self.param_pieces = self.piece_views(self.shard(self.data))
+        self.param_pieces = self.piece_views(self.shard_data)
+
+    def _make_shard(self) -> torch.Tensor:
+        return self.shard(self.data)
 
     def slot_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Slot ``i`` of a full-size buffer laid out like ``data``, shaped like its parameter."""

@@ -10,6 +10,7 @@ original elementwise algorithm on that slice, so the result equals the unsharded
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch.distributed import ProcessGroup
@@ -28,7 +29,7 @@ class ShardedOptimizer:
         state = self._zerokit
         state.grad_sync.check_ready_for_step()
         loss = super().step(closure)  # type: ignore[misc]
-        state.gather_params()
+        state.after_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -36,58 +37,57 @@ class ShardedOptimizer:
 
 
 class OptimizerShardState:
-    def __init__(
-        self, buckets: list[FlatParamBucket], grad_sync: BucketedGradSync, group: ProcessGroup
-    ):
-        self.buckets = buckets
+    def __init__(self, grad_sync: BucketedGradSync, after_step: Callable[[], None]):
         self.grad_sync = grad_sync
-        self.group = group
+        self.after_step = after_step  # what a level does once the shards are updated
 
-    def gather_params(self) -> None:
-        """Every rank's updated shard to every rank: full parameters everywhere again."""
-        pending = [start_all_gather_(bucket.data, self.group) for bucket in self.buckets]
-        for work in pending:
-            work.finish()
+
+def gather_params(buckets: list[FlatParamBucket], group: ProcessGroup) -> None:
+    """Every rank's updated shard to every rank: full parameters everywhere again."""
+    pending = [start_all_gather_(bucket.data, group) for bucket in buckets]
+    for work in pending:
+        work.finish()
 
 
 def shard_optimizer_(
     optimizer: torch.optim.Optimizer,
     buckets: list[FlatParamBucket],
     grad_sync: BucketedGradSync,
-    group: ProcessGroup,
+    after_step: Callable[[], None],
 ) -> torch.optim.Optimizer:
     """Point ``optimizer`` at this rank's pieces, in place. Validation happens before this."""
     piece_of = {}  # id(original param) -> its pieces on this rank
     for bucket in buckets:
         for piece, piece_param in zip(bucket.pieces, bucket.param_pieces):
             param = bucket.params[piece.slot]
-            piece_of.setdefault(id(param), []).append((piece, piece_param))
+            shape = bucket.layout.slots[piece.slot].shape  # param.shape may be empty (stage 3)
+            piece_of.setdefault(id(param), []).append((piece, piece_param, shape))
 
     old_state = optimizer.state
     new_state: dict = {}
     for group_dict in optimizer.param_groups:
         pieces = []
         for param in group_dict["params"]:
-            for piece, piece_param in piece_of.get(id(param), []):
+            for piece, piece_param, shape in piece_of.get(id(param), []):
                 pieces.append(piece_param)
                 if param in old_state:
-                    new_state[piece_param] = _slice_state(old_state[param], param, piece)
+                    new_state[piece_param] = _slice_state(old_state[param], shape, piece)
         group_dict["params"] = pieces
     optimizer.state.clear()
     optimizer.state.update(new_state)
 
     cls = type(optimizer)
     optimizer.__class__ = type(f"Sharded{cls.__name__}", (ShardedOptimizer, cls), {})
-    optimizer._zerokit = OptimizerShardState(buckets, grad_sync, group)
+    optimizer._zerokit = OptimizerShardState(grad_sync, after_step)
     _repoint_scheduler_patch(optimizer)
     return optimizer
 
 
-def _slice_state(state: dict, param: torch.Tensor, piece) -> dict:
+def _slice_state(state: dict, shape: tuple[int, ...], piece) -> dict:
     """A piece's share of a parameter's optimizer state: per-element tensors are sliced."""
     out = {}
     for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim() > 0:
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == shape and value.dim() > 0:
             out[key] = value.detach().reshape(-1)[piece.start : piece.end].clone()
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach().clone()

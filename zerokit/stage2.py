@@ -31,14 +31,14 @@ class StagingPool:
     """Reusable buffers of the largest bucket's size; a bucket uses a prefix of one."""
 
     def __init__(self, buckets: list[FlatParamBucket]):
-        largest = max(buckets, key=lambda b: b.layout.padded_numel)
-        self._like = largest.data
+        largest = max(buckets, key=lambda b: b.layout.padded_numel).layout
+        self._numel, self._dtype, self._device = largest.padded_numel, largest.dtype, largest.device
         self._free: list[torch.Tensor] = []
         self.buffers: list[torch.Tensor] = []  # every buffer ever made, for memory accounting
 
     def acquire(self, numel: int) -> torch.Tensor:
         if not self._free:
-            self.buffers.append(torch.empty_like(self._like))
+            self.buffers.append(torch.empty(self._numel, dtype=self._dtype, device=self._device))
             self._free.append(self.buffers[-1])
         return self._free.pop()[:numel]
 
@@ -50,7 +50,7 @@ class ReduceScatterGrads(BucketedGradSync):
     max_in_flight = 1
 
     def __init__(self, buckets: list[FlatParamBucket], group: ProcessGroup, sync_comm: bool):
-        self.grad_shards = [torch.zeros_like(b.shard(b.data)) for b in buckets]
+        self.grad_shards = [torch.zeros_like(b.shard_data) for b in buckets]
         self._full: list[torch.Tensor | None] = [None] * len(buckets)
         self.staging = StagingPool(buckets) if buckets else None
         super().__init__(buckets, group, sync_comm)

@@ -1,0 +1,114 @@
+"""Cutting a model into stage-3 units, and giving every trainable parameter to exactly one.
+
+A unit is a module whose parameters are gathered together just before it runs and freed after.
+Parameters outside every unit, and parameters shared between units (a tied embedding and
+output head in different units), belong to the root unit, which stays gathered from the
+model's forward to the end of its backward, so a shared parameter is there whenever any user
+of it runs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One unit: its module (the model itself for the root) and the parameters it owns."""
+
+    name: str
+    module: nn.Module
+    params: tuple[tuple[str, nn.Parameter], ...]
+    keep_whole: bool = False  # an ``exclude_layer``: gathered once and never freed
+
+
+def plan_units(
+    model: nn.Module,
+    trainable: Sequence[tuple[str, nn.Parameter]],
+    *,
+    segment_size: int,
+    wrap: tuple[type[nn.Module], ...] = (),
+    exclude: Sequence[nn.Module | type[nn.Module]] = (),
+) -> list[UnitPlan]:
+    """Units in the order of their first parameter's registration; the root unit included.
+
+    Default policy: every child of an ``nn.ModuleList``/``nn.Sequential`` (the repeated blocks),
+    and every module whose own (direct) parameters reach ``segment_size`` elements. With
+    ``wrap``, instances of those classes instead. ``exclude`` (modules or classes) become units
+    that are kept whole.
+    """
+    chosen: list[tuple[str, nn.Module, bool]] = []
+
+    def is_excluded(module: nn.Module) -> bool:
+        return any(module is e or (isinstance(e, type) and isinstance(module, e)) for e in exclude)
+
+    def visit(prefix: str, module: nn.Module, in_list: bool) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            has_params = any(p.requires_grad for p in child.parameters())
+            if not has_params:
+                continue
+            if is_excluded(child):
+                chosen.append((path, child, True))
+            elif wrap:
+                if isinstance(child, wrap):
+                    chosen.append((path, child, False))
+                else:
+                    visit(path + ".", child, False)
+            elif in_list or _own_numel(child) >= segment_size:
+                chosen.append((path, child, False))
+            else:
+                visit(path + ".", child, isinstance(child, nn.ModuleList | nn.Sequential))
+
+    visit("", model, isinstance(model, nn.ModuleList | nn.Sequential))
+    if wrap and not chosen:
+        names = ", ".join(cls.__name__ for cls in wrap)
+        warnings.warn(
+            f"the wrap policy ({names}) matches no module of {type(model).__name__}: the whole "
+            "model is one unit (gathered whole for forward and backward)",
+            stacklevel=3,
+        )
+    return _assign_params(model, trainable, chosen)
+
+
+def _own_numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+
+
+def _assign_params(model, trainable, chosen) -> list[UnitPlan]:
+    order = {id(p): i for i, (_, p) in enumerate(trainable)}
+    holders: dict[int, set[int]] = {}  # parameter -> the units whose subtree holds it
+    for u, (_, module, _) in enumerate(chosen):
+        for p in module.parameters():
+            holders.setdefault(id(p), set()).add(u)
+    outside = _params_outside_units(model, {id(m) for _, m, _ in chosen})
+    owned: list[list[tuple[str, nn.Parameter]]] = [[] for _ in chosen]
+    root: list[tuple[str, nn.Parameter]] = []
+    for name, p in trainable:
+        units = holders.get(id(p), set())
+        if len(units) == 1 and id(p) not in outside:
+            owned[next(iter(units))].append((name, p))
+        else:  # outside every unit, or shared: the root unit
+            root.append((name, p))
+    plans = [
+        UnitPlan(name, module, tuple(params), keep)
+        for (name, module, keep), params in zip(chosen, owned)
+        if params
+    ]
+    if root:
+        plans.append(UnitPlan("<root>", model, tuple(root)))
+    return sorted(plans, key=lambda plan: order[id(plan.params[0][1])])
+
+
+def _params_outside_units(module: nn.Module, unit_ids: set[int]) -> set[int]:
+    """Parameters held directly by a module that is not inside any unit."""
+    if id(module) in unit_ids:
+        return set()
+    found = {id(p) for p in module.parameters(recurse=False)}
+    for child in module.children():
+        found |= _params_outside_units(child, unit_ids)
+    return found
