@@ -7,6 +7,7 @@
 
 from .api import LEVELS, group_sharded_parallel
 from .clip import clip_grad_norm_
+from .config import ShardingConfig
 
-__all__ = ["LEVELS", "clip_grad_norm_", "group_sharded_parallel"]
+__all__ = ["LEVELS", "ShardingConfig", "clip_grad_norm_", "group_sharded_parallel"]
 __version__ = "0.1.0"

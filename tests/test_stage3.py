@@ -1,0 +1,148 @@
+"""Level 'p_g_os' specifics: what is gathered when, memory between steps, activation
+checkpointing, eval/no_grad, unit policies. Equivalence over many steps is in
+test_equivalence.py and test_training_loop.py; here each check also compares with one process."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from dist_helpers import run_distributed
+from models import (
+    VOCAB,
+    assert_same_params,
+    global_batches,
+    loss_fn,
+    train_reference,
+    train_sharded,
+)
+from torch.utils.checkpoint import checkpoint
+
+import zerokit
+from zerokit.models.gpt import GPT, Block, GPTConfig
+from zerokit.stage3 import ParamState
+
+ATOL = 2e-5
+CFG = GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=3, n_head=2, n_embd=8)
+
+
+class CheckpointedGPT(GPT):
+    def __init__(self, cfg, reentrant: bool):
+        super().__init__(cfg)
+        self.reentrant = reentrant
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:  # each block's activations recomputed in backward
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.lm_head(self.ln_f(x))
+
+
+def _pair(factory, **wrap_kwargs):
+    torch.manual_seed(0)
+    ref = factory()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os", **wrap_kwargs)
+    return ref, ref_opt, model, opt
+
+
+def _runtime(model):
+    return model._zerokit.grad_sync.runtime
+
+
+def _checks(rank, world_size):
+    batches = global_batches(5, batch=2 * world_size)
+
+    # Activation checkpointing inside units, both implementations: equal to one process.
+    for reentrant in (False, True):
+        ref, ref_opt, model, opt = _pair(lambda r=reentrant: CheckpointedGPT(CFG, r))
+        train_reference(ref, ref_opt, batches)
+        train_sharded(model, opt, batches, rank, world_size)
+        assert_same_params(model, ref, ATOL, f"checkpoint reentrant={reentrant}")
+
+    ref, ref_opt, model, opt = _pair(lambda: GPT(CFG))
+    train_reference(ref, ref_opt, batches)
+    train_sharded(model, opt, batches, rank, world_size)
+    runtime = _runtime(model)
+
+    # Between steps every rank holds 1/N of the model: no full buffer has storage, and the
+    # shards, gradient shards and AdamW state (exp_avg + exp_avg_sq) are each padded_numel / N
+    # per bucket, i.e. (P + padding) / N elements with padding < N per bucket. fp32 AdamW:
+    # 4 (param) + 4 (grad) + 8 (state) = 16 bytes x (P + padding) / N.
+    buckets = model._zerokit.grad_sync.buckets
+    assert all(
+        b.state is ParamState.SHARDED and b.data.untyped_storage().nbytes() == 0 for b in buckets
+    )
+    n_params = sum(p.numel() for p in ref.parameters())
+    padded = sum(b.layout.padded_numel for b in buckets)
+    assert padded - n_params < world_size * len(buckets)
+    shard_elems = sum(b.shard_data.numel() for b in buckets)
+    grad_elems = sum(g.numel() for g in model._zerokit.grad_sync.grad_shards)
+    state_elems = sum(v.numel() for s in opt.state.values() for k, v in s.items() if k != "step")
+    assert shard_elems == grad_elems == padded // world_size
+    assert state_elems == 2 * sum(p.numel() for g in opt.param_groups for p in g["params"])
+    assert state_elems <= 2 * padded // world_size
+
+    # During a forward, full parameters alive at once: the root unit (gathered for the whole
+    # forward) + the running unit + the one prefetched after it; never more.
+    units = runtime.units
+    root = sum(b.layout.padded_numel for b in runtime.root.buckets)
+    largest = max(
+        sum(b.layout.padded_numel for b in u.buckets) for u in units if u is not runtime.root
+    )
+    x, y = batches[0]
+    loss_fn(model(x), y).backward()
+    assert 0 < runtime.peak_gathered_numel <= root + 2 * largest
+    assert runtime.gathered_numel() == 0  # everything freed when backward ended
+    opt.zero_grad()
+
+    # A parameter read outside its unit's forward raises; it never reads freed memory.
+    weight = model.blocks[1].fc.weight
+    assert weight.numel() == 0
+    with pytest.raises(RuntimeError):
+        weight @ torch.ones(CFG.n_embd, 1)
+
+    # eval + no_grad: gathered and freed unit by unit, nothing left gathered or pending, and
+    # the output equals one process's.
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        out, ref_out = model(x), ref(x)
+    torch.testing.assert_close(out, ref_out, atol=ATOL, rtol=0)
+    assert runtime.gathered_numel() == 0 and not any(u.in_backward for u in units)
+    model.train()
+
+    # Units by wrap class; a wrap policy matching nothing warns and keeps one root unit.
+    _, _, wrapped, _ = _pair(lambda: GPT(CFG), config=zerokit.ShardingConfig(wrap=(Block,)))
+    assert [u.name for u in _runtime(wrapped).units] == [
+        "<root>",
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ref, ref_opt, model, opt = _pair(
+            lambda: GPT(CFG), config=zerokit.ShardingConfig(wrap=(torch.nn.GRU,))
+        )
+    assert any("matches no module" in str(w.message) for w in caught)
+    assert [u.name for u in _runtime(model).units] == ["<root>"]
+    train_reference(ref, ref_opt, batches)
+    train_sharded(model, opt, batches, rank, world_size)
+    assert_same_params(model, ref, ATOL, "single root unit")
+
+    # exclude_layer keeps a layer whole on every rank, between steps too; still equivalent.
+    ref, ref_opt, model, opt = _pair(lambda: GPT(CFG), exclude_layer=[Block])
+    train_reference(ref, ref_opt, batches)
+    train_sharded(model, opt, batches, rank, world_size)
+    torch.testing.assert_close(
+        model.blocks[0].fc.weight, ref.blocks[0].fc.weight, atol=ATOL, rtol=0
+    )
+    assert_same_params(model, ref, ATOL, "exclude_layer")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_stage3_gathers_frees_and_matches_single_process(world_size):
+    run_distributed(_checks, world_size)
