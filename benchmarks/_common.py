@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def held_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
@@ -20,16 +21,20 @@ def held_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
         for t in tensors:
             if t is None or not isinstance(t, torch.Tensor):
                 continue
+            if isinstance(t, DTensor):  # FSDP2: the local shard is what this rank holds
+                t = t.to_local()
             storage = t.untyped_storage()
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
         return total
 
-    params = count(p.data for p in model.parameters())
+    zk = getattr(model, "_zerokit", None)
+    shards = [b.shard_data for b in zk.grad_sync.buckets] if zk is not None else []
+    # stage 3 parameters are empty between uses: their shards are what the rank holds
+    params = count([p.data for p in model.parameters()] + shards)
     opt_params = [p for g in inner.param_groups for p in g["params"]]
     grads = count([p.grad for p in model.parameters()] + [p.grad for p in opt_params])
-    zk = getattr(model, "_zerokit", None)
     if zk is not None:  # count zerokit's gradient buffers even where no .grad points at them
         sync = zk.grad_sync
         staging = sync.staging.buffers if getattr(sync, "staging", None) else []
