@@ -19,7 +19,7 @@ import zerokit
 from zerokit.launch import spawn_local
 from zerokit.models.gpt import GPT, GPTConfig, synthetic_batch
 
-LEVELS = ("os", "os_g")
+LEVELS = zerokit.LEVELS  # "os", "os_g", "p_g_os"
 
 
 def loss_of(model, x, y) -> torch.Tensor:

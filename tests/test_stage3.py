@@ -49,7 +49,7 @@ def _pair(factory, **wrap_kwargs):
 
 
 def _runtime(model):
-    return model._zerokit.grad_sync.runtime
+    return model._zerokit.runtime
 
 
 def _checks(rank, world_size):

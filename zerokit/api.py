@@ -60,7 +60,8 @@ def group_sharded_parallel(
     *,
     config: ShardingConfig | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-    """Shard ``optimizer`` (and, from 'os_g', gradients) of ``model`` across ``group``.
+    """Shard the optimizer state (from 'os_g' also gradients, at 'p_g_os' also parameters) of
+    ``model`` across ``group``.
 
     Every rank of ``group`` must call this with the same model architecture. The model and the
     optimizer are converted in place and returned, with ``scaler`` unchanged.
@@ -113,11 +114,14 @@ def group_sharded_parallel(
         )
     # Nothing is changed before this point: every check above can fail without side effects.
     broadcast_module_state(model, group, params=True)  # every rank starts from rank 0's model
+    runtime = None
     if level == "p_g_os":
-        grad_sync, after_step = _build_stage3(model, plans, group, sync_comm)
+        grad_sync, runtime = _build_stage3(model, plans, group, sync_comm)
+        after_step = runtime.after_step
     else:
-        grad_sync, after_step = _build_stage12(level, named, group, buffer_max_size, sync_comm)
-    state = ModuleShardState(level, grad_sync, group)
+        grad_sync = _build_stage12(level, named, group, buffer_max_size, sync_comm)
+        after_step = functools.partial(gather_params, grad_sync.buckets, group)
+    state = ModuleShardState(level, grad_sync, group, runtime)
     convert_module_(model, state)
     if sync_buffers:
         register_buffer_sync(model, state)
@@ -132,8 +136,7 @@ def _build_stage12(level, named, group, buffer_max_size, sync_comm):
         for layout in plan_buckets(specs, group.size(), buffer_max_size)
     ]
     grads_cls = AllReduceGrads if level == "os" else ReduceScatterGrads
-    grad_sync = grads_cls(buckets, group, sync_comm)
-    return grad_sync, functools.partial(gather_params, buckets, group)
+    return grads_cls(buckets, group, sync_comm)
 
 
 def _build_stage3(model, plans, group, sync_comm):
@@ -150,9 +153,7 @@ def _build_stage3(model, plans, group, sync_comm):
         units.append(Unit(plan, buckets))
     buckets = [b for unit in units for b in unit.buckets]
     grad_sync = ShardedParamGrads(buckets, group, sync_comm, units)
-    runtime = Stage3Runtime(model, units, grad_sync)
-    grad_sync.runtime = runtime  # reachable from the model's state, for tests and measurement
-    return grad_sync, runtime.after_step
+    return grad_sync, Stage3Runtime(model, units)
 
 
 def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

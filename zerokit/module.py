@@ -2,7 +2,8 @@
 
 As FSDP2 does, the model keeps its object identity, forward and ``state_dict`` keys; its class
 becomes a subclass of the original that adds ``no_sync()``. Stage 1/2 keep full parameters on
-every rank (views of the flat buckets), so ``state_dict``/``load_state_dict`` work unchanged.
+every rank (views of the flat buckets), so ``state_dict``/``load_state_dict`` work unchanged;
+stage 3 adds state_dict hooks that gather on demand (``stage3.py``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from .grad_sync import BucketedGradSync
 class ModuleShardState:
     """What zerokit keeps for a wrapped model; reachable as ``model._zerokit``."""
 
-    def __init__(self, level: str, grad_sync: BucketedGradSync, group: ProcessGroup):
+    def __init__(self, level: str, grad_sync: BucketedGradSync, group: ProcessGroup, runtime=None):
         self.level = level
         self.grad_sync = grad_sync
         self.group = group
+        self.runtime = runtime  # level 'p_g_os': the Stage3Runtime that owns the unit hooks
         self.hook_handles: list = []
 
 

@@ -153,9 +153,8 @@ class Stage3Runtime:
     """Registers and owns the forward/backward hooks of every unit; records the forward order
     of units to prefetch the next one (forward) or the previous one (backward)."""
 
-    def __init__(self, model: nn.Module, units: list[Unit], grad_sync: ShardedParamGrads):
+    def __init__(self, model: nn.Module, units: list[Unit]):
         self.units = units
-        self.grad_sync = grad_sync
         self.root = next((u for u in units if u.module is model), None)
         self.forward_order: list[Unit] = []  # first calls of the last complete forward
         self._recording: list[Unit] | None = None
