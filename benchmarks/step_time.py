@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,11 +19,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import held_bytes
-
 import zerokit
 from zerokit.launch import spawn_local
+from zerokit.memory import measure
 from zerokit.models.gpt import GPT, GPTConfig, synthetic_batch
 
 # "local" trains each rank alone with no communication: the floor no data-parallel runner can beat.
@@ -87,7 +83,8 @@ def worker(rank: int, world_size: int, args) -> None:
         train_step(model, opt, x, y)
         logits = model(x)
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
-        memory[r] = held_bytes(model, opt)
+        m = measure(model, opt)
+        memory[r] = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer}
         opt.zero_grad(set_to_none=True)
     times = {r: [] for r in runners}
     sent = dict.fromkeys(runners, 0)  # loopback bytes sent by all ranks

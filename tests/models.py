@@ -141,3 +141,17 @@ def assert_same_params(model: nn.Module, ref_model: nn.Module, atol: float, what
         torch.testing.assert_close(
             got[name], ref[name], atol=atol, rtol=0, msg=lambda m, name=name: f"{what}: {name}: {m}"
         )
+
+
+def tiny_gpt() -> nn.Module:
+    """A factory for ``zerokit compare --model models:tiny_gpt`` in tests."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32))
+
+
+def not_a_module():
+    return {"weights": 1}
+
+
+def wrong_output():
+    return nn.Linear(4, 4)  # forward cannot take token ids

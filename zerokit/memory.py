@@ -1,0 +1,204 @@
+"""What each level costs in memory: estimated from shapes, and measured from what a rank holds.
+
+``estimate`` follows the ZeRO paper's accounting per parameter (fp32 Adam: 4 bytes parameter +
+4 gradient + 8 optimizer state; mixed-precision Adam: 2 + 2 + 12) with zerokit's own padding,
+computed from the same bucket and unit layouts the levels build. ``measure`` counts the tensors
+a rank really holds, each storage once, in the same categories. Both are bytes per rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .layout import ParamSpec, plan_buckets
+from .units import plan_units
+
+#: optimizer state tensors per parameter element (fp32), by optimizer name
+STATE_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1, "none": 0}
+ESTIMATE_LEVELS = ("dp", "os", "os_g", "p_g_os")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank (the largest over ranks) of model state, by category."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def estimate(
+    model_or_num_params: nn.Module | int,
+    level: str,
+    world_size: int,
+    *,
+    mixed_precision: bool = False,
+    optimizer: str = "adam",
+    buffer_max_size: int = 2**23,
+    segment_size: int = 2**20,
+) -> MemoryEstimate:
+    """Model-state bytes per rank at ``level`` ('dp' is plain data parallelism).
+
+    With a model, padding is that of zerokit's real layout for the level; with a parameter
+    count, one padding of fewer than ``world_size`` elements is assumed.
+
+    >>> gb = lambda e: round(e.total / 1e9, 1)  # the ZeRO paper's 7.5B model on 64 GPUs
+    >>> [gb(estimate(7_500_000_000, lvl, 64, mixed_precision=True)) for lvl in ESTIMATE_LEVELS]
+    [120.0, 31.4, 16.6, 1.9]
+    """
+    if level not in ESTIMATE_LEVELS:
+        raise ValueError(f"unknown level {level!r}; valid: {', '.join(ESTIMATE_LEVELS)}")
+    if optimizer not in STATE_PER_PARAM:
+        raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(STATE_PER_PARAM)}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    param_bytes = grad_bytes = 2 if mixed_precision else 4
+    # mixed precision keeps fp32 master weights in the optimizer: 4 bytes more per element
+    state_bytes = 4 * STATE_PER_PARAM[optimizer] + (4 if mixed_precision else 0)
+    full, shard = _full_and_shard_numel(
+        model_or_num_params, level, world_size, buffer_max_size, segment_size
+    )
+    if level == "dp":
+        return MemoryEstimate(full * param_bytes, full * grad_bytes, full * state_bytes)
+    if level == "os":
+        return MemoryEstimate(full * param_bytes, full * grad_bytes, shard * state_bytes)
+    if level == "os_g":
+        return MemoryEstimate(full * param_bytes, shard * grad_bytes, shard * state_bytes)
+    return MemoryEstimate(shard * param_bytes, shard * grad_bytes, shard * state_bytes)
+
+
+def _full_and_shard_numel(model_or_n, level, world_size, buffer_max_size, segment_size):
+    """(elements of a full flat copy, elements of one rank's shard), padding included."""
+    if isinstance(model_or_n, int):
+        padded = -(-model_or_n // world_size) * world_size
+        return (model_or_n if level == "dp" else padded), padded // world_size
+    named = [(n, p) for n, p in model_or_n.named_parameters() if p.requires_grad]
+    frozen = sum(p.numel() for p in model_or_n.parameters() if not p.requires_grad)
+    trainable = sum(p.numel() for _, p in named)
+    if level == "dp":
+        return trainable + frozen, trainable // world_size
+    if level == "p_g_os":
+        groups = [list(u.params) for u in plan_units(model_or_n, named, segment_size=segment_size)]
+        max_numel = 2**62  # one bucket per dtype in each unit
+    else:
+        groups, max_numel = [named], buffer_max_size
+    layouts = [
+        layout
+        for group in groups
+        for layout in plan_buckets(
+            [ParamSpec(n, tuple(p.shape), p.dtype, p.device) for n, p in group],
+            world_size,
+            max_numel,
+        )
+    ]
+    padded = sum(layout.padded_numel for layout in layouts)
+    # frozen parameters stay whole on every rank, outside the buckets (counted as parameters)
+    return padded + frozen, padded // world_size
+
+
+@dataclass(frozen=True)
+class MemoryMeasurement:
+    """Bytes this rank holds, each storage counted once; ``peak`` is documented on ``measure``."""
+
+    params: int
+    grads: int
+    optimizer: int
+    peak: int | None = None
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def measure(model: nn.Module, optimizer, peak: PeakMemory | None = None) -> MemoryMeasurement:
+    """Count the parameter, gradient and optimizer-state bytes this rank holds.
+
+    Works on a plain model, DDP, FSDP2 (local shards) and every zerokit level: parameters are
+    the model's parameter storages plus zerokit's shards (stage-3 parameters are empty between
+    uses); gradients are every ``.grad`` on the model's and the optimizer's parameters plus
+    zerokit's gradient buffers; optimizer state is every tensor in the optimizer's state.
+    With ``peak``, its reading is included: see ``PeakMemory``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    seen: set[tuple[int, int]] = set()
+
+    def count(tensors) -> int:
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if isinstance(t, DTensor):  # FSDP2: this rank holds the local shard
+                t = t.to_local()
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if storage.nbytes() and key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+        return total
+
+    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its own
+    zk = getattr(model, "_zerokit", None)
+    sync = zk.grad_sync if zk is not None else None
+    shards = [b.shard_data for b in sync.buckets] if sync is not None else []
+    params = count([p.data for p in model.parameters()] + shards)
+    opt_params = [p for g in inner.param_groups for p in g["params"]]
+    zk_grads = []
+    if sync is not None:
+        zk_grads = list(getattr(sync, "grad_buffers", [])) + list(getattr(sync, "grad_shards", []))
+        staging = getattr(sync, "staging", None)
+        zk_grads += staging.buffers if staging is not None else []
+    grads = count([p.grad for p in model.parameters()] + [p.grad for p in opt_params] + zk_grads)
+    state = count(v for s in inner.state.values() for v in s.values())
+    return MemoryMeasurement(params, grads, state, peak.read() if peak is not None else None)
+
+
+class PeakMemory:
+    """Peak memory of this process since ``start()``, above what it held at ``start()``.
+
+    CUDA: torch's allocator statistics (``max_memory_allocated``). CPU: the kernel's own
+    high-water mark of resident memory (``VmHWM`` in ``/proc/self/status``), reset at
+    ``start()`` through ``/proc/self/clear_refs``; the reading is that peak minus the resident
+    size at ``start()``. It counts every byte the process touched (tensors, allocator caches,
+    the Python heap), so call ``start()`` before building the model to include its state.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.baseline = 0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current resident size
+            self.baseline = _proc_status_bytes("VmRSS")
+
+    def read(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - self.baseline
+        return _proc_status_bytes("VmHWM") - self.baseline
+
+
+def _proc_status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024  # the kernel reports kB
+    raise RuntimeError(f"{key} not found in /proc/self/status (peak memory needs Linux)")
+
+
+def format_bytes(n: int) -> str:
+    """Bytes as MiB or GiB with one decimal, for tables."""
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
