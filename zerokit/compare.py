@@ -99,22 +99,26 @@ def _tokens(vocab: int, batch: int, seq: int, step: int) -> tuple[torch.Tensor, 
 
 def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out_dir: str) -> None:
     """Build, wrap and train the model under ``level`` on this rank; rank 0 writes the row."""
-    peak = PeakMemory()
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    peak = PeakMemory(device)
     peak.start()  # before the model exists: its state counts toward the peak
     torch.manual_seed(0)
     model = build_model(load_factory(cfg.model))
     vocab = probe_vocab(model, cfg.seq)
+    model.to(device)
     estimated = estimate(model, "dp" if level == "ddp" else level, world_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if level == "ddp":
-        model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+        device_ids = [device.index] if cuda else None
+        model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     else:
         model, optimizer, _ = group_sharded_parallel(model, optimizer, level)
     per_rank = cfg.batch // world_size
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     times, measured, loss = [], None, torch.zeros(())
     for step in range(cfg.steps):
-        x, y = _tokens(vocab, cfg.batch, cfg.seq, step)
+        x, y = (t.to(device) for t in _tokens(vocab, cfg.batch, cfg.seq, step))
         start = time.perf_counter()
         logits = model(x[mine])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[mine].reshape(-1))
@@ -123,6 +127,8 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
             measured = measure(model, optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     values = torch.tensor(
         [measured.params, measured.grads, measured.optimizer, peak.read()], dtype=torch.float64
@@ -148,23 +154,30 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
 
 
 def run_compare(cfg: CompareConfig, progress=print) -> dict:
-    """Run every level (fresh ranks for each, so peaks don't mix) and return the report."""
+    """Run every level (fresh ranks for each, so peaks don't mix) and return the report.
+
+    CPU/gloo by default; CUDA/NCCL, one GPU per rank, when there are ``nproc`` GPUs.
+    """
     if cfg.nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {cfg.nproc}")
     if cfg.batch % cfg.nproc:
         raise ValueError(f"--batch {cfg.batch} must divide evenly across --nproc {cfg.nproc} ranks")
     probe_vocab(build_model(load_factory(cfg.model)), cfg.seq)  # fail here, not in the ranks
+    backend = (
+        "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.nproc else "gloo"
+    )
     rows = []
     with tempfile.TemporaryDirectory(prefix="zerokit-compare-") as out_dir:
         for i, level in enumerate(LEVELS, 1):
             started = time.perf_counter()
             progress(
-                f"[{i}/{len(LEVELS)}] {level:<7} training {cfg.steps} steps on {cfg.nproc} ranks ..."
+                f"[{i}/{len(LEVELS)}] {level:<7} training {cfg.steps} steps on {cfg.nproc} "
+                f"{backend} ranks ..."
             )
-            spawn_local(_train_level, cfg.nproc, level, cfg, out_dir)
+            spawn_local(_train_level, cfg.nproc, level, cfg, out_dir, backend=backend)
             rows.append(json.loads(Path(out_dir, f"{level}.json").read_text()))
             progress(f"      {level:<7} done in {time.perf_counter() - started:.1f} s")
-    return {"world_size": cfg.nproc, "rows": rows}
+    return {"world_size": cfg.nproc, "backend": backend, "rows": rows}
 
 
 def format_table(report: dict) -> str:
@@ -185,10 +198,13 @@ def format_table(report: dict) -> str:
             + "".join(f"{c:>22}" for c in cells)
             + f"{format_bytes(m['peak']):>12}{row['step_time_s']:>9.3f}{row['final_loss']:>12.6f}"
         )
-    lines.append(
-        "peak: the most resident memory a rank used while building and training, above what it "
-        "held before (the kernel's VmHWM on CPU)."
-    )
+    if report.get("backend") == "nccl":
+        lines.append("peak: torch's CUDA allocator peak while building and training.")
+    else:
+        lines.append(
+            "peak: the most resident memory a rank used while building and training, above what "
+            "it held before (the kernel's VmHWM on CPU)."
+        )
     return "\n".join(lines)
 
 
@@ -228,7 +244,8 @@ def main_under_torchrun(cfg: CompareConfig) -> dict:
             _train_level(rank, world_size, level, cfg, out_dir)
             if rank == 0:
                 rows.append(json.loads(Path(out_dir, f"{level}.json").read_text()))
-    return {"world_size": world_size, "rows": rows} if rank == 0 else {}
+    report = {"world_size": world_size, "backend": dist.get_backend(), "rows": rows}
+    return report if rank == 0 else {}
 
 
 def in_torchrun() -> bool:

@@ -119,11 +119,13 @@ class BucketedGradSync:
 
     def _end_of_backward(self) -> None:
         self._launch_ready_buckets(force=True)
-        contributed = torch.cat(self._contributed).to(torch.uint8)
+        # on the buckets' device: NCCL reduces CUDA tensors only
+        device = self.buckets[0].shard_data.device
+        contributed = torch.cat(self._contributed).to(device=device, dtype=torch.uint8)
         all_reduce_(contributed, self.group, op=dist.ReduceOp.MAX)
         for pending in self._in_flight:
             pending.finish()
-        contributed = contributed.bool().split([len(b.params) for b in self.buckets])
+        contributed = contributed.cpu().bool().split([len(b.params) for b in self.buckets])
         for b in range(len(self.buckets)):
             self.has_grad[b] |= contributed[b]
             self._publish(b)

@@ -18,8 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def spawn_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``nproc`` local gloo ranks and wait for them.
+def spawn_local(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``nproc`` local ranks and wait for them.
+
+    ``backend="nccl"`` gives each rank its own GPU (``cuda:rank``); the default is gloo on CPU.
 
     ``fn`` must be importable (a module-level function). A failure on any rank is re-raised.
     Ranks meet through a file in a fresh temporary directory, so runs never race for a port.
@@ -28,15 +30,17 @@ def spawn_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
     with tempfile.TemporaryDirectory(prefix="zerokit-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(_entry, args=(nproc, init_file, fn, args), nprocs=nproc, join=True)
+        mp.spawn(_entry, args=(nproc, init_file, backend, fn, args), nprocs=nproc, join=True)
 
 
-def _entry(rank: int, world_size: int, init_file: str, fn, args) -> None:
+def _entry(rank: int, world_size: int, init_file: str, backend: str, fn, args) -> None:
     faulthandler.enable()  # a native abort in a rank prints that rank's Python stack
     os.environ["OMP_NUM_THREADS"] = "1"  # ranks share the machine's cores
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
     )
     try:
         fn(rank, world_size, *args)
