@@ -6,6 +6,7 @@ import contextlib
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_helpers import run_distributed
 from models import (
     SMALL,
@@ -70,6 +71,7 @@ def _compare(
     opt_kind="adamw",
     sched_factory=None,
     sched_before_wrap=False,
+    wrap_options=None,
     **loop,
 ):
     batches = global_batches(6, batch=6 * world_size)
@@ -77,7 +79,8 @@ def _compare(
     ref_sched = sched_factory(ref_opt) if sched_factory else None
     sched = sched_factory(opt) if sched_factory and sched_before_wrap else None
     ref_norms = train(ref_model, ref_opt, batches, sched=ref_sched, **loop)
-    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **SMALL[level])
+    options = {**SMALL[level], **(wrap_options or {})}
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **options)
     if sched_factory and not sched_before_wrap:
         sched = sched_factory(opt)
     norms = train(model, opt, batches, shard=(rank, world_size), sched=sched, **loop)
@@ -115,6 +118,7 @@ def _loop_semantics(rank, world_size):
             sched_factory=step_lr,
             sched_before_wrap=True,
         )
+        _compare(rank, world_size, level, "sync_comm", micro=2, wrap_options={"sync_comm": True})
         _check_full_grads(rank, world_size, level)
         _check_resume(rank, world_size, level)
         _check_no_sync_then_step_is_refused(rank, world_size, level)
@@ -173,6 +177,22 @@ def _check_no_sync_then_step_is_refused(rank, world_size, level):
         opt.step()
 
 
+def _subgroups(rank, world_size):
+    """``group=``: ranks {0, 1} and {2, 3} shard independently; each pair trains exactly as one
+    process on that pair's global batch."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    group = pairs[rank // 2]
+    batches = global_batches(4, batch=4, seed=10 + rank // 2)  # each pair its own data
+    for level in ("os", "os_g", "p_g_os"):
+        (ref_model, ref_opt), (model, opt) = reference_pair("awkward", "adamw")
+        train(ref_model, ref_opt, batches, clip=(0.05, 2.0))
+        model, opt, _ = zerokit.group_sharded_parallel(
+            model, opt, level, group=group, **SMALL[level]
+        )
+        train(model, opt, batches, shard=(group.rank(), group.size()), clip=(0.05, 2.0))
+        assert_same_params(model, ref_model, ATOL, f"group= level={level}")
+
+
 class WithBatchNorm(nn.Module):
     def __init__(self):
         super().__init__()
@@ -207,6 +227,10 @@ def _buffers_and_eval(rank, world_size):
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_training_loop_semantics_match_single_process(world_size):
     run_distributed(_loop_semantics, world_size)
+
+
+def test_process_subgroups_shard_independently():
+    run_distributed(_subgroups, 4)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
