@@ -14,7 +14,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
@@ -22,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 import zerokit
 from zerokit.launch import spawn_local
 from zerokit.memory import measure
-from zerokit.models.gpt import GPT, GPTConfig, synthetic_batch
+from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
 
 # "local" trains each rank alone with no communication: the floor no data-parallel runner can beat.
 RUNNERS = ("ddp", "zero_redundancy", "fsdp2", "os", "os_g", "p_g_os", "local")
@@ -61,7 +60,7 @@ def loopback_tx_bytes() -> int:
 
 def train_step(model, opt, x, y) -> float:
     logits = model(x)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss = lm_loss(logits, y)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -77,12 +76,12 @@ def worker(rank: int, world_size: int, args) -> None:
     n_params = sum(p.numel() for p in base.parameters())
     runners = args.runners.split(",")
     built = {r: build(r, base, 1e-4, args.bucket_elems) for r in runners}
-    x, y = synthetic_batch(cfg, args.batch, args.seq, seed=rank)
+    x, y = synthetic_batch(cfg.vocab_size, args.batch, args.seq, seed=rank)
     memory = {}
     for r, (model, opt) in built.items():  # warm-up; measure held bytes after a step + backward
         train_step(model, opt, x, y)
         logits = model(x)
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+        lm_loss(logits, y).backward()
         m = measure(model, opt)
         memory[r] = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer}
         opt.zero_grad(set_to_none=True)

@@ -13,18 +13,12 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import zerokit
 from zerokit.launch import spawn_local
-from zerokit.models.gpt import GPT, GPTConfig, synthetic_batch
+from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
 
 LEVELS = zerokit.LEVELS  # "os", "os_g", "p_g_os"
-
-
-def loss_of(model, x, y) -> torch.Tensor:
-    logits = model(x)  # [B, T, vocab]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def train(rank: int, world_size: int, args) -> None:
@@ -32,14 +26,16 @@ def train(rank: int, world_size: int, args) -> None:
     torch.manual_seed(0)
     base = GPT(cfg)
     per_rank = args.batch // world_size
-    batches = [synthetic_batch(cfg, args.batch, 32, seed=step) for step in range(args.steps)]
+    batches = [
+        synthetic_batch(cfg.vocab_size, args.batch, 32, seed=step) for step in range(args.steps)
+    ]
     columns = {}
 
     reference = copy.deepcopy(base)  # one process, the whole global batch
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     columns["1 process"] = []
     for x, y in batches:
-        loss = loss_of(reference, x, y)
+        loss = lm_loss(reference(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -52,7 +48,7 @@ def train(rank: int, world_size: int, args) -> None:
         columns[level] = []
         for x, y in batches:
             mine = slice(rank * per_rank, (rank + 1) * per_rank)  # this rank's slice
-            loss = loss_of(model, x[mine], y[mine])
+            loss = lm_loss(model(x[mine]), y[mine])
             loss.backward()
             opt.step()
             opt.zero_grad()

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .api import group_sharded_parallel
 from .launch import spawn_local
 from .memory import PeakMemory, estimate, format_bytes, measure
+from .models.gpt import lm_loss, synthetic_batch
 
 LEVELS = ("ddp", "os", "os_g", "p_g_os")
 
@@ -90,13 +90,6 @@ def probe_vocab(model: nn.Module, seq: int) -> int:
     return logits.shape[-1]
 
 
-def _tokens(vocab: int, batch: int, seq: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    start = torch.randint(0, vocab, (batch, 1), generator=gen)
-    tokens = (start + torch.arange(seq + 1) * 7) % vocab  # learnable: a fixed stride
-    return tokens[:, :-1], tokens[:, 1:]
-
-
 def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out_dir: str) -> None:
     """Build, wrap and train the model under ``level`` on this rank; rank 0 writes the row."""
     cuda = dist.get_backend() == "nccl"
@@ -118,10 +111,10 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     times, measured, loss = [], None, torch.zeros(())
     for step in range(cfg.steps):
-        x, y = (t.to(device) for t in _tokens(vocab, cfg.batch, cfg.seq, step))
+        x, y = (t.to(device) for t in synthetic_batch(vocab, cfg.batch, cfg.seq, seed=step))
         start = time.perf_counter()
         logits = model(x[mine])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[mine].reshape(-1))
+        loss = lm_loss(logits, y[mine])
         loss.backward()
         if step == cfg.steps - 1:  # what a rank holds with gradients present
             measured = measure(model, optimizer)

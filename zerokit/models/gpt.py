@@ -78,7 +78,7 @@ class GPT(nn.Module):
 
 
 def synthetic_batch(
-    cfg: GPTConfig, batch: int, seq: int, seed: int
+    vocab_size: int, batch: int, seq: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A reproducible, learnable (inputs, targets) pair of token ids, each [batch, seq].
 
@@ -87,7 +87,12 @@ def synthetic_batch(
     """
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.empty(batch, seq + 1, dtype=torch.long)
-    tokens[:, 0] = torch.randint(0, cfg.vocab_size, (batch,), generator=gen)
+    tokens[:, 0] = torch.randint(0, vocab_size, (batch,), generator=gen)
     for t in range(seq):
-        tokens[:, t + 1] = (tokens[:, t] * 5 + 3) % cfg.vocab_size
+        tokens[:, t + 1] = (tokens[:, t] * 5 + 3) % vocab_size
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits [B, T, vocab] against targets [B, T]."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
