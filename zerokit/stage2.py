@@ -10,9 +10,9 @@ at most three bucket-size buffers (the one filling, and the one in flight with i
 buffer) whatever the model size; it is dropped when backward ends, so between steps a rank
 holds only gradient shards. Parameters' own ``.grad`` is always None after backward.
 
-Note: the pool exists because fresh bucket-size buffers for every bucket are slow on CPU. A 32 MiB
-bucket is at glibc's largest mmap threshold, so each one is a new mapping, and the first write
-to every 4 KiB page faults: measured at 165 ms per step for 108 MB of gradients on 2 ranks here,
+Note: the pool exists because a fresh buffer for every bucket is slow on CPU. A 32 MiB bucket
+is at glibc's largest mmap threshold, so each one is a new mapping, and the first write to
+every 4 KiB page faults: measured at 165 ms per step for 108 MB of gradients on 2 ranks here,
 against 10 ms for the same copy into reused memory (``benchmarks/step_time.py``).
 """
 

@@ -129,21 +129,19 @@ class ShardedParamGrads(ReduceScatterGrads):
     def __init__(self, buckets, group, sync_comm, units: list[Unit]):
         super().__init__(buckets, group, sync_comm)
         self.units = units
-        self._unit_of = {id(b): u for u in units for b in u.buckets}
-        self._index = {id(b): i for i, b in enumerate(buckets)}
-        self._launched: set[int] = set()
+        # Buckets start in descending index order and a unit's buckets are contiguous, so a
+        # unit's reductions have all started once its lowest-index bucket has.
+        index = {id(b): i for i, b in enumerate(buckets)}
+        self._unit_done_at = {min(index[id(b)] for b in u.buckets): u for u in units}
 
     def _start_reduce(self, b: int) -> Pending:
         pending = super()._start_reduce(b)
-        self._launched.add(b)
-        unit = self._unit_of[id(self.buckets[b])]
-        if all(self._index[id(x)] in self._launched for x in unit.buckets):
-            unit.reshard()
+        if b in self._unit_done_at:
+            self._unit_done_at[b].reshard()
         return pending
 
     def _end_of_backward(self) -> None:
         super()._end_of_backward()
-        self._launched.clear()
         for unit in self.units:
             unit.in_backward = False
             unit.reshard()
