@@ -78,11 +78,11 @@ def make_optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
     raise ValueError(kind)
 
 
-def global_batches(steps: int, batch: int, seq: int = 5, seed: int = 1):
+def global_batches(steps: int, batch: int, seq: int = 5, seed: int = 1, vocab: int = VOCAB):
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        tokens = torch.randint(0, VOCAB, (batch, seq + 1), generator=gen)
+        tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
         out.append((tokens[:, :-1], tokens[:, 1:]))
     return out
 

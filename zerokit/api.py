@@ -33,6 +33,7 @@ from .optimizer import gather_params, shard_optimizer_
 from .stage1 import AllReduceGrads
 from .stage2 import ReduceScatterGrads
 from .stage3 import ShardedParamBucket, ShardedParamGrads, Stage3Runtime, Unit
+from .tensor_parallel.layers import tp_group_of
 from .units import plan_units
 
 # A wrapped model holds its process group inside reference cycles (parameter hooks -> gradient
@@ -105,6 +106,7 @@ def group_sharded_parallel(
     if hasattr(model, "_zerokit") or hasattr(optimizer, "_zerokit"):
         raise ValueError("this model or optimizer is already wrapped by group_sharded_parallel")
     group = _resolve_group(group)
+    _check_group_spans_no_tp_pair(model, group)
     named = _trainable_params(model)
     _check_optimizer_params(model, optimizer)
 
@@ -172,6 +174,21 @@ def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
                 "init_method='tcp://127.0.0.1:29500')."
             )
     return dist.group.WORLD
+
+
+def _check_group_spans_no_tp_pair(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Tensor-parallel ranks hold different slices of a layer: ZeRO must never average them."""
+    tp_group = tp_group_of(model)
+    if tp_group is None or tp_group.size() == 1:
+        return
+    shared = set(dist.get_process_group_ranks(tp_group)) & set(dist.get_process_group_ranks(group))
+    if len(shared) > 1:
+        raise ValueError(
+            f"ranks {sorted(shared)} are in one tensor-parallel group and also in the group to "
+            "shard across; they hold different slices of the tensor-parallel layers, which ZeRO "
+            "would average. Shard along the data-parallel group: "
+            "group_sharded_parallel(..., group=layout.dp_group)"
+        )
 
 
 def _trainable_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

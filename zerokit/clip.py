@@ -7,34 +7,51 @@ import torch.distributed as dist
 from torch import nn
 
 from .collectives import all_reduce_
+from .tensor_parallel.layers import tensor_parallel_params, tp_group_of
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip the gradients of a model wrapped by ``group_sharded_parallel``, like
-    ``torch.nn.utils.clip_grad_norm_`` on the unsharded model; returns the total norm.
+    """Clip the gradients of a model wrapped by ``group_sharded_parallel`` (or of a bare
+    tensor-parallel model), like ``torch.nn.utils.clip_grad_norm_`` on the plain model;
+    returns the total norm.
 
     Collective: every rank must call it (after backward, before ``optimizer.step()``).
     """
     state = getattr(model, "_zerokit", None)
-    if state is None:
-        raise TypeError("clip_grad_norm_ takes a model returned by zerokit.group_sharded_parallel")
-    grad_sync = state.grad_sync
-    grad_sync.check_ready_for_step()
-    grads = grad_sync.owned_grads()
-    norm_type = float(norm_type)
-    device = grad_sync.buckets[0].shard_data.device if grad_sync.buckets else torch.device("cpu")
-    if norm_type == float("inf"):
-        local = (
-            torch.stack([g.abs().max() for g in grads]).max()
-            if grads
-            else torch.zeros((), device=device)
-        )
-        total = all_reduce_(local.float(), state.group, op=dist.ReduceOp.MAX)
+    tp_group = tp_group_of(model)
+    if state is not None:
+        state.grad_sync.check_ready_for_step()
+        owned = state.grad_sync.owned_grad_pieces()  # every element once across the ZeRO group
+        groups = [state.group]
+        to_scale = state.grad_sync.grads_to_scale()
+    elif tp_group is not None:
+        owned = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+        groups, to_scale = [], [g for _, g in owned]
     else:
-        powered = [g.float().abs().pow(norm_type).sum() for g in grads]
-        local = torch.stack(powered).sum() if powered else torch.zeros((), device=device)
-        total = all_reduce_(local, state.group).pow(1.0 / norm_type)
+        raise TypeError(
+            "clip_grad_norm_ takes a model returned by zerokit.group_sharded_parallel or one "
+            "with tensor-parallel layers; use torch.nn.utils.clip_grad_norm_ for a plain model"
+        )
+    if tp_group is not None:
+        groups.append(tp_group)
+        if tp_group.rank() != 0:  # replicated parameters: the same gradient on every tp rank
+            split = tensor_parallel_params(model)
+            owned = [(p, g) for p, g in owned if id(p) in split]
+    grads = [g for _, g in owned]
+    device = grads[0].device if grads else next(model.parameters()).device
+    norm_type = float(norm_type)
+    is_max = norm_type == float("inf")
+    parts = [
+        g.abs().max().float() if is_max else g.float().abs().pow(norm_type).sum() for g in grads
+    ]
+    total = torch.zeros((), device=device)
+    if parts:
+        total = torch.stack(parts).max() if is_max else torch.stack(parts).sum()
+    for group in groups:
+        all_reduce_(total, group, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM)
+    if not is_max:
+        total = total.pow(1.0 / norm_type)
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for buffer in grad_sync.grads_to_scale():
+    for buffer in to_scale:
         buffer.mul_(clip_coef.to(buffer.dtype))
     return total

@@ -154,10 +154,13 @@ class BucketedGradSync:
                 if not flags[piece.slot]:
                     piece_grad.grad = None
 
-    def owned_grads(self) -> list[torch.Tensor]:
-        """The gradients of this rank's pieces: every element of the model exactly once."""
+    def owned_grad_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, gradient of this rank's piece of it): every element of the model once."""
         return [
-            p.grad for bucket in self.buckets for p in bucket.param_pieces if p.grad is not None
+            (bucket.params[piece.slot], view.grad)
+            for bucket in self.buckets
+            for piece, view in zip(bucket.pieces, bucket.param_pieces)
+            if view.grad is not None
         ]
 
     def remove_hooks(self) -> None:

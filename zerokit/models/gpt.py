@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .. import tensor_parallel as tp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,6 +26,10 @@ class GPTConfig:
     """Width of the residual stream."""
     tie_weights: bool = True
     """Share the token embedding with the output head (the weight appears once)."""
+    tensor_parallel: bool = False
+    """Split attention heads, the MLP and the vocabulary across the tp group of
+    ``zerokit.init_hybrid_parallel``'s layout (Megatron style). The model then returns this
+    rank's vocabulary slice of the logits: use ``tensor_parallel.ParallelCrossEntropy``."""
 
 
 class Block(nn.Module):
@@ -32,20 +38,31 @@ class Block(nn.Module):
     # into full-size steps that differ with summation order.)
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.ln_1 = nn.LayerNorm(cfg.n_embd)
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
-        self.fc_out = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+        C = cfg.n_embd
+        self.head_dim = C // cfg.n_head
+        self.ln_1 = nn.LayerNorm(C)
+        self.ln_2 = nn.LayerNorm(C)
+        if cfg.tensor_parallel:  # each tp rank: its heads, its quarter of the MLP
+            tp_degree = tp.current_layout().tp_degree
+            if cfg.n_head % tp_degree:
+                raise ValueError(f"n_head {cfg.n_head} must be divisible by tp degree {tp_degree}")
+            self.qkv = tp.ColumnParallelLinear(C, 3 * C, False, gather_output=False, stride=3)
+            self.proj = tp.RowParallelLinear(C, C, False, input_is_parallel=True)
+            self.fc = tp.ColumnParallelLinear(C, 4 * C, False, gather_output=False)
+            self.fc_out = tp.RowParallelLinear(4 * C, C, False, input_is_parallel=True)
+        else:
+            self.qkv = nn.Linear(C, 3 * C, bias=False)
+            self.proj = nn.Linear(C, C, bias=False)
+            self.fc = nn.Linear(C, 4 * C, bias=False)
+            self.fc_out = nn.Linear(4 * C, C, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).split(C, dim=2)  # each [B, T, C]
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).chunk(3, dim=2)  # each [B, T, C] (C/tp split)
+        heads = q.shape[-1] // self.head_dim
+        q, k, v = (t.view(B, T, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, T, hs]
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, -1))
         return x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
 
 
@@ -53,13 +70,26 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig = GPTConfig()):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        # A tp model holds its slices of the plain model drawn from the same random state.
+        plain = GPT(replace(cfg, tensor_parallel=False)) if cfg.tensor_parallel else None
+        if cfg.tensor_parallel:
+            self.wte = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd)
+        else:
+            self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tensor_parallel:  # vocabulary split like the embedding's
+            self.lm_head = tp.ColumnParallelLinear(
+                cfg.n_embd, cfg.vocab_size, False, gather_output=False
+            )
+        else:
+            self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.lm_head.weight = self.wte.weight
+        if plain is not None:
+            tp.load_full_state_dict(self, plain.state_dict())
+            return
         for name, p in self.named_parameters():
             if p.dim() == 2:
                 std = (
@@ -74,7 +104,7 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # [B, T, C]
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.ln_f(x))  # [B, T, vocab]
+        return self.lm_head(self.ln_f(x))  # [B, T, vocab] (vocab/tp with tensor_parallel)
 
 
 def synthetic_batch(

@@ -1,0 +1,52 @@
+"""Tensor parallelism (Megatron style) that composes with every ZeRO level over dp x tp.
+
+>>> from zerokit import tensor_parallel as tp
+>>> tp.TPSplit.of(dim=0, size=11, tp_degree=3).block_sizes
+(3, 3, 5)
+"""
+
+from .cross_entropy import ParallelCrossEntropy
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelLayer,
+    VocabParallelEmbedding,
+)
+from .mappings import (
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
+)
+from .random import (
+    GLOBAL_SEED,
+    LOCAL_SEED,
+    RNGStatesTracker,
+    get_rng_state_tracker,
+    model_parallel_random_seed,
+)
+from .state_dict import gather_full_state_dict, load_full_state_dict
+from .topology import HybridLayout, TPSplit, current_layout, init_hybrid_parallel
+
+__all__ = [
+    "GLOBAL_SEED",
+    "LOCAL_SEED",
+    "ColumnParallelLinear",
+    "HybridLayout",
+    "ParallelCrossEntropy",
+    "RNGStatesTracker",
+    "RowParallelLinear",
+    "TPSplit",
+    "TensorParallelLayer",
+    "VocabParallelEmbedding",
+    "copy_to_tp_region",
+    "current_layout",
+    "gather_from_tp_region",
+    "gather_full_state_dict",
+    "get_rng_state_tracker",
+    "init_hybrid_parallel",
+    "load_full_state_dict",
+    "model_parallel_random_seed",
+    "reduce_from_tp_region",
+    "scatter_to_tp_region",
+]

@@ -1,0 +1,186 @@
+"""Tensor-parallel layers with torch conventions (``weight`` is ``[out, in]``).
+
+Each layer is built the way the plain layer would be (same random draws, so after the same
+``torch.manual_seed`` it holds exactly its slice of ``nn.Linear`` / ``nn.Embedding``), then
+keeps only this tp rank's part. A layer says which of its parameters are split, and how, in
+``tp_splits``; every other parameter of it (a row-parallel bias) is replicated on the tp
+ranks. That declaration is what ZeRO, ``clip_grad_norm_`` and the full state dict read.
+
+Note: building the plain layer first costs one full-size temporary per layer at construction.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mappings import (
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
+)
+from .topology import HybridLayout, TPSplit, current_layout
+
+
+class TensorParallelLayer(nn.Module):
+    """Base of the layers below: the layout they use and how their parameters are split."""
+
+    def __init__(self, layout: HybridLayout | None):
+        super().__init__()
+        self.layout = layout or current_layout()
+        self.tp_splits: dict[str, TPSplit] = {}  # parameter name -> its split
+
+    @property
+    def tp_group(self):
+        return self.layout.tp_group
+
+    def _keep_local(self, name: str, full: torch.Tensor, split: TPSplit | None) -> None:
+        local = full if split is None else split.local(full, self.layout.tp_rank)
+        setattr(self, name, nn.Parameter(local.detach().clone()))
+        if split is not None:
+            self.tp_splits[name] = split
+
+
+def _features_split(size: int, layout: HybridLayout, what: str, even: bool, stride: int = 1):
+    if even and size % (layout.tp_degree * stride):
+        raise ValueError(
+            f"{what} = {size} must be divisible by the tp degree {layout.tp_degree}"
+            + (f" times the {stride} fused blocks" if stride > 1 else "")
+            + " (the activation is split or gathered in equal parts across tp ranks)"
+        )
+    return TPSplit.of(0, size, layout.tp_degree, stride, what)
+
+
+class ColumnParallelLinear(TensorParallelLayer):
+    """``y = x W^T + b`` with W's output rows (and b) split across the tp ranks.
+
+    ``gather_output=True`` all-gathers the output features so every rank gets the full ``y``
+    (needs ``out_features`` divisible by the tp degree); with ``False`` each rank keeps its own
+    output features, ready for a ``RowParallelLinear(input_is_parallel=True)``. ``stride`` > 1
+    declares ``stride`` fused projections side by side (q, k, v: 3), each split on its own.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = True,
+        *,
+        stride: int = 1,
+        layout: HybridLayout | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(layout)
+        if gather_output and stride > 1:
+            raise ValueError("gather_output=True would interleave the fused blocks; use stride=1")
+        self.in_features, self.out_features, self.gather_output = (
+            in_features,
+            out_features,
+            gather_output,
+        )
+        split = _features_split(out_features, self.layout, "out_features", gather_output, stride)
+        plain = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+        self._keep_local("weight", plain.weight, split)
+        if bias:
+            self._keep_local("bias", plain.bias, split)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)  # [..., out/tp]
+        return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
+
+
+class RowParallelLinear(TensorParallelLayer):
+    """``y = x W^T + b`` with W's input columns split across the tp ranks; partial products are
+    all-reduced and the (replicated) bias is added once, after the reduction.
+
+    ``input_is_parallel=True`` takes this rank's slice of the input features (the output of a
+    ``ColumnParallelLinear(gather_output=False)``); otherwise the full input is split here,
+    which needs ``in_features`` divisible by the tp degree.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        *,
+        layout: HybridLayout | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(layout)
+        self.in_features, self.out_features, self.input_is_parallel = (
+            in_features,
+            out_features,
+            input_is_parallel,
+        )
+        split = _features_split(in_features, self.layout, "in_features", not input_is_parallel)
+        split = TPSplit(1, split.block_sizes)  # the weight's input features are its columns
+        plain = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+        self._keep_local("weight", plain.weight, split)
+        if bias:
+            self._keep_local("bias", plain.bias, None)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp_group)  # [..., in/tp]
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_group)  # [..., out]
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(TensorParallelLayer):
+    """An embedding whose rows (the vocabulary) are split across the tp ranks; the last rank
+    takes the remainder when the vocabulary does not divide. Each rank looks up the ids in its
+    range, zeros the rest, and the all-reduce completes every row."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        layout: HybridLayout | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(layout)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        split = _features_split(num_embeddings, self.layout, "num_embeddings", even=False)
+        self.vocab_start = split.start(self.layout.tp_rank)
+        self.vocab_end = self.vocab_start + split.local_size(self.layout.tp_rank)
+        plain = nn.Embedding(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        self._keep_local("weight", plain.weight, split)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.tp_group)  # [..., embedding_dim]
+
+
+def tensor_parallel_params(model: nn.Module) -> dict[int, tuple[TensorParallelLayer, TPSplit]]:
+    """``id(parameter)`` -> (its layer, its split), for every split parameter of ``model``."""
+    found = {}
+    for module in model.modules():
+        if isinstance(module, TensorParallelLayer):
+            for name, split in module.tp_splits.items():
+                found[id(getattr(module, name))] = (module, split)
+    return found
+
+
+def tp_group_of(model: nn.Module):
+    """The tp group of the model's tensor-parallel layers, or None if it has none."""
+    groups = {
+        id(m.tp_group): m.tp_group for m in model.modules() if isinstance(m, TensorParallelLayer)
+    }
+    if len(groups) > 1:
+        raise ValueError("the model's tensor-parallel layers use more than one tp group")
+    return next(iter(groups.values()), None)

@@ -1,0 +1,138 @@
+"""The dp x tp layout: which ranks split a layer (tensor parallel) and which ranks hold the
+same layer shards and split the batch (data parallel), plus the rule that splits a dimension.
+
+Ranks are tp-contiguous: ``rank = dp_rank * tp_degree + tp_rank``, so a tp group is a run of
+neighbouring ranks (on one node, where the frequent, latency-bound tp collectives belong).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+@dataclass(frozen=True)
+class HybridLayout:
+    """The process groups of a dp x tp run, built once by ``init_hybrid_parallel``."""
+
+    dp_degree: int
+    tp_degree: int
+    dp_rank: int
+    tp_rank: int
+    dp_group: ProcessGroup
+    """Ranks holding the same tensor-parallel shards; pass it to ``group_sharded_parallel``."""
+    tp_group: ProcessGroup
+    """Ranks that together hold one copy of every tensor-parallel layer."""
+
+
+_current: HybridLayout | None = None  # what tensor-parallel layers use when given no layout
+
+
+def init_hybrid_parallel(dp_degree: int, tp_degree: int) -> HybridLayout:
+    """Build the dp and tp process groups (collective: every rank calls it, after
+    ``torch.distributed.init_process_group``) and make the layout the tensor-parallel layers'
+    default. Returns it; shard ZeRO along ``layout.dp_group``."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "init_hybrid_parallel needs a process group: call "
+            "torch.distributed.init_process_group (or launch with torchrun) first"
+        )
+    world = dist.get_world_size()
+    if tp_degree < 1 or dp_degree < 1:
+        raise ValueError(f"dp_degree and tp_degree must be >= 1, got {dp_degree} and {tp_degree}")
+    if world % tp_degree:
+        raise ValueError(f"tp_degree {tp_degree} does not divide the world size {world}")
+    if dp_degree * tp_degree != world:
+        raise ValueError(
+            f"dp_degree * tp_degree = {dp_degree} * {tp_degree} = {dp_degree * tp_degree}, but "
+            f"the world size is {world}; use dp_degree={world // tp_degree}"
+        )
+    rank = dist.get_rank()
+    dp_rank, tp_rank = divmod(rank, tp_degree)
+    # new_group is collective over the whole world: every rank creates every group, in order.
+    tp_groups = [
+        dist.new_group([d * tp_degree + t for t in range(tp_degree)]) for d in range(dp_degree)
+    ]
+    dp_groups = [
+        dist.new_group([d * tp_degree + t for d in range(dp_degree)]) for t in range(tp_degree)
+    ]
+    global _current
+    _current = HybridLayout(
+        dp_degree, tp_degree, dp_rank, tp_rank, dp_groups[tp_rank], tp_groups[dp_rank]
+    )
+    return _current
+
+
+def current_layout() -> HybridLayout:
+    if _current is None:
+        raise RuntimeError(
+            "tensor-parallel layers need the dp x tp layout: call "
+            "zerokit.init_hybrid_parallel(dp_degree, tp_degree) first (or pass layout=)"
+        )
+    return _current
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """How one tensor is split along ``dim`` across the tp ranks.
+
+    The dimension is ``stride`` equal blocks (e.g. a fused q, k, v projection: stride 3), and
+    each block is split the same way: equal parts, the last rank taking the remainder. Rank r
+    holds part r of every block, side by side.
+
+    >>> split = TPSplit.of(dim=0, size=10, tp_degree=3)
+    >>> split.block_sizes, split.local_size(2)
+    ((3, 3, 4), 4)
+    >>> full = torch.arange(12).view(6, 2)
+    >>> qkv = TPSplit.of(dim=0, size=6, tp_degree=2, stride=3)
+    >>> [qkv.local(full, r)[:, 0].tolist() for r in range(2)]
+    [[0, 4, 8], [2, 6, 10]]
+    >>> torch.equal(qkv.assemble([qkv.local(full, r) for r in range(2)]), full)
+    True
+    """
+
+    dim: int
+    block_sizes: tuple[int, ...]  # one block's part per tp rank
+    stride: int = 1
+
+    @staticmethod
+    def of(dim: int, size: int, tp_degree: int, stride: int = 1, what: str = "") -> TPSplit:
+        what = what or f"dimension of size {size}"
+        if size % stride:
+            raise ValueError(f"{what}: {size} is not a multiple of its {stride} fused blocks")
+        block = size // stride
+        per_rank = block // tp_degree
+        if per_rank == 0:
+            raise ValueError(f"{what}: {block} features cannot be split across {tp_degree} ranks")
+        sizes = (per_rank,) * (tp_degree - 1) + (block - per_rank * (tp_degree - 1),)
+        return TPSplit(dim, sizes, stride)
+
+    @property
+    def full_size(self) -> int:
+        return sum(self.block_sizes) * self.stride
+
+    def local_size(self, tp_rank: int) -> int:
+        return self.block_sizes[tp_rank] * self.stride
+
+    def start(self, tp_rank: int) -> int:
+        """Where rank ``tp_rank``'s part begins inside each block."""
+        return sum(self.block_sizes[:tp_rank])
+
+    def local(self, full: torch.Tensor, tp_rank: int) -> torch.Tensor:
+        """Rank ``tp_rank``'s part of the full tensor (a copy when stride > 1)."""
+        blocks = full.chunk(self.stride, dim=self.dim)
+        start, size = self.start(tp_rank), self.block_sizes[tp_rank]
+        parts = [b.narrow(self.dim, start, size) for b in blocks]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+
+    def assemble(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's part, in tp-rank order."""
+        per_rank_blocks = [p.chunk(self.stride, dim=self.dim) for p in parts]
+        blocks = [
+            torch.cat([blocks[b] for blocks in per_rank_blocks], dim=self.dim)
+            for b in range(self.stride)
+        ]
+        return torch.cat(blocks, dim=self.dim)
