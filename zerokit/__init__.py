@@ -5,16 +5,25 @@
 ('os', 'os_g', 'p_g_os')
 """
 
+from . import checkpoint
 from .api import LEVELS, group_sharded_parallel
 from .clip import clip_grad_norm_
 from .config import ShardingConfig
 from .tensor_parallel import init_hybrid_parallel
 
+
+def save_group_sharded_model(model, output: str, optimizer=None) -> None:
+    """PaddlePaddle's name for ``zerokit.checkpoint.save(output, model, optimizer)``."""
+    checkpoint.save(output, model, optimizer)
+
+
 __all__ = [
     "LEVELS",
     "ShardingConfig",
+    "checkpoint",
     "clip_grad_norm_",
     "group_sharded_parallel",
     "init_hybrid_parallel",
+    "save_group_sharded_model",
 ]
 __version__ = "0.1.0"

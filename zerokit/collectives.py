@@ -125,3 +125,19 @@ def broadcast_(tensor: torch.Tensor, group: ProcessGroup, group_src: int = 0) ->
     if group.size() > 1:
         dist.broadcast(tensor, group_src=group_src, group=group)
     return tensor
+
+
+def all_gather_bytes(data: bytes, group: ProcessGroup | None) -> list[bytes]:
+    """Every rank's ``data``, in rank order (no pickle: raw bytes in uint8 tensors)."""
+    if group is None or group.size() == 1:
+        return [data]
+    device = torch.device("cpu") if _is_gloo(group) else torch.device("cuda")
+    length = torch.tensor([len(data)], dtype=torch.long, device=device)
+    lengths = [torch.empty_like(length) for _ in range(group.size())]
+    dist.all_gather(lengths, length, group=group)
+    longest = max(int(n) for n in lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    gathered = [torch.empty_like(mine) for _ in lengths]
+    dist.all_gather(gathered, mine, group=group)
+    return [bytes(t[: int(n)].cpu().tolist()) for t, n in zip(gathered, lengths)]

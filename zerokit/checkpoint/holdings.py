@@ -1,0 +1,190 @@
+"""What one rank holds of the model and optimizer, named as the plain model names it.
+
+Save and load see every level (and a bare model) the same way: a set of global tensors (each
+parameter, persistent buffer and per-element optimizer state, with its full shape and dtype
+and, for a tensor-parallel one, its split) and, for each, the flat ranges of its tp-local
+tensor that this rank holds (``Chunk``: a 1-D view of where the values live). Optimizer
+scalars (Adam's ``step``) and hyperparameters are kept per parameter name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..tensor_parallel.layers import tensor_parallel_params
+from ..tensor_parallel.topology import TPSplit
+
+OPTIM_PREFIX = "optim"  # optimizer state of parameter P under key K: "optim.K.P"
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]  # the plain model's (full) shape
+    dtype: torch.dtype
+    split: TPSplit | None  # tensor-parallel split, None if replicated
+    tp_rank: int  # which tp part this rank holds
+
+    def local_shape(self) -> tuple[int, ...]:
+        if self.split is None:
+            return self.shape
+        shape = list(self.shape)
+        shape[self.split.dim] = self.split.local_size(self.tp_rank)
+        return tuple(shape)
+
+
+@dataclass
+class Chunk:
+    name: str
+    start: int  # flat offset within this rank's tp-local tensor
+    tensor: torch.Tensor  # 1-D view of the values (a parameter shard piece, a buffer, a state)
+    primary: bool  # this rank writes it (one copy of every element across all ranks)
+
+
+@dataclass
+class Holdings:
+    metas: dict[str, TensorMeta] = field(default_factory=dict)
+    chunks: list[Chunk] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name stored
+    scalars: dict[str, dict] = field(default_factory=dict)  # param name -> optimizer scalars
+    groups: list[dict] = field(default_factory=list)  # hyperparameters + parameter names
+    state_names: dict[str, dict[str, str]] = field(default_factory=dict)
+    """param name -> {optimizer state key -> its tensor's name}"""
+    optimizer_class: str | None = None
+    optimizer_chunks: list[tuple[Chunk, torch.Tensor]] = field(default_factory=list)
+    """(parameter chunk, the tensor the optimizer keys its state by), in group order."""
+    layout: dict = field(default_factory=dict)  # world size, level, dp/tp degrees
+
+    @property
+    def param_names(self) -> list[str]:
+        return [n for n in self.metas if not n.startswith(OPTIM_PREFIX + ".")]
+
+
+def _hyperparameters(group: dict) -> dict:
+    out = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, torch.Tensor):
+            value = value.item()
+        if isinstance(value, tuple):
+            value = list(value)
+        if value is None or isinstance(value, (bool, int, float, str, list)):
+            out[key] = value
+    return out
+
+
+def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdings:
+    """This rank's holdings. Cheap: views only, nothing copied or gathered."""
+    state = getattr(model, "_zerokit", None)
+    split_of = tensor_parallel_params(model)
+    tp_layout = next((layer.layout for layer, _ in split_of.values()), None)
+    tp_rank = tp_layout.tp_rank if tp_layout else 0
+    if state is not None:
+        group_rank, group_size = state.group.rank(), state.group.size()
+    else:  # a bare model: every data-parallel replica holds all of it
+        group_rank = (
+            tp_layout.dp_rank if tp_layout else (dist.get_rank() if dist.is_initialized() else 0)
+        )
+        group_size = 1
+    h = Holdings()
+    h.layout = {
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "level": state.level if state else None,
+        "dp_degree": tp_layout.dp_degree if tp_layout else None,
+        "tp_degree": tp_layout.tp_degree if tp_layout else 1,
+        "zero_group_size": group_size,
+    }
+
+    names = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in names:
+            h.aliases[name] = names[id(p)]
+        else:
+            names[id(p)] = name
+
+    def meta_of(p: torch.Tensor, local_shape) -> TensorMeta:
+        layer_split = split_of.get(id(p))
+        split = layer_split[1] if layer_split else None
+        shape = list(local_shape)
+        if split is not None:
+            shape[split.dim] = split.full_size
+        return TensorMeta(tuple(shape), p.dtype, split, tp_rank if split else 0)
+
+    def is_primary(meta: TensorMeta, whole: bool) -> bool:
+        replicated_copy = meta.split is None and tp_rank != 0
+        return not replicated_copy and (group_rank == 0 or not whole)
+
+    # Trainable parameters under ZeRO: this rank's pieces of the flat buckets.
+    sharded = set()
+    owner = {}  # id(tensor the optimizer steps) -> the parameter chunk it is
+    if state is not None:
+        for bucket in state.grad_sync.buckets:
+            for piece, view in zip(bucket.pieces, bucket.param_pieces):
+                p = bucket.params[piece.slot]
+                name = names[id(p)]
+                meta = meta_of(p, bucket.layout.slots[piece.slot].shape)
+                h.metas[name] = meta
+                chunk = Chunk(name, piece.start, view, is_primary(meta, whole=False))
+                h.chunks.append(chunk)
+                owner[id(view)] = chunk
+            for i, p in enumerate(bucket.params):  # a rank may hold no piece of a parameter
+                h.metas.setdefault(names[id(p)], meta_of(p, bucket.layout.slots[i].shape))
+                sharded.add(id(p))
+    # Everything else whole: frozen (or unwrapped) parameters and persistent buffers.
+    for p_id, name in names.items():
+        if p_id not in sharded:
+            p = next(p for p in model.parameters() if id(p) == p_id)
+            meta = meta_of(p, p.shape)
+            h.metas[name] = meta
+            chunk = Chunk(name, 0, p.detach().view(-1), is_primary(meta, whole=True))
+            h.chunks.append(chunk)
+            owner[id(p)] = chunk
+    for prefix, module in model.named_modules():
+        for bname, buf in module._buffers.items():
+            if buf is None or bname in module._non_persistent_buffers_set:
+                continue
+            name = f"{prefix}.{bname}" if prefix else bname
+            meta = TensorMeta(tuple(buf.shape), buf.dtype, None, 0)
+            h.metas[name] = meta
+            h.chunks.append(Chunk(name, 0, buf.view(-1), is_primary(meta, whole=True)))
+
+    if optimizer is not None:
+        _collect_optimizer(h, optimizer, owner)
+    return h
+
+
+def _collect_optimizer(h: Holdings, optimizer, owner: dict[int, Chunk]) -> None:
+    h.optimizer_class = type(optimizer).__name__.removeprefix("Sharded")
+    for group in optimizer.param_groups:
+        params = []
+        for key_tensor in group["params"]:
+            chunk = owner.get(id(key_tensor))
+            if chunk is None:
+                raise ValueError(
+                    "the optimizer holds a tensor that is not a parameter of the model"
+                )
+            h.optimizer_chunks.append((chunk, key_tensor))
+            if chunk.name not in params:
+                params.append(chunk.name)
+            for key, value in optimizer.state.get(key_tensor, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:  # per element
+                    state_name = f"{OPTIM_PREFIX}.{key}.{chunk.name}"
+                    h.state_names.setdefault(chunk.name, {})[key] = state_name
+                    meta = h.metas[chunk.name]
+                    h.metas[state_name] = TensorMeta(
+                        meta.shape, value.dtype, meta.split, meta.tp_rank
+                    )
+                    h.chunks.append(
+                        Chunk(state_name, chunk.start, value.detach().view(-1), chunk.primary)
+                    )
+                else:  # a scalar (Adam's step), kept in the index
+                    dtype = value.dtype if isinstance(value, torch.Tensor) else None
+                    h.scalars.setdefault(chunk.name, {})[key] = {
+                        "value": value.item() if dtype is not None else value,
+                        "tensor_dtype": str(dtype).removeprefix("torch.") if dtype else None,
+                    }
+        h.groups.append({"hyperparameters": _hyperparameters(group), "params": params})
