@@ -37,9 +37,15 @@ class ShardedOptimizer:
 
 
 class OptimizerShardState:
-    def __init__(self, grad_sync: BucketedGradSync, after_step: Callable[[], None]):
+    def __init__(
+        self,
+        grad_sync: BucketedGradSync,
+        after_step: Callable[[], None],
+        group_params: list[list[torch.Tensor]],
+    ):
         self.grad_sync = grad_sync
         self.after_step = after_step  # what a level does once the shards are updated
+        self.group_params = group_params  # each param group's whole parameters, as given
 
 
 def gather_params(buckets: list[FlatParamBucket], group: ProcessGroup) -> None:
@@ -63,6 +69,7 @@ def shard_optimizer_(
             shape = bucket.layout.slots[piece.slot].shape  # param.shape may be empty (stage 3)
             piece_of.setdefault(id(param), []).append((piece, piece_param, shape))
 
+    group_params = [list(group["params"]) for group in optimizer.param_groups]
     old_state = optimizer.state
     new_state: dict = {}
     for group_dict in optimizer.param_groups:
@@ -78,7 +85,7 @@ def shard_optimizer_(
 
     cls = type(optimizer)
     optimizer.__class__ = type(f"Sharded{cls.__name__}", (ShardedOptimizer, cls), {})
-    optimizer._zerokit = OptimizerShardState(grad_sync, after_step)
+    optimizer._zerokit = OptimizerShardState(grad_sync, after_step, group_params)
     _repoint_scheduler_patch(optimizer)
     return optimizer
 

@@ -153,23 +153,23 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
             h.chunks.append(Chunk(name, 0, buf.view(-1), is_primary(meta, whole=True)))
 
     if optimizer is not None:
-        _collect_optimizer(h, optimizer, owner)
+        _collect_optimizer(h, optimizer, owner, names)
     return h
 
 
-def _collect_optimizer(h: Holdings, optimizer, owner: dict[int, Chunk]) -> None:
+def _collect_optimizer(
+    h: Holdings, optimizer, owner: dict[int, Chunk], names: dict[int, str]
+) -> None:
     h.optimizer_class = type(optimizer).__name__.removeprefix("Sharded")
-    for group in optimizer.param_groups:
-        params = []
+    sharded = getattr(optimizer, "_zerokit", None)
+    for i, group in enumerate(optimizer.param_groups):
+        whole = sharded.group_params[i] if sharded else group["params"]  # a rank holds pieces
+        if any(id(p) not in names for p in whole):
+            raise ValueError("the optimizer holds a tensor that is not a parameter of the model")
+        params = [names[id(p)] for p in whole]
         for key_tensor in group["params"]:
-            chunk = owner.get(id(key_tensor))
-            if chunk is None:
-                raise ValueError(
-                    "the optimizer holds a tensor that is not a parameter of the model"
-                )
+            chunk = owner[id(key_tensor)]
             h.optimizer_chunks.append((chunk, key_tensor))
-            if chunk.name not in params:
-                params.append(chunk.name)
             for key, value in optimizer.state.get(key_tensor, {}).items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:  # per element
                     state_name = f"{OPTIM_PREFIX}.{key}.{chunk.name}"
