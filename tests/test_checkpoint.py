@@ -6,11 +6,6 @@ leaves the previous checkpoint intact."""
 
 import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -30,7 +25,6 @@ from torch import nn
 import zerokit
 from zerokit import checkpoint
 from zerokit import tensor_parallel as tp
-from zerokit.checkpoint import CheckpointError
 from zerokit.cli import main as cli
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss
 
@@ -159,11 +153,19 @@ def test_resume_at_any_world_size_and_level_equals_uninterrupted_training(saved,
 
 def test_consolidate_gives_the_plain_model(saved, tmp_path):
     ref_at_save = _with(_reference()[1])
-    out = str(tmp_path / "model.safetensors")
-    assert cli(["ckpt", "consolidate", os.path.join(saved, "ws4-p_g_os"), out]) == 0
+    out, optim = str(tmp_path / "model.safetensors"), str(tmp_path / "optim.safetensors")
+    source = os.path.join(saved, "ws4-p_g_os")
+    assert cli(["ckpt", "consolidate", source, out, "--optimizer", optim]) == 0
     plain = make_model("awkward", seed=3)
     load_model(plain, out)  # tied head/embedding stored once, loaded into both
     assert_same_params(plain, ref_at_save, ATOL, "consolidated")
+    ref_opt = make_optimizer("adamw", plain := make_model("awkward"))
+    train_reference(plain, ref_opt, BATCHES[:BEFORE])
+    state = load_file(optim)
+    for name, p in plain.named_parameters():
+        if p in ref_opt.state:
+            want = ref_opt.state[p]["exp_avg_sq"]
+            torch.testing.assert_close(state[f"optim.exp_avg_sq.{name}"], want, atol=ATOL, rtol=0)
 
     sharded_dir = str(tmp_path / "hf")
     assert cli(["ckpt", "consolidate", os.path.join(saved, "ws3-os"), sharded_dir,

@@ -7,7 +7,7 @@ group. No pickle anywhere: a checkpoint from an untrusted source cannot run code
 
 from .consolidate import consolidate, describe
 from .index import CheckpointError
-from .load import load
-from .save import save
+from .loading import load
+from .saving import save
 
 __all__ = ["CheckpointError", "consolidate", "describe", "load", "save"]

@@ -18,7 +18,7 @@ import torch
 from ..memory import format_bytes
 from .holdings import OPTIM_PREFIX
 from .index import _ST_DTYPES, CheckpointError, CheckpointReader, dtype_from_name, read_index
-from .load import resolve
+from .loading import resolve
 
 
 def _nbytes(entry: dict) -> int:

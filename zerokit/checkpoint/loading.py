@@ -20,7 +20,7 @@ from .index import (
     read_index,
     split_from_json,
 )
-from .save import OLD_SUFFIX, _world, agree
+from .saving import OLD_SUFFIX, _world, agree
 
 
 @dataclass
