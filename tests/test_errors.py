@@ -45,8 +45,13 @@ class TwoDevices(nn.Module):
 def _bad_inputs(rank, world_size):
     cases = [
         ("unknown level", {"level": "stage2"}, ValueError, "valid levels: 'os'"),
-        ("scaler", {"level": "os", "scaler": object()}, NotImplementedError, "scaler"),
-        ("offload", {"level": "os", "offload": True}, NotImplementedError, "offload"),
+        ("scaler", {"level": "os", "scaler": object()}, TypeError, "ShardedGradScaler"),
+        (
+            "mixed precision",
+            {"level": "os", "mixed_precision": "bf16"},
+            TypeError,
+            "MixedPrecision",
+        ),
         (
             "dp_group",
             {"level": "os", "dp_group": torch.distributed.group.WORLD},

@@ -9,6 +9,8 @@ from . import checkpoint
 from .api import LEVELS, group_sharded_parallel
 from .clip import clip_grad_norm_
 from .config import ShardingConfig
+from .mixed_precision import MixedPrecision
+from .scaler import ShardedGradScaler
 from .tensor_parallel import init_hybrid_parallel
 
 
@@ -19,6 +21,8 @@ def save_group_sharded_model(model, output: str, optimizer=None) -> None:
 
 __all__ = [
     "LEVELS",
+    "MixedPrecision",
+    "ShardedGradScaler",
     "ShardingConfig",
     "checkpoint",
     "clip_grad_norm_",

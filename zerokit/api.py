@@ -28,8 +28,10 @@ from torch import nn
 from .config import ShardingConfig
 from .flat_param import FlatParamBucket
 from .layout import ParamSpec, plan_buckets
+from .mixed_precision import MixedPrecision
 from .module import ModuleShardState, broadcast_module_state, convert_module_, register_buffer_sync
 from .optimizer import gather_params, shard_optimizer_
+from .scaler import ShardedGradScaler
 from .stage1 import AllReduceGrads
 from .stage2 import ReduceScatterGrads
 from .stage3 import ShardedParamBucket, ShardedParamGrads, Stage3Runtime, Unit
@@ -59,6 +61,7 @@ def group_sharded_parallel(
     dp_group: dist.ProcessGroup | None = None,
     exclude_layer: Sequence[Any] | None = None,
     *,
+    mixed_precision: MixedPrecision | None = None,
     config: ShardingConfig | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     """Shard the optimizer state (from 'os_g' also gradients, at 'p_g_os' also parameters) of
@@ -73,9 +76,12 @@ def group_sharded_parallel(
             over parameters of ``model``. Create LR schedulers from it before or after.
         level: ``'os'`` (stage 1), ``'os_g'`` (stage 2) or ``'p_g_os'`` (stage 3); see the
             module docstring.
-        scaler: loss scaler for fp16; not supported yet (must be None).
+        scaler: a loss scaler for fp16: a ``zerokit.ShardedGradScaler``, or a
+            ``torch.amp.GradScaler`` (replaced by a ``ShardedGradScaler`` with its settings,
+            which is returned), so the inf/nan check is agreed across ranks.
         group: process group to shard across; the default group if None.
-        offload: move optimizer state to CPU; not supported yet (must be False).
+        offload: keep the fp32 master shards and optimizer state in CPU memory and step
+            there. A no-op when the model is already on the CPU (as on these machines).
         sync_buffers: broadcast rank 0's buffers to every rank before each forward.
         buffer_max_size: most elements per flat bucket (one collective per bucket).
         segment_size: stage 3: a module whose own parameters reach this many elements becomes
@@ -83,6 +89,8 @@ def group_sharded_parallel(
         sync_comm: wait for each bucket's collective at once instead of overlapping backward.
         dp_group: an outer data-parallel group; not supported yet (must be None).
         exclude_layer: stage 3: modules (or module classes) kept whole on every rank.
+        mixed_precision: a ``MixedPrecision`` policy: compute in ``param_dtype``, reduce
+            gradients in ``reduce_dtype``, fp32 master weights only as the rank's shard.
         config: rarely used knobs (``ShardingConfig``), e.g. the stage-3 wrap policy.
     """
     if level not in LEVELS:
@@ -90,12 +98,10 @@ def group_sharded_parallel(
             f"unknown level {level!r}; valid levels: 'os' (stage 1), 'os_g' (stage 2), "
             "'p_g_os' (stage 3)"
         )
-    if scaler is not None:
-        raise NotImplementedError(
-            "scaler: mixed precision with a sharded loss scaler is not implemented yet; pass scaler=None"
-        )
-    if offload:
-        raise NotImplementedError("offload=True is not implemented yet; pass offload=False")
+    scaler = _sharded_scaler(scaler)
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError("mixed_precision must be a zerokit.MixedPrecision policy (or None)")
+    mixed_precision = mixed_precision or MixedPrecision()
     if dp_group is not None:
         raise NotImplementedError(
             "dp_group (an outer data-parallel group) is not implemented yet; pass dp_group=None"
@@ -109,6 +115,11 @@ def group_sharded_parallel(
     _check_group_spans_no_tp_pair(model, group)
     named = _trainable_params(model)
     _check_optimizer_params(model, optimizer)
+    if offload and any(p.device.type != "cpu" for _, p in named):
+        raise NotImplementedError(
+            "offload=True with parameters on an accelerator is not implemented yet; on the CPU "
+            "it is a no-op (the master shards and optimizer state are in CPU memory already)"
+        )
 
     if level == "p_g_os":
         plans = plan_units(
@@ -116,12 +127,13 @@ def group_sharded_parallel(
         )
     # Nothing is changed before this point: every check above can fail without side effects.
     broadcast_module_state(model, group, params=True)  # every rank starts from rank 0's model
+    _cast_frozen_params(model, mixed_precision.param_dtype)
     runtime = None
     if level == "p_g_os":
-        grad_sync, runtime = _build_stage3(model, plans, group, sync_comm)
+        grad_sync, runtime = _build_stage3(model, plans, group, sync_comm, mixed_precision)
         after_step = runtime.after_step
     else:
-        grad_sync = _build_stage12(level, named, group, buffer_max_size, sync_comm)
+        grad_sync = _build_stage12(level, named, group, buffer_max_size, sync_comm, mixed_precision)
         after_step = functools.partial(gather_params, grad_sync.buckets, group)
     state = ModuleShardState(level, grad_sync, group, runtime)
     convert_module_(model, state)
@@ -131,30 +143,59 @@ def group_sharded_parallel(
     return model, optimizer, scaler
 
 
-def _build_stage12(level, named, group, buffer_max_size, sync_comm):
+def _build_stage12(level, named, group, buffer_max_size, sync_comm, mp: MixedPrecision):
     specs = [ParamSpec(name, tuple(p.shape), p.dtype, p.device) for name, p in named]
     buckets = [
-        FlatParamBucket(layout, [named[s.param_index][1] for s in layout.slots], group.rank())
+        FlatParamBucket(
+            layout, [named[s.param_index][1] for s in layout.slots], group.rank(), mp.param_dtype
+        )
         for layout in plan_buckets(specs, group.size(), buffer_max_size)
     ]
     grads_cls = AllReduceGrads if level == "os" else ReduceScatterGrads
-    return grads_cls(buckets, group, sync_comm)
+    return grads_cls(buckets, group, sync_comm, _reduce_dtype(mp))
 
 
-def _build_stage3(model, plans, group, sync_comm):
+def _reduce_dtype(mp: MixedPrecision) -> torch.dtype | None:
+    """None (the parameters' own dtype) unless a policy changes the compute dtype."""
+    return mp.reduce_dtype if mp.param_dtype is not None else None
+
+
+def _cast_frozen_params(model: nn.Module, dtype: torch.dtype | None) -> None:
+    if dtype is None:
+        return
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(dtype)
+
+
+def _sharded_scaler(scaler):
+    if scaler is None or isinstance(scaler, ShardedGradScaler):
+        return scaler
+    if isinstance(scaler, torch.amp.GradScaler):
+        return ShardedGradScaler.like(scaler)
+    raise TypeError(
+        f"scaler must be a zerokit.ShardedGradScaler or torch.amp.GradScaler, got {type(scaler).__name__}"
+    )
+
+
+def _build_stage3(model, plans, group, sync_comm, mp: MixedPrecision):
     units = []
     for plan in plans:  # one bucket per dtype in each unit, whatever its size
         specs = [ParamSpec(n, tuple(p.shape), p.dtype, p.device) for n, p in plan.params]
         layouts = plan_buckets(specs, group.size(), max_bucket_numel=2**62)
         buckets = [
             ShardedParamBucket(
-                layout, [plan.params[s.param_index][1] for s in layout.slots], group.rank(), group
+                layout,
+                [plan.params[s.param_index][1] for s in layout.slots],
+                group.rank(),
+                group,
+                mp.param_dtype,
             )
             for layout in layouts
         ]
         units.append(Unit(plan, buckets))
     buckets = [b for unit in units for b in unit.buckets]
-    grad_sync = ShardedParamGrads(buckets, group, sync_comm, units)
+    grad_sync = ShardedParamGrads(buckets, group, sync_comm, units, _reduce_dtype(mp))
     return grad_sync, Stage3Runtime(model, units)
 
 

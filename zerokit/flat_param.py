@@ -22,24 +22,41 @@ class FlatParamBucket:
     view of ``data``; level 'p_g_os' keeps it as a tensor of its own (see ``stage3.py``).
     """
 
-    def __init__(self, layout: BucketLayout, params: list[nn.Parameter], rank: int):
+    def __init__(
+        self,
+        layout: BucketLayout,
+        params: list[nn.Parameter],
+        rank: int,
+        compute_dtype: torch.dtype | None = None,
+    ):
         assert len(params) == len(layout.slots)
         self.layout = layout
         self.params = params
         self.pieces = layout.pieces(rank)
         self.shard_start, self.shard_end = layout.shard_range(rank)
-        self.data = torch.zeros(layout.padded_numel, dtype=layout.dtype, device=layout.device)
+        full = torch.zeros(layout.padded_numel, dtype=layout.dtype, device=layout.device)
         with torch.no_grad():
             for i, param in enumerate(params):
-                view = self.slot_view(self.data, i)
-                view.copy_(param)
-                param.data = view  # the parameter now lives in the flat buffer
-        self.shard_data = self._make_shard()
+                self.slot_view(full, i).copy_(param)
+        # The master shard is taken before any cast: it keeps the parameters' exact values.
+        cast = compute_dtype not in (None, layout.dtype)
+        self.shard_data = self._make_shard(full, own=cast)
+        self.data = full.to(compute_dtype) if cast else full
+        del full
+        for i, param in enumerate(params):
+            param.data = self.slot_view(self.data, i)  # the parameter now lives in the bucket
         # What this rank's optimizer updates: 1-D views of its shard, one per parameter piece.
         self.param_pieces = self.piece_views(self.shard_data)
 
-    def _make_shard(self) -> torch.Tensor:
-        return self.shard(self.data)
+    def _make_shard(self, full: torch.Tensor, own: bool) -> torch.Tensor:
+        """The master shard: a view of the full buffer, or (mixed precision) a tensor of its own."""
+        return self.shard(full).clone() if own else self.shard(full)
+
+    def refresh_compute_shard(self) -> None:
+        """After a step: cast the updated master shard into the compute copy (mixed precision)."""
+        own = self.shard(self.data)
+        if own.data_ptr() != self.shard_data.data_ptr():
+            own.copy_(self.shard_data)
 
     def slot_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Slot ``i`` of a full-size buffer laid out like ``data``, shaped like its parameter."""

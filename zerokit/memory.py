@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .layout import ParamSpec, plan_buckets
+from .mixed_precision import MixedPrecision
 from .units import plan_units
 
 #: optimizer state tensors per parameter element (fp32), by optimizer name
@@ -39,7 +40,7 @@ def estimate(
     level: str,
     world_size: int,
     *,
-    mixed_precision: bool = False,
+    mixed_precision: bool | MixedPrecision = False,
     optimizer: str = "adam",
     buffer_max_size: int = 2**23,
     segment_size: int = 2**20,
@@ -48,6 +49,11 @@ def estimate(
 
     With a model, padding is that of zerokit's real layout for the level; with a parameter
     count, one padding of fewer than ``world_size`` elements is assumed.
+    ``mixed_precision=True`` is the ZeRO paper's accounting (fp16 parameters and gradients,
+    fp32 master weights, momentum and variance: 2 + 2 + 12 bytes); a ``MixedPrecision``
+    policy gives what zerokit holds with it (``measure`` agrees): the compute copy in
+    ``param_dtype``, fp32 master shards counted with the parameters, and gradients in
+    ``reduce_dtype`` (full at 'os') or as fp32 shards ('os_g', 'p_g_os').
 
     >>> gb = lambda e: round(e.total / 1e9, 1)  # the ZeRO paper's 7.5B model on 64 GPUs
     >>> [gb(estimate(7_500_000_000, lvl, 64, mixed_precision=True)) for lvl in ESTIMATE_LEVELS]
@@ -59,6 +65,11 @@ def estimate(
         raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(STATE_PER_PARAM)}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if isinstance(mixed_precision, MixedPrecision) and mixed_precision.param_dtype is not None:
+        full, shard = _full_and_shard_numel(
+            model_or_num_params, level, world_size, buffer_max_size, segment_size
+        )
+        return _estimate_policy(mixed_precision, level, world_size, full, shard, optimizer)
     param_bytes = grad_bytes = 2 if mixed_precision else 4
     # mixed precision keeps fp32 master weights in the optimizer: 4 bytes more per element
     state_bytes = 4 * STATE_PER_PARAM[optimizer] + (4 if mixed_precision else 0)
@@ -72,6 +83,23 @@ def estimate(
     if level == "os_g":
         return MemoryEstimate(full * param_bytes, shard * grad_bytes, shard * state_bytes)
     return MemoryEstimate(shard * param_bytes, shard * grad_bytes, shard * state_bytes)
+
+
+def _estimate_policy(mp, level, world_size, full, shard, optimizer) -> MemoryEstimate:
+    compute = mp.param_dtype.itemsize
+    reduce = mp.reduce_dtype.itemsize
+    master = 4  # fp32 master weights
+    state = 4 * STATE_PER_PARAM[optimizer]
+    if level == "dp":  # data parallel with fp32 masters beside the compute copy (torch AMP style)
+        return MemoryEstimate(full * (compute + master), full * master, full * state)
+    frozen = full - shard * world_size  # whole on every rank, cast to the compute dtype
+    if level == "p_g_os":  # between steps no compute copy exists: only the master shards
+        return MemoryEstimate(shard * master + frozen * compute, shard * master, shard * state)
+    params = full * compute + shard * master
+    if level == "os_g":
+        return MemoryEstimate(params, shard * master, shard * state)
+    grads = (full - frozen) * reduce + (shard * master if reduce != master else 0)
+    return MemoryEstimate(params, grads, shard * state)
 
 
 def _full_and_shard_numel(model_or_n, level, world_size, buffer_max_size, segment_size):

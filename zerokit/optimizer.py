@@ -50,6 +50,8 @@ class OptimizerShardState:
 
 def gather_params(buckets: list[FlatParamBucket], group: ProcessGroup) -> None:
     """Every rank's updated shard to every rank: full parameters everywhere again."""
+    for bucket in buckets:
+        bucket.refresh_compute_shard()
     pending = [start_all_gather_(bucket.data, group) for bucket in buckets]
     for work in pending:
         work.finish()

@@ -30,9 +30,10 @@ from .grad_sync import BucketedGradSync
 class StagingPool:
     """Reusable buffers of the largest bucket's size; a bucket uses a prefix of one."""
 
-    def __init__(self, buckets: list[FlatParamBucket]):
+    def __init__(self, buckets: list[FlatParamBucket], dtype: torch.dtype | None = None):
         largest = max(buckets, key=lambda b: b.layout.padded_numel).layout
-        self._numel, self._dtype, self._device = largest.padded_numel, largest.dtype, largest.device
+        self._numel, self._device = largest.padded_numel, largest.device
+        self._dtype = dtype or largest.dtype
         self._free: list[torch.Tensor] = []
         self.buffers: list[torch.Tensor] = []  # every buffer ever made, for memory accounting
 
@@ -54,10 +55,17 @@ class StagingPool:
 class ReduceScatterGrads(BucketedGradSync):
     max_in_flight = 1
 
-    def __init__(self, buckets: list[FlatParamBucket], group: ProcessGroup, sync_comm: bool):
+    def __init__(
+        self,
+        buckets: list[FlatParamBucket],
+        group: ProcessGroup,
+        sync_comm: bool,
+        reduce_dtype: torch.dtype | None = None,
+    ):
+        # in the masters' dtype (fp32 under mixed precision), whatever dtype they're reduced in
         self.grad_shards = [torch.zeros_like(b.shard_data) for b in buckets]
         self._full: list[torch.Tensor | None] = [None] * len(buckets)
-        self.staging = StagingPool(buckets) if buckets else None
+        self.staging = StagingPool(buckets, reduce_dtype) if buckets else None
         super().__init__(buckets, group, sync_comm)
 
     def _full_buffer(self, b: int) -> torch.Tensor:

@@ -55,9 +55,14 @@ class ShardedParamBucket(FlatParamBucket):
     """
 
     def __init__(
-        self, layout: BucketLayout, params: list[nn.Parameter], rank: int, group: ProcessGroup
+        self,
+        layout: BucketLayout,
+        params: list[nn.Parameter],
+        rank: int,
+        group: ProcessGroup,
+        compute_dtype: torch.dtype | None = None,
     ):
-        super().__init__(layout, params, rank)
+        super().__init__(layout, params, rank, compute_dtype)
         self.group = group
         self._nbytes = self.data.untyped_storage().nbytes()
         self._empty = self.data.new_empty(0)
@@ -65,8 +70,8 @@ class ShardedParamBucket(FlatParamBucket):
         self.state = ParamState.GATHERED
         self.reshard()
 
-    def _make_shard(self) -> torch.Tensor:
-        return self.shard(self.data).clone()  # a tensor of its own: it outlives the full buffer
+    def _make_shard(self, full: torch.Tensor, own: bool) -> torch.Tensor:
+        return self.shard(full).clone()  # a tensor of its own: it outlives the full buffer
 
     def start_unshard(self) -> None:
         if self.state is not ParamState.SHARDED:
@@ -126,8 +131,8 @@ class ShardedParamGrads(ReduceScatterGrads):
     """Stage 2's gradient reduction, plus: free a unit's full parameters once its gradients are
     on their way, and free everything still gathered when backward ends."""
 
-    def __init__(self, buckets, group, sync_comm, units: list[Unit]):
-        super().__init__(buckets, group, sync_comm)
+    def __init__(self, buckets, group, sync_comm, units: list[Unit], reduce_dtype=None):
+        super().__init__(buckets, group, sync_comm, reduce_dtype)
         self.units = units
         # Buckets start in descending index order and a unit's buckets are contiguous, so a
         # unit's reductions have all started once its lowest-index bucket has.

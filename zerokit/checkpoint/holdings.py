@@ -106,13 +106,13 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
         else:
             names[id(p)] = name
 
-    def meta_of(p: torch.Tensor, local_shape) -> TensorMeta:
+    def meta_of(p: torch.Tensor, local_shape, dtype=None) -> TensorMeta:
         layer_split = split_of.get(id(p))
         split = layer_split[1] if layer_split else None
         shape = list(local_shape)
         if split is not None:
             shape[split.dim] = split.full_size
-        return TensorMeta(tuple(shape), p.dtype, split, tp_rank if split else 0)
+        return TensorMeta(tuple(shape), dtype or p.dtype, split, tp_rank if split else 0)
 
     def is_primary(meta: TensorMeta, whole: bool) -> bool:
         replicated_copy = meta.split is None and tp_rank != 0
@@ -126,13 +126,16 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
             for piece, view in zip(bucket.pieces, bucket.param_pieces):
                 p = bucket.params[piece.slot]
                 name = names[id(p)]
-                meta = meta_of(p, bucket.layout.slots[piece.slot].shape)
+                # the fp32 master under mixed precision, whatever the compute copy's dtype
+                meta = meta_of(p, bucket.layout.slots[piece.slot].shape, bucket.layout.dtype)
                 h.metas[name] = meta
                 chunk = Chunk(name, piece.start, view, is_primary(meta, whole=False))
                 h.chunks.append(chunk)
                 owner[id(view)] = chunk
             for i, p in enumerate(bucket.params):  # a rank may hold no piece of a parameter
-                h.metas.setdefault(names[id(p)], meta_of(p, bucket.layout.slots[i].shape))
+                h.metas.setdefault(
+                    names[id(p)], meta_of(p, bucket.layout.slots[i].shape, bucket.layout.dtype)
+                )
                 sharded.add(id(p))
     # Everything else whole: frozen (or unwrapped) parameters and persistent buffers.
     for p_id, name in names.items():

@@ -1,0 +1,45 @@
+"""``MixedPrecision``: compute in a low-precision copy, keep fp32 master weights as shards.
+
+Note: with a policy, a bucket holds two copies of its parameters. The compute copy
+(``bucket.data``, ``param_dtype``) is what the model's parameters are views of, so forward
+and backward run in it. The master copy is the rank's shard in the parameters' own dtype
+(``bucket.shard_data``, fp32), the only thing the optimizer updates; after each step the
+updated shard is cast into the compute copy, which the all-gather then spreads (stage 3
+gathers the compute dtype directly: half the bytes). Gradients arrive in ``param_dtype`` and
+are reduced in ``reduce_dtype`` into fp32 gradient shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecision:
+    """A mixed-precision policy for ``group_sharded_parallel(..., mixed_precision=...)``.
+
+    >>> MixedPrecision(param_dtype=torch.bfloat16)
+    MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    """
+
+    param_dtype: torch.dtype | None = None
+    """dtype of the compute copy of the parameters (forward and backward run in it), e.g.
+    ``torch.bfloat16`` or ``torch.float16``; None keeps the parameters' own dtype. Frozen
+    floating-point parameters are cast to it too (they have no master copy: they never
+    change); buffers and non-float parameters are left alone."""
+    reduce_dtype: torch.dtype = torch.float32
+    """dtype gradients are averaged across ranks in. fp32 (the default) for accuracy; the
+    ``param_dtype`` halves the gradient bytes sent."""
+
+    def __post_init__(self):
+        for field in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, field)
+            if value is not None and value not in _FLOATS:
+                raise ValueError(
+                    f"MixedPrecision.{field} must be a floating dtype such as torch.bfloat16, "
+                    f"got {value!r}"
+                )

@@ -1,0 +1,112 @@
+"""A dynamic loss scaler for fp16 whose skip decision is agreed across the ZeRO group.
+
+torch's ``GradScaler`` looks for inf/nan in the gradients it can see. Under ZeRO each rank
+sees only its shard of the gradients, so ranks would disagree: one would skip the step and
+another apply it, and the replicas would part. Here the check covers this rank's gradient
+pieces (every element once across the group) and one MAX all-reduce makes the answer the same
+everywhere: every rank skips the same step and halves the scale together.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_reduce_
+
+
+class ShardedGradScaler:
+    """``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` (torch's contract),
+    for an optimizer returned by ``group_sharded_parallel``. Call ``unscale_(opt)`` before
+    ``clip_grad_norm_`` to clip the true gradients."""
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ):
+        self.scale_value = float(init_scale)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval, self.enabled = growth_interval, enabled
+        self._growth_tracker = 0
+        self._unscaled: set[int] = set()
+        self._found_inf: dict[int, bool] = {}
+
+    @classmethod
+    def like(cls, scaler) -> ShardedGradScaler:
+        """The same settings as a ``torch.amp.GradScaler``."""
+        return cls(
+            init_scale=scaler.get_scale() if scaler.is_enabled() else 2.0**16,
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+            enabled=scaler.is_enabled(),
+        )
+
+    def get_scale(self) -> float:
+        return self.scale_value if self.enabled else 1.0
+
+    def is_enabled(self) -> bool:
+        return self.enabled
+
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor:
+        return outputs * self.scale_value if self.enabled else outputs
+
+    def unscale_(self, optimizer) -> None:
+        """Divide this rank's gradients by the scale and agree whether any is inf/nan."""
+        if not self.enabled:
+            return
+        if id(optimizer) in self._unscaled:
+            raise RuntimeError("unscale_() was already called on this optimizer since update()")
+        state = getattr(optimizer, "_zerokit", None)
+        if state is None:
+            raise TypeError(
+                "ShardedGradScaler takes an optimizer returned by group_sharded_parallel"
+            )
+        grad_sync = state.grad_sync
+        grad_sync.check_ready_for_step()
+        inv = 1.0 / self.scale_value
+        for buffer in grad_sync.grads_to_scale():
+            buffer.mul_(inv)
+        grads = [g for _, g in grad_sync.owned_grad_pieces()]
+        device = grad_sync.buckets[0].shard_data.device if grad_sync.buckets else "cpu"
+        found = torch.zeros((), device=device)
+        for g in grads:
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float().to(device))
+        all_reduce_(found, grad_sync.group, op=dist.ReduceOp.MAX)
+        self._unscaled.add(id(optimizer))
+        self._found_inf[id(optimizer)] = bool(found.item())
+
+    def step(self, optimizer, *args, **kwargs):
+        """``optimizer.step()`` unless some rank found inf/nan gradients (then every rank skips)."""
+        if not self.enabled:
+            return optimizer.step(*args, **kwargs)
+        if id(optimizer) not in self._unscaled:
+            self.unscale_(optimizer)
+        if self._found_inf[id(optimizer)]:
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def update(self) -> None:
+        """Halve the scale after a skipped step; grow it after ``growth_interval`` good ones."""
+        if not self.enabled:
+            return
+        if any(self._found_inf.values()):
+            self.scale_value *= self.backoff_factor
+            self._growth_tracker = 0
+        elif self._found_inf:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                self.scale_value *= self.growth_factor
+                self._growth_tracker = 0
+        self._unscaled.clear()
+        self._found_inf.clear()
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale_value, "growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale_value, self._growth_tracker = float(state["scale"]), int(state["growth_tracker"])
