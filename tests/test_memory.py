@@ -103,3 +103,19 @@ def test_estimate_matches_a_float32_adam_step():
     e = estimate(1000, "p_g_os", 4)
     assert (e.params, e.grads, e.optimizer) == (1000, 1000, 2000)
     assert estimate(1001, "p_g_os", 4).params == 4 * 251  # padded to 1004 elements
+
+
+def test_compare_with_bf16_measures_what_it_estimates():
+    report = run_compare(
+        CompareConfig(model="models:tiny_gpt", nproc=2, steps=2, batch=4, mixed_precision="bf16"),
+        progress=lambda _: None,
+    )
+    for row in report["rows"]:
+        m, e = row["measured"], row["estimated"]
+        for category in ("params", "grads", "optimizer"):  # Adam's step counts are extra
+            assert abs(m[category] - e[category]) <= 0.05 * e[category], (row["level"], m, e)
+    rows = {row["level"]: row for row in report["rows"]}
+    # 'os' holds a bf16 compute copy (2 bytes) and a 1/2 fp32 master shard (2 bytes): as
+    # many bytes as fp32 DDP's parameters; 'p_g_os' only the master shard
+    assert rows["os"]["measured"]["params"] == rows["ddp"]["measured"]["params"]
+    assert rows["p_g_os"]["measured"]["params"] == rows["ddp"]["measured"]["params"] // 2

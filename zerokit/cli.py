@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         default=CompareConfig.batch,
         help="global batch in sequences (default %(default)s)",
     )
+    compare.add_argument(
+        "--mixed-precision",
+        choices=["bf16", "fp16"],
+        help="compute in bf16/fp16 with fp32 master shards (DDP: torch.autocast)",
+    )
     compare.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     compare.add_argument("--plot", metavar="PATH", help="also write a stacked bar chart PNG")
     ckpt = commands.add_parser("ckpt", help="inspect or consolidate a zerokit checkpoint")
@@ -75,7 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "ckpt":
         return _ckpt(args)
 
-    cfg = CompareConfig(model=args.model, nproc=args.nproc, steps=args.steps, batch=args.batch)
+    cfg = CompareConfig(
+        model=args.model,
+        nproc=args.nproc,
+        steps=args.steps,
+        batch=args.batch,
+        mixed_precision=args.mixed_precision,
+    )
     try:
         if args.steps < 1:
             raise ValueError(f"--steps must be at least 1, got {args.steps}")

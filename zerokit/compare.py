@@ -28,7 +28,9 @@ from torch.nn.parallel import DistributedDataParallel
 from .api import group_sharded_parallel
 from .launch import spawn_local
 from .memory import PeakMemory, estimate, format_bytes, measure
+from .mixed_precision import MixedPrecision
 from .models.gpt import lm_loss, synthetic_batch
+from .scaler import ShardedGradScaler
 
 LEVELS = ("ddp", "os", "os_g", "p_g_os")
 
@@ -45,6 +47,9 @@ class CompareConfig:
     """Global batch (sequences); split evenly across ranks."""
     seq: int = 32
     """Tokens per sequence."""
+    mixed_precision: str | None = None
+    """'bf16' or 'fp16': zerokit levels compute in it with fp32 master shards (fp16 with a
+    ``ShardedGradScaler``); DDP runs under ``torch.autocast`` with fp32 parameters."""
 
 
 def load_factory(spec: str | None):
@@ -100,25 +105,41 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
     model = build_model(load_factory(cfg.model))
     vocab = probe_vocab(model, cfg.seq)
     model.to(device)
-    estimated = estimate(model, "dp" if level == "ddp" else level, world_size)
+    low = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[cfg.mixed_precision]
+    policy = MixedPrecision(param_dtype=low) if level != "ddp" else MixedPrecision()
+    estimated = estimate(
+        model, "dp" if level == "ddp" else level, world_size, mixed_precision=policy
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = None
     if level == "ddp":
         device_ids = [device.index] if cuda else None
         model = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        if low == torch.float16:
+            scaler = torch.amp.GradScaler(device.type)
     else:
-        model, optimizer, _ = group_sharded_parallel(model, optimizer, level)
+        scaler = ShardedGradScaler() if low == torch.float16 else None
+        model, optimizer, scaler = group_sharded_parallel(
+            model, optimizer, level, scaler=scaler, mixed_precision=policy
+        )
+    autocast = torch.autocast(device.type, dtype=low, enabled=level == "ddp" and low is not None)
     per_rank = cfg.batch // world_size
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     times, measured, loss = [], None, torch.zeros(())
     for step in range(cfg.steps):
         x, y = (t.to(device) for t in synthetic_batch(vocab, cfg.batch, cfg.seq, seed=step))
         start = time.perf_counter()
-        logits = model(x[mine])
-        loss = lm_loss(logits, y[mine])
-        loss.backward()
+        with autocast:
+            logits = model(x[mine])
+        loss = lm_loss(logits.float(), y[mine])
+        (scaler.scale(loss) if scaler else loss).backward()
         if step == cfg.steps - 1:  # what a rank holds with gradients present
             measured = measure(model, optimizer)
-        optimizer.step()
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(device)

@@ -65,11 +65,13 @@ def estimate(
         raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(STATE_PER_PARAM)}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if isinstance(mixed_precision, MixedPrecision) and mixed_precision.param_dtype is not None:
-        full, shard = _full_and_shard_numel(
-            model_or_num_params, level, world_size, buffer_max_size, segment_size
-        )
-        return _estimate_policy(mixed_precision, level, world_size, full, shard, optimizer)
+    if isinstance(mixed_precision, MixedPrecision):
+        if mixed_precision.param_dtype is not None:
+            full, shard = _full_and_shard_numel(
+                model_or_num_params, level, world_size, buffer_max_size, segment_size
+            )
+            return _estimate_policy(mixed_precision, level, world_size, full, shard, optimizer)
+        mixed_precision = False  # a policy that changes nothing
     param_bytes = grad_bytes = 2 if mixed_precision else 4
     # mixed precision keeps fp32 master weights in the optimizer: 4 bytes more per element
     state_bytes = 4 * STATE_PER_PARAM[optimizer] + (4 if mixed_precision else 0)
