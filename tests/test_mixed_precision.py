@@ -244,7 +244,9 @@ def _checkpoint_keeps_fp32_masters(rank, world_size, path):
     for level in ("p_g_os", "os"):
         model = make_model("awkward", seed=len(runs))  # the second one differs until loaded
         opt = make_optimizer("adamw", model)
-        model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, mixed_precision=policy)
+        model, opt, _ = zerokit.group_sharded_parallel(  # offload: a no-op on the CPU
+            model, opt, level, mixed_precision=policy, offload=bool(runs)
+        )
         if not runs:
             _train_sharded(model, opt, None, batches[:2], rank, world_size)
             checkpoint.save(path, model, opt)

@@ -45,6 +45,7 @@ from .units import plan_units
 atexit.register(gc.collect)
 
 LEVELS = ("os", "os_g", "p_g_os")
+_CPU = torch.device("cpu")  # where offload=True keeps master shards and optimizer state
 
 
 def group_sharded_parallel(
@@ -115,11 +116,6 @@ def group_sharded_parallel(
     _check_group_spans_no_tp_pair(model, group)
     named = _trainable_params(model)
     _check_optimizer_params(model, optimizer)
-    if offload and any(p.device.type != "cpu" for _, p in named):
-        raise NotImplementedError(
-            "offload=True with parameters on an accelerator is not implemented yet; on the CPU "
-            "it is a no-op (the master shards and optimizer state are in CPU memory already)"
-        )
 
     if level == "p_g_os":
         plans = plan_units(
@@ -130,10 +126,12 @@ def group_sharded_parallel(
     _cast_frozen_params(model, mixed_precision.param_dtype)
     runtime = None
     if level == "p_g_os":
-        grad_sync, runtime = _build_stage3(model, plans, group, sync_comm, mixed_precision)
+        grad_sync, runtime = _build_stage3(model, plans, group, sync_comm, mixed_precision, offload)
         after_step = runtime.after_step
     else:
-        grad_sync = _build_stage12(level, named, group, buffer_max_size, sync_comm, mixed_precision)
+        grad_sync = _build_stage12(
+            level, named, group, buffer_max_size, sync_comm, mixed_precision, offload
+        )
         after_step = functools.partial(gather_params, grad_sync.buckets, group)
     state = ModuleShardState(level, grad_sync, group, runtime)
     convert_module_(model, state)
@@ -143,11 +141,15 @@ def group_sharded_parallel(
     return model, optimizer, scaler
 
 
-def _build_stage12(level, named, group, buffer_max_size, sync_comm, mp: MixedPrecision):
+def _build_stage12(level, named, group, buffer_max_size, sync_comm, mp: MixedPrecision, offload):
     specs = [ParamSpec(name, tuple(p.shape), p.dtype, p.device) for name, p in named]
     buckets = [
         FlatParamBucket(
-            layout, [named[s.param_index][1] for s in layout.slots], group.rank(), mp.param_dtype
+            layout,
+            [named[s.param_index][1] for s in layout.slots],
+            group.rank(),
+            mp.param_dtype,
+            _CPU if offload else None,
         )
         for layout in plan_buckets(specs, group.size(), buffer_max_size)
     ]
@@ -178,7 +180,7 @@ def _sharded_scaler(scaler):
     )
 
 
-def _build_stage3(model, plans, group, sync_comm, mp: MixedPrecision):
+def _build_stage3(model, plans, group, sync_comm, mp: MixedPrecision, offload):
     units = []
     for plan in plans:  # one bucket per dtype in each unit, whatever its size
         specs = [ParamSpec(n, tuple(p.shape), p.dtype, p.device) for n, p in plan.params]
@@ -190,6 +192,7 @@ def _build_stage3(model, plans, group, sync_comm, mp: MixedPrecision):
                 group.rank(),
                 group,
                 mp.param_dtype,
+                _CPU if offload else None,
             )
             for layout in layouts
         ]

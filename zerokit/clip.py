@@ -47,6 +47,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     total = torch.zeros((), device=device)
     if parts:
         total = torch.stack(parts).max() if is_max else torch.stack(parts).sum()
+    if state is not None and state.grad_sync.buckets:  # offloaded shards: reduce on the GPU
+        total = total.to(state.grad_sync.buckets[0].data.device)
     for group in groups:
         all_reduce_(total, group, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM)
     if not is_max:

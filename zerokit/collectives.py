@@ -92,6 +92,7 @@ def start_reduce_scatter_mean(
     def epilogue() -> None:
         reduced = chunks_in.sum(dim=0) if chunks_in.shape[0] > 1 else chunks_in[0]
         reduced = reduced.div(size) if size > 1 else reduced
+        reduced = reduced.to(shard.device)  # offload: the gradient shard is in CPU memory
         shard.add_(reduced) if accumulate else shard.copy_(reduced)
 
     return Pending(works, epilogue)

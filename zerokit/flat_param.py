@@ -28,6 +28,7 @@ class FlatParamBucket:
         params: list[nn.Parameter],
         rank: int,
         compute_dtype: torch.dtype | None = None,
+        master_device: torch.device | None = None,
     ):
         assert len(params) == len(layout.slots)
         self.layout = layout
@@ -40,7 +41,8 @@ class FlatParamBucket:
                 self.slot_view(full, i).copy_(param)
         # The master shard is taken before any cast: it keeps the parameters' exact values.
         cast = compute_dtype not in (None, layout.dtype)
-        self.shard_data = self._make_shard(full, own=cast)
+        device = master_device or layout.device  # offload: the master shard lives in CPU memory
+        self.shard_data = self._make_shard(full, own=cast or device != full.device, device=device)
         self.data = full.to(compute_dtype) if cast else full
         del full
         for i, param in enumerate(params):
@@ -48,9 +50,10 @@ class FlatParamBucket:
         # What this rank's optimizer updates: 1-D views of its shard, one per parameter piece.
         self.param_pieces = self.piece_views(self.shard_data)
 
-    def _make_shard(self, full: torch.Tensor, own: bool) -> torch.Tensor:
-        """The master shard: a view of the full buffer, or (mixed precision) a tensor of its own."""
-        return self.shard(full).clone() if own else self.shard(full)
+    def _make_shard(self, full: torch.Tensor, own: bool, device: torch.device) -> torch.Tensor:
+        """The master shard: a view of the full buffer, or (mixed precision, offload) a tensor
+        of its own."""
+        return self.shard(full).to(device, copy=True) if own else self.shard(full)
 
     def refresh_compute_shard(self) -> None:
         """After a step: cast the updated master shard into the compute copy (mixed precision)."""

@@ -120,7 +120,7 @@ class BucketedGradSync:
     def _end_of_backward(self) -> None:
         self._launch_ready_buckets(force=True)
         # on the buckets' device: NCCL reduces CUDA tensors only
-        device = self.buckets[0].shard_data.device
+        device = self.buckets[0].data.device  # not shard_data's: offload keeps that on the CPU
         contributed = torch.cat(self._contributed).to(device=device, dtype=torch.uint8)
         all_reduce_(contributed, self.group, op=dist.ReduceOp.MAX)
         for pending in self._in_flight:

@@ -72,7 +72,8 @@ class ShardedGradScaler:
         for buffer in grad_sync.grads_to_scale():
             buffer.mul_(inv)
         grads = [g for _, g in grad_sync.owned_grad_pieces()]
-        device = grad_sync.buckets[0].shard_data.device if grad_sync.buckets else "cpu"
+        # where the group communicates (NCCL: the GPU), even if the shards are offloaded
+        device = grad_sync.buckets[0].data.device if grad_sync.buckets else "cpu"
         found = torch.zeros((), device=device)
         for g in grads:
             found = torch.maximum(found, (~torch.isfinite(g)).any().float().to(device))

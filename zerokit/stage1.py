@@ -34,7 +34,9 @@ class AllReduceGrads(BucketedGradSync):
         # Mixed precision: the optimizer's pieces are fp32 masters; if gradients are reduced
         # in another dtype, the pieces get fp32 copies of their shard of the reduced buffer.
         self.piece_grad_shards = [
-            buf_shard if buf_shard.dtype == b.shard_data.dtype else torch.zeros_like(b.shard_data)
+            buf_shard
+            if (buf_shard.dtype, buf_shard.device) == (b.shard_data.dtype, b.shard_data.device)
+            else torch.zeros_like(b.shard_data)
             for b, buf_shard in ((b, b.shard(g)) for b, g in zip(buckets, self.grad_buffers))
         ]
         super().__init__(buckets, group, sync_comm)

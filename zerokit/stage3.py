@@ -61,8 +61,9 @@ class ShardedParamBucket(FlatParamBucket):
         rank: int,
         group: ProcessGroup,
         compute_dtype: torch.dtype | None = None,
+        master_device: torch.device | None = None,
     ):
-        super().__init__(layout, params, rank, compute_dtype)
+        super().__init__(layout, params, rank, compute_dtype, master_device)
         self.group = group
         self._nbytes = self.data.untyped_storage().nbytes()
         self._empty = self.data.new_empty(0)
@@ -70,8 +71,9 @@ class ShardedParamBucket(FlatParamBucket):
         self.state = ParamState.GATHERED
         self.reshard()
 
-    def _make_shard(self, full: torch.Tensor, own: bool) -> torch.Tensor:
-        return self.shard(full).clone()  # a tensor of its own: it outlives the full buffer
+    def _make_shard(self, full: torch.Tensor, own: bool, device: torch.device) -> torch.Tensor:
+        # a tensor of its own: it outlives the full buffer
+        return self.shard(full).to(device, copy=True)
 
     def start_unshard(self) -> None:
         if self.state is not ParamState.SHARDED:
