@@ -1,0 +1,152 @@
+"""Checkpoint save and load time and size: zerokit's sharded safetensors checkpoints (same
+level, and resharded to another level) beside torch.distributed.checkpoint (DCP) with FSDP2
+and a rank-0 torch.save of DDP's full state, side by side in one run on gloo CPU ranks.
+
+    python benchmarks/checkpoint.py            # 27M-parameter GPT + AdamW state, 2 ranks
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import zerokit
+from zerokit.launch import spawn_local
+from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
+
+
+def _stepped(runner: str, base, x, y):
+    """A model and optimizer of ``runner`` after one step (so the optimizer has state)."""
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if runner == "fsdp2":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif runner == "ddp":
+        model = DistributedDataParallel(model)
+    else:
+        model, opt, _ = zerokit.group_sharded_parallel(model, opt, runner)
+    lm_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _dir_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def worker(rank: int, world_size: int, args) -> None:
+    cfg = GPTConfig(vocab_size=4096, block_size=128, n_layer=args.layers, n_head=8, n_embd=512)
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    x, y = synthetic_batch(cfg.vocab_size, 2, 128, seed=rank)
+    root = tempfile.mkdtemp(prefix="zk-bench-") if rank == 0 else None
+    holder = [root]
+    dist.broadcast_object_list(holder)  # benchmark plumbing only; zerokit never pickles
+    root = holder[0]
+    rows = []
+
+    def zerokit_case(save_level: str, load_level: str):
+        model, opt = _stepped(save_level, base, x, y)
+        target, target_opt = _stepped(load_level, base, x, y)
+        path = os.path.join(root, f"zk-{save_level}")
+        return (
+            lambda: zerokit.checkpoint.save(path, model, opt),
+            lambda: zerokit.checkpoint.load(path, target, target_opt),
+            path,
+        )
+
+    def dcp_case():
+        model, opt = _stepped("fsdp2", base, x, y)
+        path = os.path.join(root, "dcp")
+
+        def save():
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+        def load():
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(
+                model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            )
+
+        return save, load, path
+
+    def torch_save_case():
+        model, opt = _stepped("ddp", base, x, y)
+        path = os.path.join(root, "full.pt")
+
+        def save():
+            if rank == 0:
+                torch.save({"model": model.module.state_dict(), "optim": opt.state_dict()}, path)
+
+        def load():
+            state = torch.load(path, weights_only=True)
+            model.module.load_state_dict(state["model"])
+            opt.load_state_dict(state["optim"])
+
+        return save, load, path
+
+    cases = {
+        "zerokit os -> os": lambda: zerokit_case("os", "os"),
+        "zerokit p_g_os -> p_g_os": lambda: zerokit_case("p_g_os", "p_g_os"),
+        "zerokit p_g_os -> os": lambda: zerokit_case("p_g_os", "os"),
+        "DCP + FSDP2": dcp_case,
+        "torch.save (rank 0, DDP)": torch_save_case,
+    }
+    for name, make in cases.items():
+        save, load, path = make()
+        saves, loads = [], []
+        for _ in range(args.repeats):
+            saves.append(_timed(save))
+            loads.append(_timed(load))
+        rows.append((name, statistics.median(saves), statistics.median(loads), _dir_bytes(path)))
+    if rank == 0:
+        n = sum(p.numel() for p in base.parameters())
+        print(f"GPT {n / 1e6:.1f}M params + AdamW state, {world_size} gloo ranks, {root}")
+        print(f"{'checkpoint':<28}{'save s':>8}{'load s':>8}{'MiB':>8}")
+        for name, s, ld, size in rows:
+            print(f"{name:<28}{s:>8.3f}{ld:>8.3f}{size / 2**20:>8.1f}")
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    spawn_local(worker, args.nproc, args)
+
+
+if __name__ == "__main__":
+    main()
