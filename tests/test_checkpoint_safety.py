@@ -200,7 +200,7 @@ _KILLED_SAVE = textwrap.dedent(
         os.kill(os.getpid(), signal.SIGKILL)
 
     if phase == "writing a shard":
-        save_module.save_file = die
+        save_module.write_safetensors = die
     else:  # after the n-th rename of the commit: 1 = index in place, 2 = old checkpoint moved
         calls, real_replace = [], os.replace
 
@@ -253,7 +253,7 @@ def _one_rank_fails(rank, world_size, path):
         def disk_full(*args, **kwargs):
             raise OSError(28, "No space left on device")
 
-        saving.save_file = disk_full
+        saving.write_safetensors = disk_full
     with pytest.raises(CheckpointError, match=r"rank 1: writing its shard failed: .*No space left"):
         checkpoint.save(path, sharded(2.0))
     loaded = nn.Linear(8, 8)

@@ -11,14 +11,12 @@ import json
 import math
 import os
 import re
-import struct
-
-import torch
 
 from ..memory import format_bytes
 from .holdings import OPTIM_PREFIX
-from .index import _ST_DTYPES, CheckpointError, CheckpointReader, dtype_from_name, read_index
+from .index import CheckpointError, CheckpointReader, dtype_from_name, read_index
 from .loading import resolve
+from .streaming import write_safetensors
 
 
 def _nbytes(entry: dict) -> int:
@@ -26,30 +24,16 @@ def _nbytes(entry: dict) -> int:
 
 
 def _write_safetensors(path: str, names: list[str], index: dict, reader, metadata: dict) -> None:
-    header, offset = {}, 0
-    for name in names:
-        entry = index["tensors"][name]
-        size = _nbytes(entry)
-        header[name] = {
-            "dtype": _ST_DTYPES[entry["dtype"]].upper(),
-            "shape": entry["shape"],
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    header["__metadata__"] = metadata
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name in names:
-            tensor = reader.read_full(name).contiguous()
-            f.write(tensor.view(-1).view(torch.uint8).numpy().tobytes())
-            del tensor
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    entries = [
+        (
+            name,
+            dtype_from_name(index["tensors"][name]["dtype"], name),
+            index["tensors"][name]["shape"],
+            lambda name=name: reader.read_full(name),  # one tensor in memory at a time
+        )
+        for name in names
+    ]
+    write_safetensors(path, entries, metadata)
 
 
 def parse_size(text: str) -> int:

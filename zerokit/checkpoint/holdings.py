@@ -99,12 +99,12 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
         "zero_group_size": group_size,
     }
 
-    names = {}
+    names, params = {}, {}  # id(parameter) -> its first name, the parameter
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in names:
             h.aliases[name] = names[id(p)]
         else:
-            names[id(p)] = name
+            names[id(p)], params[id(p)] = name, p
 
     def meta_of(p: torch.Tensor, local_shape, dtype=None) -> TensorMeta:
         layer_split = split_of.get(id(p))
@@ -140,7 +140,7 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
     # Everything else whole: frozen (or unwrapped) parameters and persistent buffers.
     for p_id, name in names.items():
         if p_id not in sharded:
-            p = next(p for p in model.parameters() if id(p) == p_id)
+            p = params[p_id]
             meta = meta_of(p, p.shape)
             h.metas[name] = meta
             chunk = Chunk(name, 0, p.detach().view(-1), is_primary(meta, whole=True))

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..tensor_parallel.topology import TPSplit
+from .streaming import SAFETENSORS_DTYPES
 
 FORMAT = "zerokit-checkpoint"
 FORMAT_VERSION = 1
@@ -162,9 +163,8 @@ class CheckpointReader:
         if piece["key"] not in keys:
             raise CheckpointError(f"{path}: has no {piece['key']!r} (piece of {tensor})")
         sl = handle.get_slice(piece["key"])
-        if sl.get_shape() != [piece["numel"]] or sl.get_dtype().lower() != _st_dtype(
-            entry["dtype"]
-        ):
+        dtype = SAFETENSORS_DTYPES.get(dtype_from_name(entry["dtype"], tensor))
+        if sl.get_shape() != [piece["numel"]] or sl.get_dtype() != dtype:
             raise CheckpointError(
                 f"{path}: {piece['key']!r} is {sl.get_dtype()} {sl.get_shape()}, the index says "
                 f"{entry['dtype']} [{piece['numel']}] (piece of {tensor})"
@@ -193,21 +193,3 @@ class CheckpointReader:
             shape[split.dim] = split.local_size(t)
             parts.append(self.read_part(name, t, 0, part_numel(entry, t)).view(shape))
         return split.assemble(parts)
-
-
-_ST_DTYPES = {
-    "float64": "f64",
-    "float32": "f32",
-    "float16": "f16",
-    "bfloat16": "bf16",
-    "int64": "i64",
-    "int32": "i32",
-    "int16": "i16",
-    "int8": "i8",
-    "uint8": "u8",
-    "bool": "bool",
-}
-
-
-def _st_dtype(name: str) -> str:
-    return _ST_DTYPES.get(name, name)

@@ -17,7 +17,6 @@ import shutil
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from torch import nn
 
 from ..collectives import all_gather_bytes
@@ -29,9 +28,9 @@ from .index import (
     CheckpointError,
     _check_tensor,
     dtype_name,
-    sha256_of,
     split_to_json,
 )
+from .streaming import write_safetensors
 
 TMP_SUFFIX = ".zerokit-tmp"
 OLD_SUFFIX = ".zerokit-old"
@@ -62,22 +61,24 @@ def _fsync_dir(path: str) -> None:
 
 
 def _write_shard(tmp: str, h: Holdings) -> dict:
-    """This rank's file and what the index needs to know of it."""
+    """This rank's file (written straight from the shards, hashed on the way) and what the
+    index needs to know of it."""
     rank = _rank()
     chunks = [c for c in h.chunks if c.primary and c.tensor.numel() > 0]
     fname = f"rank{rank:05d}.safetensors"
-    pieces, tensors = [], {}
-    for c in chunks:
-        key = f"{c.name}@{c.start}"
-        tensors[key] = c.tensor.detach().to("cpu", copy=True).contiguous()
-        pieces.append({"name": c.name, "key": key, "start": c.start, "numel": c.tensor.numel()})
+    pieces = [
+        {"name": c.name, "key": f"{c.name}@{c.start}", "start": c.start, "numel": c.tensor.numel()}
+        for c in chunks
+    ]
     info = {"pieces": pieces, "file": None}
-    if tensors:
-        path = os.path.join(tmp, fname)
-        save_file(tensors, path, metadata={"format": FORMAT, "rank": str(rank)})
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-        info["file"] = {"name": fname, "size": os.path.getsize(path), "sha256": sha256_of(path)}
+    if chunks:
+        entries = [
+            (p["key"], c.tensor.dtype, [p["numel"]], lambda c=c: c.tensor)
+            for p, c in zip(pieces, chunks)
+        ]
+        metadata = {"format": FORMAT, "rank": str(rank)}
+        size, sha256 = write_safetensors(os.path.join(tmp, fname), entries, metadata)
+        info["file"] = {"name": fname, "size": size, "sha256": sha256}
     return info
 
 
