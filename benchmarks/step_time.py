@@ -3,18 +3,21 @@ by side in one run on gloo CPU ranks, alternating so every runner sees the same 
 
     python benchmarks/step_time.py                       # 27M-parameter GPT, 2 ranks, AdamW
     MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/step_time.py   # freed memory back to the OS
+    python benchmarks/step_time.py --mixed-precision bf16   # zerokit and FSDP2 policies,
+                                                            # DDP/ZeRO-1/local under autocast
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -27,7 +30,7 @@ from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
 RUNNERS = ("ddp", "zero_redundancy", "fsdp2", "os", "os_g", "p_g_os", "local")
 
 
-def build(runner: str, base: torch.nn.Module, lr: float, bucket_elems: int = 2**23):
+def build(runner: str, base: torch.nn.Module, lr: float, bucket_elems: int = 2**23, low=None):
     model = copy.deepcopy(base)
     if runner == "local":
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
@@ -35,16 +38,20 @@ def build(runner: str, base: torch.nn.Module, lr: float, bucket_elems: int = 2**
         model = DistributedDataParallel(model, gradient_as_bucket_view=True)
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
     if runner == "fsdp2":  # fully_shard per block plus the root, as the issue asks
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
     if runner == "zero_redundancy":
         model = DistributedDataParallel(model, gradient_as_bucket_view=True)
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=lr)
         return model, opt
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model, opt, _ = zerokit.group_sharded_parallel(model, opt, runner, buffer_max_size=bucket_elems)
+    policy = zerokit.MixedPrecision(param_dtype=low)
+    model, opt, _ = zerokit.group_sharded_parallel(
+        model, opt, runner, buffer_max_size=bucket_elems, mixed_precision=policy
+    )
     return model, opt
 
 
@@ -58,9 +65,13 @@ def loopback_tx_bytes() -> int:
     return 0
 
 
-def train_step(model, opt, x, y) -> float:
-    logits = model(x)
-    loss = lm_loss(logits, y)
+AUTOCAST = ("ddp", "zero_redundancy", "local")  # no policy of their own: torch.autocast
+
+
+def train_step(model, opt, x, y, autocast=None) -> float:
+    with autocast or contextlib.nullcontext():
+        logits = model(x)
+    loss = lm_loss(logits.float(), y)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -75,13 +86,19 @@ def worker(rank: int, world_size: int, args) -> None:
     base = GPT(cfg)
     n_params = sum(p.numel() for p in base.parameters())
     runners = args.runners.split(",")
-    built = {r: build(r, base, 1e-4, args.bucket_elems) for r in runners}
+    low = {"bf16": torch.bfloat16, None: None}[args.mixed_precision]
+    built = {r: build(r, base, 1e-4, args.bucket_elems, low) for r in runners}
+    autocast = {
+        r: torch.autocast("cpu", dtype=low) if low is not None and r in AUTOCAST else None
+        for r in runners
+    }
     x, y = synthetic_batch(cfg.vocab_size, args.batch, args.seq, seed=rank)
     memory = {}
     for r, (model, opt) in built.items():  # warm-up; measure held bytes after a step + backward
-        train_step(model, opt, x, y)
-        logits = model(x)
-        lm_loss(logits, y).backward()
+        train_step(model, opt, x, y, autocast[r])
+        with autocast[r] or contextlib.nullcontext():
+            logits = model(x)
+        lm_loss(logits.float(), y).backward()
         m = measure(model, opt)
         memory[r] = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer}
         opt.zero_grad(set_to_none=True)
@@ -94,7 +111,7 @@ def worker(rank: int, world_size: int, args) -> None:
             for _ in range(args.steps):
                 dist.barrier()
                 start = time.perf_counter()
-                train_step(model, opt, x, y)
+                train_step(model, opt, x, y, autocast[r])
                 times[r].append(time.perf_counter() - start)
             dist.barrier()
             sent[r] += loopback_tx_bytes() - before
@@ -109,7 +126,8 @@ def worker(rank: int, world_size: int, args) -> None:
     steps = args.rounds * args.steps
     param_bytes = n_params * 4
     print(
-        f"GPT {n_params / 1e6:.1f}M params, {world_size} gloo ranks, AdamW fp32, batch "
+        f"GPT {n_params / 1e6:.1f}M params, {world_size} gloo ranks, AdamW "
+        f"{args.mixed_precision or 'fp32'}, batch "
         f"{args.batch}x{args.seq} per rank, zerokit buckets of {args.bucket_elems} elements"
     )
     print(
@@ -143,6 +161,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--bucket-elems", type=int, default=2**21, help="zerokit buffer_max_size")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--mixed-precision", choices=["bf16"], help="compute in bf16")
     p.add_argument("--steps", type=int, default=3, help="timed steps per runner per round")
     args = p.parse_args()
     spawn_local(worker, args.nproc, args)
