@@ -14,7 +14,7 @@ from zerokit.memory import MemoryEstimate, estimate
 def test_estimate_reproduces_the_zero_paper():
     # ZeRO paper, Figure 1: 7.5B parameters, 64 GPUs, mixed-precision Adam (2 + 2 + 12 bytes)
     gb = {
-        lvl: estimate(7_500_000_000, lvl, 64, mixed_precision=True).total / 1e9
+        lvl: estimate(7_500_000_000, lvl, 64, mixed_precision=True, paper=True).total / 1e9
         for lvl in ("dp", "os", "os_g", "p_g_os")
     }
     assert {k: round(v, 1) for k, v in gb.items()} == {

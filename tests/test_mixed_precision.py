@@ -176,8 +176,10 @@ def _equivalence(rank, world_size, dtype_name):
                 for bucket in model._zerokit.grad_sync.buckets:
                     own = bucket.shard(bucket.data)
                     assert torch.equal(own, bucket.shard_data.to(dtype)), f"{what}: stale copy"
-            want = estimate(  # from the unwrapped twin: stage-3 parameters are empty now
-                ref, level, world_size, mixed_precision=policy, optimizer=opt_kind, **SMALL[level]
+            # from the unwrapped twin: stage-3 parameters are empty now; True means bf16
+            mp = True if dtype == torch.bfloat16 else policy
+            want = estimate(
+                ref, level, world_size, mixed_precision=mp, optimizer=opt_kind, **SMALL[level]
             )
             got = measure(model, opt)
             assert (got.params, got.grads) == (want.params, want.grads), f"{what}: {got} {want}"

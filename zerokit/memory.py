@@ -41,6 +41,7 @@ def estimate(
     world_size: int,
     *,
     mixed_precision: bool | MixedPrecision = False,
+    paper: bool = False,
     optimizer: str = "adam",
     buffer_max_size: int = 2**23,
     segment_size: int = 2**20,
@@ -49,15 +50,19 @@ def estimate(
 
     With a model, padding is that of zerokit's real layout for the level; with a parameter
     count, one padding of fewer than ``world_size`` elements is assumed.
-    ``mixed_precision=True`` is the ZeRO paper's accounting (fp16 parameters and gradients,
-    fp32 master weights, momentum and variance: 2 + 2 + 12 bytes); a ``MixedPrecision``
-    policy gives what zerokit holds with it (``measure`` agrees): the compute copy in
-    ``param_dtype``, fp32 master shards counted with the parameters, and gradients in
-    ``reduce_dtype`` (full at 'os') or as fp32 shards ('os_g', 'p_g_os').
+    ``mixed_precision``: a ``MixedPrecision`` policy (``True``: bf16 compute, fp32
+    reduction) gives what zerokit holds with it, as ``measure`` counts it: the compute copy in
+    ``param_dtype`` and the fp32 master shard under parameters, gradients in ``reduce_dtype``
+    (full at 'os') or as fp32 shards ('os_g', 'p_g_os'). ``paper=True`` instead follows the
+    ZeRO paper's accounting, which assumes fp16 gradients: 2 + 2 + 12 bytes per parameter in
+    mixed precision, 4 + 4 + 8 in fp32.
 
     >>> gb = lambda e: round(e.total / 1e9, 1)  # the ZeRO paper's 7.5B model on 64 GPUs
-    >>> [gb(estimate(7_500_000_000, lvl, 64, mixed_precision=True)) for lvl in ESTIMATE_LEVELS]
+    >>> [gb(estimate(7_500_000_000, lvl, 64, mixed_precision=True, paper=True))
+    ...  for lvl in ESTIMATE_LEVELS]
     [120.0, 31.4, 16.6, 1.9]
+    >>> [gb(estimate(7_500_000_000, lvl, 64, mixed_precision=True)) for lvl in ESTIMATE_LEVELS]
+    [135.0, 46.4, 16.9, 1.9]
     """
     if level not in ESTIMATE_LEVELS:
         raise ValueError(f"unknown level {level!r}; valid: {', '.join(ESTIMATE_LEVELS)}")
@@ -65,6 +70,8 @@ def estimate(
         raise ValueError(f"unknown optimizer {optimizer!r}; valid: {', '.join(STATE_PER_PARAM)}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if mixed_precision is True and not paper:
+        mixed_precision = MixedPrecision(param_dtype=torch.bfloat16)
     if isinstance(mixed_precision, MixedPrecision):
         if mixed_precision.param_dtype is not None:
             full, shard = _full_and_shard_numel(
