@@ -238,6 +238,28 @@ def _dp_x_tp(rank, world_size):
     for level in zerokit.LEVELS:
         _check_training(layout, "gpt", level)
     _check_training(layout, "net", "os_g")
+    _overflow_on_one_tp_rank(layout)
+
+
+def _overflow_on_one_tp_rank(layout):
+    """fp16 under tp: an inf on one rank's slice makes all four ranks skip the step."""
+    _, model, loss_fn = _make_pair("gpt")
+    policy = zerokit.MixedPrecision(param_dtype=torch.float16)
+    model, opt, scaler = zerokit.group_sharded_parallel(
+        model, _adamw(model), "os_g", group=layout.dp_group, mixed_precision=policy,
+        scaler=zerokit.ShardedGradScaler(init_scale=64.0),
+    )  # fmt: skip
+    x, y = global_batches(1, 4, vocab=VOCAB)[0]
+    mine = slice(2 * layout.dp_rank, 2 * layout.dp_rank + 2)
+    scaler.scale(loss_fn(model(x[mine]), y[mine])).backward()
+    if torch.distributed.get_rank() == 1:  # tp rank 1 of dp rank 0 only
+        opt._zerokit.grad_sync.owned_grad_pieces()[0][1].fill_(float("inf"))
+    before = [p.clone() for g in opt.param_groups for p in g["params"]]
+    scaler.step(opt)
+    scaler.update()
+    after = [p for g in opt.param_groups for p in g["params"]]
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "a rank stepped"
+    assert scaler.get_scale() == 32.0
 
 
 def test_dp2_x_tp2_every_level_matches_one_process():

@@ -138,6 +138,9 @@ def group_sharded_parallel(
     if sync_buffers:
         register_buffer_sync(model, state)
     shard_optimizer_(optimizer, grad_sync.buckets, grad_sync, after_step)
+    tp_group = tp_group_of(model)
+    if tp_group is not None and tp_group.size() > 1:
+        optimizer._zerokit.agree_groups.append(tp_group)
     return model, optimizer, scaler
 
 

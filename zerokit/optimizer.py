@@ -46,6 +46,9 @@ class OptimizerShardState:
         self.grad_sync = grad_sync
         self.after_step = after_step  # what a level does once the shards are updated
         self.group_params = group_params  # each param group's whole parameters, as given
+        # groups a per-step decision (the scaler's inf/nan skip) must be agreed over: the ZeRO
+        # group, and the tp group when tensor-parallel ranks hold different gradients
+        self.agree_groups = [grad_sync.group]
 
 
 def gather_params(buckets: list[FlatParamBucket], group: ProcessGroup) -> None:

@@ -4,7 +4,9 @@ torch's ``GradScaler`` looks for inf/nan in the gradients it can see. Under ZeRO
 sees only its shard of the gradients, so ranks would disagree: one would skip the step and
 another apply it, and the replicas would part. Here the check covers this rank's gradient
 pieces (every element once across the group) and one MAX all-reduce makes the answer the same
-everywhere: every rank skips the same step and halves the scale together.
+everywhere: every rank skips the same step and halves the scale together. With tensor
+parallelism, tp ranks hold different gradients too, so the flag is also reduced over the tp
+group.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class ShardedGradScaler:
         found = torch.zeros((), device=device)
         for g in grads:
             found = torch.maximum(found, (~torch.isfinite(g)).any().float().to(device))
-        all_reduce_(found, grad_sync.group, op=dist.ReduceOp.MAX)
+        for group in state.agree_groups:  # every rank of the ZeRO group (and tp group) skips
+            all_reduce_(found, group, op=dist.ReduceOp.MAX)
         self._unscaled.add(id(optimizer))
         self._found_inf[id(optimizer)] = bool(found.item())
 
