@@ -233,8 +233,35 @@ def _overflow_on_one_rank(rank, world_size):
         _train_sharded(model, opt, scaler, batches[:1], rank, world_size)  # training goes on
 
 
+def _state_dict_is_the_fp32_masters(rank, world_size):
+    policy = zerokit.MixedPrecision(param_dtype=torch.bfloat16)
+    batches = global_batches(2, batch=4 * world_size)
+    for level in zerokit.LEVELS:
+        model = make_model("awkward")
+        opt = make_optimizer("adamw", model)
+        model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, mixed_precision=policy)
+        _train_sharded(model, opt, None, batches, rank, world_size)
+        state = model.state_dict()  # gathered from the masters, not the bf16 compute copy
+        for name, pieces in _masters(model).items():
+            assert state[name].dtype == torch.float32, f"level={level}: {name}"
+            for start, view in pieces:
+                assert torch.equal(state[name].reshape(-1)[start : start + view.numel()], view)
+        assert torch.equal(state["head.weight"], state["emb.weight"])  # the tied alias too
+        fresh = make_model("awkward", seed=5).state_dict()
+        model.load_state_dict(fresh)  # must reach the masters, or the next step undoes it
+        for name, pieces in _masters(model).items():
+            for start, view in pieces:
+                assert torch.equal(view, fresh[name].reshape(-1)[start : start + view.numel()])
+        reloaded = model.state_dict()
+        assert all(torch.equal(reloaded[k], fresh[k].to(reloaded[k].dtype)) for k in fresh)
+
+
 def test_an_overflow_on_one_rank_makes_every_rank_skip():
     run_distributed(_overflow_on_one_rank, 3)
+
+
+def test_state_dict_and_load_state_dict_see_the_fp32_masters():
+    run_distributed(_state_dict_is_the_fp32_masters, 3)
 
 
 def _checkpoint_keeps_fp32_masters(rank, world_size, path):

@@ -1,0 +1,76 @@
+"""``state_dict`` / ``load_state_dict`` in terms of the fp32 master weights.
+
+Note: under mixed precision (or offload) the parameters the model sees are the compute copy
+(bf16), while the values that train are the fp32 master shards. So a state dict must be
+gathered from the masters (a bf16 copy would lose precision), and a load must write the
+masters (else the next step would overwrite the loaded values with stale ones). Collective:
+``model.state_dict()`` all-gathers each bucket's master shards.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .collectives import start_all_gather_
+from .flat_param import FlatParamBucket
+
+
+def has_own_masters(bucket: FlatParamBucket) -> bool:
+    """Is the master shard a tensor apart from the compute copy (mixed precision, offload)?"""
+    return (bucket.data.dtype, bucket.data.device) != (
+        bucket.shard_data.dtype,
+        bucket.shard_data.device,
+    )
+
+
+class MasterStateDict:
+    """The two hooks, registered on the model when any bucket has masters of its own."""
+
+    def __init__(self, model: nn.Module, buckets: list[FlatParamBucket], group):
+        self.buckets = [b for b in buckets if has_own_masters(b)]
+        self.group = group
+        aliases: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        self.names = aliases  # id(parameter) -> every name it has
+        # after stage 3's hooks, which gather (state_dict) or copy back (load) the compute copy
+        self.handles = [
+            model.register_state_dict_post_hook(_bound(self._state_dict)),
+            model.register_load_state_dict_pre_hook(self._load),
+        ]
+
+    def _state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+        for bucket in self.buckets:  # [padded] fp32, on the device the group communicates on
+            full = torch.empty(
+                bucket.layout.padded_numel, dtype=bucket.shard_data.dtype, device=bucket.data.device
+            )
+            bucket.shard(full).copy_(bucket.shard_data)
+            start_all_gather_(full, self.group).finish()
+            for i, param in enumerate(bucket.params):
+                for name in self.names[id(param)]:
+                    state_dict[prefix + name] = bucket.slot_view(full, i)
+
+    def _load(self, module, state_dict, prefix, *args) -> None:
+        with torch.no_grad():
+            for bucket in self.buckets:
+                for piece, master in zip(bucket.pieces, bucket.param_pieces):
+                    slot = bucket.layout.slots[piece.slot]
+                    value = next(
+                        (
+                            state_dict[prefix + n]
+                            for n in self.names[id(bucket.params[piece.slot])]
+                            if prefix + n in state_dict
+                        ),
+                        None,
+                    )
+                    if value is not None and tuple(value.shape) == tuple(slot.shape):
+                        master.copy_(value.reshape(-1)[piece.start : piece.end])
+
+
+def _bound(method):
+    # torch tags a state_dict post hook with an attribute, which a bound method cannot take
+    def hook(*args):
+        return method(*args)
+
+    return hook
