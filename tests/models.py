@@ -107,13 +107,22 @@ def train_reference(model: nn.Module, opt, batches) -> list[float]:
     return losses
 
 
-def train_sharded(model: nn.Module, opt, batches, rank: int, world_size: int) -> list[float]:
-    """Each rank trains on its slice; returns the global loss (mean of the ranks' losses)."""
+def train_sharded(
+    model: nn.Module, opt, batches, rank: int, world_size: int, scaler=None
+) -> list[float]:
+    """Each rank trains on its slice; returns the global loss (mean of the ranks' losses).
+    The loss is taken in fp32 (a no-op for fp32 logits), scaled when there is a ``scaler``."""
     losses = []
     for x, y in batches:
-        loss = loss_fn(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size))
-        loss.backward()
-        opt.step()
+        x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        loss = loss_fn(model(x).float(), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)

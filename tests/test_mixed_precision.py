@@ -28,6 +28,7 @@ from models import (
     make_model,
     make_optimizer,
     train_reference,
+    train_sharded,
 )
 
 import zerokit
@@ -74,22 +75,6 @@ def _train_reference(master, opt, batches, dtype, loss_scale):
     return losses
 
 
-def _train_sharded(model, opt, scaler, batches, rank, world_size):
-    losses = []
-    for x, y in batches:
-        x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
-        loss = loss_fn(model(x).float(), y)
-        (scaler.scale(loss) if scaler else loss).backward()
-        scaler.step(opt) if scaler else opt.step()
-        if scaler:
-            scaler.update()
-        opt.zero_grad()
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        losses.append(global_loss.item() / world_size)
-    return losses
-
-
 def _masters(model) -> dict[str, list[tuple[int, torch.Tensor]]]:
     """This rank's fp32 master pieces: name -> [(flat start, values)]."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -133,7 +118,7 @@ def _equivalence(rank, world_size, dtype_name):
             ref_losses = _train_reference(
                 ref, ref_opt, batches, dtype, scaler.get_scale() if scaler else 1.0
             )
-            losses = _train_sharded(model, opt, scaler, batches, rank, world_size)
+            losses = train_sharded(model, opt, batches, rank, world_size, scaler)
             if world_size == 1:  # the same computations as the hand-made run
                 assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-6, what
                 _assert_masters_close(model, ref, 1e-6, what)
@@ -211,13 +196,10 @@ def _overflow_on_one_rank(rank, world_size):
             mixed_precision=policy,
         )
         assert isinstance(scaler, zerokit.ShardedGradScaler)
-        _train_sharded(model, opt, scaler, batches[:2], rank, world_size)
+        train_sharded(model, opt, batches[:2], rank, world_size, scaler)
         before = {n: [v.clone() for _, v in pieces] for n, pieces in _masters(model).items()}
         scale = scaler.get_scale()
-        x, y = (
-            local_slice(*batches[2][0:1], rank, world_size),
-            local_slice(batches[2][1], rank, world_size),
-        )
+        x, y = (local_slice(t, rank, world_size) for t in batches[2])
         loss = loss_fn(model(x).float(), y)
         if rank == 1:
             loss = loss * float("inf")  # only this rank overflows
@@ -230,7 +212,7 @@ def _overflow_on_one_rank(rank, world_size):
             for b, a in zip(before[name], after[name]):
                 assert torch.equal(b, a), f"level={level}: rank {rank} stepped {name}"
         assert scaler.get_scale() == scale / 2, f"level={level}: scale {scaler.get_scale()}"
-        _train_sharded(model, opt, scaler, batches[:1], rank, world_size)  # training goes on
+        train_sharded(model, opt, batches[:1], rank, world_size, scaler)  # training goes on
 
 
 def _state_dict_is_the_fp32_masters(rank, world_size):
@@ -240,7 +222,7 @@ def _state_dict_is_the_fp32_masters(rank, world_size):
         model = make_model("awkward")
         opt = make_optimizer("adamw", model)
         model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, mixed_precision=policy)
-        _train_sharded(model, opt, None, batches, rank, world_size)
+        train_sharded(model, opt, batches, rank, world_size, None)
         state = model.state_dict()  # gathered from the masters, not the bf16 compute copy
         for name, pieces in _masters(model).items():
             assert state[name].dtype == torch.float32, f"level={level}: {name}"
@@ -277,11 +259,11 @@ def _checkpoint_keeps_fp32_masters(rank, world_size, path):
             model, opt, level, mixed_precision=policy, offload=bool(runs)
         )
         if not runs:
-            _train_sharded(model, opt, None, batches[:2], rank, world_size)
+            train_sharded(model, opt, batches[:2], rank, world_size, None)
             checkpoint.save(path, model, opt)
         else:
             checkpoint.load(path, model, opt)
-        runs.append(_train_sharded(model, opt, None, batches[2:], rank, world_size))
+        runs.append(train_sharded(model, opt, batches[2:], rank, world_size, None))
     assert runs[0] == runs[1], f"resumed from fp32 masters: {runs[1]} != {runs[0]}"
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from .config import ShardingConfig
 from .flat_param import FlatParamBucket
 from .layout import ParamSpec, plan_buckets
-from .master_state import MasterStateDict, has_own_masters
+from .master_state import MasterStateDict
 from .mixed_precision import MixedPrecision
 from .module import ModuleShardState, broadcast_module_state, convert_module_, register_buffer_sync
 from .optimizer import gather_params, shard_optimizer_
@@ -136,7 +136,7 @@ def group_sharded_parallel(
         after_step = functools.partial(gather_params, grad_sync.buckets, group)
     state = ModuleShardState(level, grad_sync, group, runtime)
     convert_module_(model, state)
-    if any(has_own_masters(b) for b in grad_sync.buckets):
+    if any(b.separate_masters for b in grad_sync.buckets):
         state.hook_handles += MasterStateDict(model, grad_sync.buckets, group).handles
     if sync_buffers:
         register_buffer_sync(model, state)

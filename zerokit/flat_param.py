@@ -55,11 +55,19 @@ class FlatParamBucket:
         of its own."""
         return self.shard(full).to(device, copy=True) if own else self.shard(full)
 
+    @property
+    def separate_masters(self) -> bool:
+        """Do the masters differ from the compute copy in dtype or device (mixed precision,
+        offload)? Then they are a tensor apart that must be copied into it after a step."""
+        return (self.data.dtype, self.data.device) != (
+            self.shard_data.dtype,
+            self.shard_data.device,
+        )
+
     def refresh_compute_shard(self) -> None:
         """After a step: cast the updated master shard into the compute copy (mixed precision)."""
-        own = self.shard(self.data)
-        if own.data_ptr() != self.shard_data.data_ptr():
-            own.copy_(self.shard_data)
+        if self.separate_masters:
+            self.shard(self.data).copy_(self.shard_data)
 
     def slot_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Slot ``i`` of a full-size buffer laid out like ``data``, shaped like its parameter."""

@@ -9,6 +9,8 @@ masters (else the next step would overwrite the loaded values with stale ones). 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -16,19 +18,11 @@ from .collectives import start_all_gather_
 from .flat_param import FlatParamBucket
 
 
-def has_own_masters(bucket: FlatParamBucket) -> bool:
-    """Is the master shard a tensor apart from the compute copy (mixed precision, offload)?"""
-    return (bucket.data.dtype, bucket.data.device) != (
-        bucket.shard_data.dtype,
-        bucket.shard_data.device,
-    )
-
-
 class MasterStateDict:
     """The two hooks, registered on the model when any bucket has masters of its own."""
 
     def __init__(self, model: nn.Module, buckets: list[FlatParamBucket], group):
-        self.buckets = [b for b in buckets if has_own_masters(b)]
+        self.buckets = [b for b in buckets if b.separate_masters]
         self.group = group
         aliases: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
@@ -36,7 +30,10 @@ class MasterStateDict:
         self.names = aliases  # id(parameter) -> every name it has
         # after stage 3's hooks, which gather (state_dict) or copy back (load) the compute copy
         self.handles = [
-            model.register_state_dict_post_hook(_bound(self._state_dict)),
+            # torch tags this hook with an attribute, which a bound method cannot take
+            model.register_state_dict_post_hook(
+                functools.partial(MasterStateDict._state_dict, self)
+            ),
             model.register_load_state_dict_pre_hook(self._load),
         ]
 
@@ -66,11 +63,3 @@ class MasterStateDict:
                     )
                     if value is not None and tuple(value.shape) == tuple(slot.shape):
                         master.copy_(value.reshape(-1)[piece.start : piece.end])
-
-
-def _bound(method):
-    # torch tags a state_dict post hook with an attribute, which a bound method cannot take
-    def hook(*args):
-        return method(*args)
-
-    return hook

@@ -33,7 +33,6 @@ from torch.utils._pytree import tree_flatten
 from .collectives import Pending, start_all_gather_
 from .flat_param import FlatParamBucket
 from .layout import BucketLayout
-from .master_state import has_own_masters
 from .stage2 import ReduceScatterGrads
 from .units import UnitPlan
 
@@ -273,7 +272,7 @@ class Stage3Runtime:
         with torch.no_grad():
             for unit in self.units:
                 for bucket in unit.buckets:
-                    if not has_own_masters(bucket):  # else the fp32 masters were loaded directly
+                    if not bucket.separate_masters:  # else the fp32 masters were loaded directly
                         bucket.shard_data.copy_(bucket.shard(bucket.data))
         self._restore()
 

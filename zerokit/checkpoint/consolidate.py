@@ -122,7 +122,7 @@ def describe(checkpoint: str) -> tuple[str, bool]:
     problems = []
     for name in index["files"]:
         try:
-            reader._file(name)
+            reader.verify_file(name)
         except CheckpointError as e:
             problems.append(str(e))
     total = sum(f["size"] for f in index["files"].values())

@@ -92,11 +92,12 @@ def read_index(directory: str) -> dict:
                 f"{path}: file name {name!r} would escape the checkpoint directory"
             )
     for name, entry in index["tensors"].items():
-        _check_tensor(name, entry, index["files"])
+        check_tensor_entry(name, entry, index["files"])
     return index
 
 
-def _check_tensor(name: str, entry: dict, files: dict) -> None:
+def check_tensor_entry(name: str, entry: dict, files: dict) -> None:
+    """A tensor's index entry: safe name, known dtype, and pieces that tile each tp part."""
     if not name or "/" in name or "\\" in name or ".." in name.split("."):
         raise CheckpointError(f"tensor name {name!r} would escape the checkpoint directory")
     dtype_from_name(entry["dtype"], name)
@@ -130,7 +131,8 @@ class CheckpointReader:
         self.directory, self.index = directory, index
         self._open: dict[str, object] = {}
 
-    def _file(self, name: str):
+    def verify_file(self, name: str):
+        """Open a listed file once, after checking its size, sha256 and header."""
         if name in self._open:
             return self._open[name]
         path = os.path.join(self.directory, name)
@@ -177,7 +179,7 @@ class CheckpointReader:
         for piece in entry["parts"].get(str(tp_rank), []):
             lo, hi = max(start, piece["start"]), min(start + numel, piece["start"] + piece["numel"])
             if lo < hi:
-                sl = self._file(piece["file"]).get_slice(piece["key"])
+                sl = self.verify_file(piece["file"]).get_slice(piece["key"])
                 out[lo - start : hi - start] = sl[lo - piece["start"] : hi - piece["start"]]
         return out
 

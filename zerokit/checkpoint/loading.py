@@ -20,7 +20,7 @@ from .index import (
     read_index,
     split_from_json,
 )
-from .saving import OLD_SUFFIX, _world, agree
+from .saving import OLD_SUFFIX, agree, world_group
 
 
 @dataclass
@@ -54,7 +54,7 @@ def load(
     ``strict=False`` loads the tensors both sides have and leaves the rest as they are.
     Raises ``CheckpointError`` on every rank, changing nothing, if anything is wrong.
     """
-    group = _world()
+    group = world_group()
     h = collect(model, optimizer)
     staged, error = None, None
     try:

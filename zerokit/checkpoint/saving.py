@@ -26,7 +26,7 @@ from .index import (
     FORMAT_VERSION,
     INDEX_NAME,
     CheckpointError,
-    _check_tensor,
+    check_tensor_entry,
     dtype_name,
     split_to_json,
 )
@@ -36,7 +36,7 @@ TMP_SUFFIX = ".zerokit-tmp"
 OLD_SUFFIX = ".zerokit-old"
 
 
-def _world():
+def world_group():
     return dist.group.WORLD if dist.is_initialized() else None
 
 
@@ -89,21 +89,21 @@ def _describe(h: Holdings) -> dict:
     }
 
 
-def _build_index(h: Holdings, shards: list[dict], tp_ranks: list[int]) -> dict:
+def _build_index(h: Holdings, shards: list[dict]) -> dict:
     tensors = {}
     for shard in shards:  # a rank knows the optimizer state of the pieces it holds only
         for name, described in shard["tensors"].items():
             if tensors.setdefault(name, described | {"parts": {}})["shape"] != described["shape"]:
                 raise CheckpointError(f"{name}: ranks disagree on its shape")
     files = {}
-    for shard, tp_rank in zip(shards, tp_ranks):
+    for shard in shards:
         if shard["file"] is not None:
             files[shard["file"]["name"]] = {k: shard["file"][k] for k in ("size", "sha256")}
         for piece in shard["pieces"]:
             entry = tensors.get(piece["name"])
             if entry is None:
                 raise CheckpointError(f"{piece['name']}: held by one rank and not another")
-            part = str(tp_rank) if entry["tp"] else "0"
+            part = str(shard["tp_rank"]) if entry["tp"] else "0"
             entry["parts"].setdefault(part, []).append(
                 {k: piece[k] for k in ("key", "start", "numel")} | {"file": shard["file"]["name"]}
             )
@@ -129,7 +129,7 @@ def _build_index(h: Holdings, shards: list[dict], tp_ranks: list[int]) -> dict:
         },
     }
     for name, entry in tensors.items():
-        _check_tensor(name, entry, files)  # every element once: no gaps, no overlaps
+        check_tensor_entry(name, entry, files)  # every element once: no gaps, no overlaps
     return index
 
 
@@ -143,7 +143,7 @@ def save(
     same file system.
     """
     path = os.fspath(path).rstrip("/")
-    group = _world()
+    group = world_group()
     tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
     h = collect(model, optimizer)
     error = None
@@ -174,7 +174,7 @@ def save(
     error = None
     if _rank() == 0:
         try:
-            index = _build_index(h, shards, [s["tp_rank"] for s in shards])
+            index = _build_index(h, shards)
             _commit(path, tmp, old, index)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
