@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import ShardingConfig
-from .flat_param import FlatParamBucket
-from .layout import ParamSpec, plan_buckets
+from .core.flat_param import FlatParamBucket
+from .core.layout import ParamSpec, plan_buckets
 from .master_state import MasterStateDict
 from .mixed_precision import MixedPrecision
 from .module import ModuleShardState, broadcast_module_state, convert_module_, register_buffer_sync
@@ -37,7 +37,7 @@ from .stage1 import AllReduceGrads
 from .stage2 import ReduceScatterGrads
 from .stage3 import ShardedParamBucket, ShardedParamGrads, Stage3Runtime, Unit
 from .tensor_parallel.layers import tp_group_of
-from .units import plan_units
+from .core.units import plan_units
 
 # A wrapped model holds its process group inside reference cycles (parameter hooks -> gradient
 # sync -> buckets -> parameters). Left to interpreter shutdown, the group is destroyed after

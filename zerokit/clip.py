@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import all_reduce_
+from .core.collectives import all_reduce_
 from .tensor_parallel.layers import tensor_parallel_params, tp_group_of
 
 

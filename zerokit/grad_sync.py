@@ -28,8 +28,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 
-from .collectives import Pending, all_reduce_
-from .flat_param import FlatParamBucket
+from .core.collectives import Pending, all_reduce_
+from .core.flat_param import FlatParamBucket
 
 
 class SyncState(enum.Enum):

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layout import ParamSpec, plan_buckets
+from .core.layout import ParamSpec, plan_buckets
 from .mixed_precision import MixedPrecision
-from .units import plan_units
+from .core.units import plan_units
 
 #: optimizer state tensors per parameter element (fp32), by optimizer name
 STATE_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1, "none": 0}

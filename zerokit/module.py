@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .collectives import broadcast_
+from .core.collectives import broadcast_
 from .grad_sync import BucketedGradSync
 
 

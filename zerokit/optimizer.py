@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed import ProcessGroup
 
-from .collectives import start_all_gather_
-from .flat_param import FlatParamBucket
+from .core.collectives import start_all_gather_
+from .core.flat_param import FlatParamBucket
 from .grad_sync import BucketedGradSync
 
 

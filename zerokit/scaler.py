@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .collectives import all_reduce_
+from .core.collectives import all_reduce_
 
 
 class ShardedGradScaler:

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .collectives import Pending, start_reduce_scatter_mean
-from .flat_param import FlatParamBucket
+from .core.collectives import Pending, start_reduce_scatter_mean
+from .core.flat_param import FlatParamBucket
 from .grad_sync import BucketedGradSync
 
 

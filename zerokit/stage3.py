@@ -30,11 +30,11 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils._pytree import tree_flatten
 
-from .collectives import Pending, start_all_gather_
-from .flat_param import FlatParamBucket
-from .layout import BucketLayout
+from .core.collectives import Pending, start_all_gather_
+from .core.flat_param import FlatParamBucket
+from .core.layout import BucketLayout
 from .stage2 import ReduceScatterGrads
-from .units import UnitPlan
+from .core.units import UnitPlan
 
 
 class ParamState(enum.Enum):

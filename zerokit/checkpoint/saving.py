@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..collectives import all_gather_bytes
+from ..core.collectives import all_gather_bytes
 from .holdings import Holdings, collect
 from .index import (
     FORMAT,

@@ -1,0 +1,5 @@
+"""The sharding core: flat layout, buckets, collectives, shard groups and their life cycle.
+
+Only ``zerokit.api`` builds it; the tools around it (checkpoint, memory, clip, scaler) use the
+small public protocol of ``ShardState`` (``zerokit.core.state``).
+"""
