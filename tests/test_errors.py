@@ -59,12 +59,6 @@ def _bad_inputs(rank, world_size):
             "dp_group",
         ),
         ("exclude_layer", {"level": "os_g", "exclude_layer": [nn.Linear]}, ValueError, "p_g_os"),
-        (
-            "wrap policy",
-            {"level": "os", "config": zerokit.ShardingConfig(wrap=(nn.Linear,))},
-            ValueError,
-            "p_g_os",
-        ),
     ]
     for _what, kwargs, error, match in cases:
         model = make_model("awkward")

@@ -32,6 +32,7 @@ from models import (
 )
 
 import zerokit
+from zerokit.core.state import state_of
 from zerokit.memory import estimate, measure
 
 STEPS = 10
@@ -79,7 +80,7 @@ def _masters(model) -> dict[str, list[tuple[int, torch.Tensor]]]:
     """This rank's fp32 master pieces: name -> [(flat start, values)]."""
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
-    for bucket in model._zerokit.grad_sync.buckets:
+    for bucket in state_of(model).buckets:
         for piece, view in zip(bucket.pieces, bucket.param_pieces):
             name = names[id(bucket.params[piece.slot])]
             out.setdefault(name, []).append((piece.start, view))
@@ -158,7 +159,7 @@ def _equivalence(rank, world_size, dtype_name):
             compute = [p for p in model.parameters() if p.requires_grad and p.numel()]
             assert all(p.dtype == dtype for p in compute), f"{what}: compute copy not {dtype}"
             if level != "p_g_os":  # the compute copy is the rounded master, exactly
-                for bucket in model._zerokit.grad_sync.buckets:
+                for bucket in state_of(model).buckets:
                     own = bucket.shard(bucket.data)
                     assert torch.equal(own, bucket.shard_data.to(dtype)), f"{what}: stale copy"
             # from the unwrapped twin: stage-3 parameters are empty now; True means bf16
@@ -166,7 +167,12 @@ def _equivalence(rank, world_size, dtype_name):
             want = estimate(
                 ref, level, world_size, mixed_precision=mp, optimizer=opt_kind, **SMALL[level]
             )
+            # measured while gradients exist (zero_grad(set_to_none=True) frees them)
+            x, y = batches[0]
+            xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+            loss_fn(model(xs).float(), ys).backward()
             got = measure(model, opt)
+            opt.zero_grad()
             assert (got.params, got.grads) == (want.params, want.grads), f"{what}: {got} {want}"
             # Adam's step counts (4 bytes a piece) are extra; pieces never stepped have no state
             assert got.optimizer <= want.optimizer + 4 * len(opt.state), f"{what}: {got} {want}"

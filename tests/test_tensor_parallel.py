@@ -16,6 +16,7 @@ from models import SMALL, global_batches, local_slice
 from torch import nn
 
 import zerokit
+from zerokit.core.state import state_of
 from zerokit import tensor_parallel as tp
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss
 
@@ -253,7 +254,7 @@ def _overflow_on_one_tp_rank(layout):
     mine = slice(2 * layout.dp_rank, 2 * layout.dp_rank + 2)
     scaler.scale(loss_fn(model(x[mine]), y[mine])).backward()
     if torch.distributed.get_rank() == 1:  # tp rank 1 of dp rank 0 only
-        opt._zerokit.grad_sync.owned_grad_pieces()[0][1].fill_(float("inf"))
+        state_of(opt).owned_grad_pieces()[0][1].fill_(float("inf"))
     before = [p.clone() for g in opt.param_groups for p in g["params"]]
     scaler.step(opt)
     scaler.update()

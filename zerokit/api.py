@@ -14,9 +14,6 @@ Levels (PaddlePaddle's names; each means exactly what it says):
 
 from __future__ import annotations
 
-import atexit
-import functools
-import gc
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -26,27 +23,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import ShardingConfig
-from .core.flat_param import FlatParamBucket
-from .core.layout import ParamSpec, plan_buckets
-from .master_state import MasterStateDict
-from .mixed_precision import MixedPrecision
-from .module import ModuleShardState, broadcast_module_state, convert_module_, register_buffer_sync
-from .optimizer import gather_params, shard_optimizer_
-from .scaler import ShardedGradScaler
-from .stage1 import AllReduceGrads
-from .stage2 import ReduceScatterGrads
-from .stage3 import ShardedParamBucket, ShardedParamGrads, Stage3Runtime, Unit
-from .tensor_parallel.layers import tp_group_of
+from .core.build import CoreOptions, build
 from .core.units import plan_units
-
-# A wrapped model holds its process group inside reference cycles (parameter hooks -> gradient
-# sync -> buckets -> parameters). Left to interpreter shutdown, the group is destroyed after
-# gloo's threads are gone and the process aborts ("terminate called without an active
-# exception"); collecting the cycles at exit, while torch is still intact, avoids that.
-atexit.register(gc.collect)
+from .mixed_precision import MixedPrecision
+from .scaler import ShardedGradScaler
+from .tensor_parallel.layers import tp_group_of
 
 LEVELS = ("os", "os_g", "p_g_os")
-_CPU = torch.device("cpu")  # where offload=True keeps master shards and optimizer state
 
 
 def group_sharded_parallel(
@@ -85,9 +68,11 @@ def group_sharded_parallel(
         offload: keep the fp32 master shards and optimizer state in CPU memory and step
             there. A no-op when the model is already on the CPU (as on these machines).
         sync_buffers: broadcast rank 0's buffers to every rank before each forward.
-        buffer_max_size: most elements per flat bucket (one collective per bucket).
-        segment_size: stage 3: a module whose own parameters reach this many elements becomes
-            a unit of its own (unused by 'os' and 'os_g').
+        buffer_max_size: most elements per flat bucket (one collective per bucket); a unit
+            larger than this is split into several buckets, at every level.
+        segment_size: a module whose own parameters reach this many elements becomes a unit
+            of its own (a unit's parameters are reduced together, and at 'p_g_os' gathered
+            and freed together).
         sync_comm: wait for each bucket's collective at once instead of overlapping backward.
         dp_group: an outer data-parallel group; not supported yet (must be None).
         exclude_layer: stage 3: modules (or module classes) kept whole on every rank.
@@ -109,8 +94,11 @@ def group_sharded_parallel(
             "dp_group (an outer data-parallel group) is not implemented yet; pass dp_group=None"
         )
     config = config or ShardingConfig()
-    if level != "p_g_os" and (exclude_layer or config.wrap):
-        raise ValueError("exclude_layer and config.wrap only apply to level 'p_g_os' (stage 3)")
+    if level != "p_g_os" and exclude_layer:
+        raise ValueError(
+            "exclude_layer only applies to level 'p_g_os' (stage 3): at 'os' and 'os_g' every "
+            "rank keeps full parameters anyway"
+        )
     if hasattr(model, "_zerokit") or hasattr(optimizer, "_zerokit"):
         raise ValueError("this model or optimizer is already wrapped by group_sharded_parallel")
     group = _resolve_group(group)
@@ -118,62 +106,26 @@ def group_sharded_parallel(
     named = _trainable_params(model)
     _check_optimizer_params(model, optimizer)
 
-    if level == "p_g_os":
-        plans = plan_units(
-            model, named, segment_size=segment_size, wrap=config.wrap, exclude=exclude_layer or ()
-        )
+    plans = plan_units(
+        model,
+        named,
+        segment_size=segment_size,
+        wrap=config.wrap,
+        exclude=(exclude_layer or ()) if level == "p_g_os" else (),
+    )
     # Nothing is changed before this point: every check above can fail without side effects.
-    broadcast_module_state(model, group, params=True)  # every rank starts from rank 0's model
-    _cast_frozen_params(model, mixed_precision.param_dtype)
-    runtime = None
-    if level == "p_g_os":
-        grad_sync, runtime = _build_stage3(model, plans, group, sync_comm, mixed_precision, offload)
-        after_step = runtime.after_step
-    else:
-        grad_sync = _build_stage12(
-            level, named, group, buffer_max_size, sync_comm, mixed_precision, offload
-        )
-        after_step = functools.partial(gather_params, grad_sync.buckets, group)
-    state = ModuleShardState(level, grad_sync, group, runtime)
-    convert_module_(model, state)
-    if any(b.separate_masters for b in grad_sync.buckets):
-        state.hook_handles += MasterStateDict(model, grad_sync.buckets, group).handles
-    if sync_buffers:
-        register_buffer_sync(model, state)
-    shard_optimizer_(optimizer, grad_sync.buckets, grad_sync, after_step)
-    tp_group = tp_group_of(model)
-    if tp_group is not None and tp_group.size() > 1:
-        optimizer._zerokit.agree_groups.append(tp_group)
+    options = CoreOptions(
+        level=level,
+        group=group,
+        buffer_max_size=buffer_max_size,
+        sync_comm=sync_comm,
+        sync_buffers=sync_buffers,
+        offload=offload,
+        mixed_precision=mixed_precision,
+        tp_group=tp_group_of(model),
+    )
+    build(model, optimizer, plans, options)
     return model, optimizer, scaler
-
-
-def _build_stage12(level, named, group, buffer_max_size, sync_comm, mp: MixedPrecision, offload):
-    specs = [ParamSpec(name, tuple(p.shape), p.dtype, p.device) for name, p in named]
-    buckets = [
-        FlatParamBucket(
-            layout,
-            [named[s.param_index][1] for s in layout.slots],
-            group.rank(),
-            mp.param_dtype,
-            _CPU if offload else None,
-        )
-        for layout in plan_buckets(specs, group.size(), buffer_max_size)
-    ]
-    grads_cls = AllReduceGrads if level == "os" else ReduceScatterGrads
-    return grads_cls(buckets, group, sync_comm, _reduce_dtype(mp))
-
-
-def _reduce_dtype(mp: MixedPrecision) -> torch.dtype | None:
-    """None (the parameters' own dtype) unless a policy changes the compute dtype."""
-    return mp.reduce_dtype if mp.param_dtype is not None else None
-
-
-def _cast_frozen_params(model: nn.Module, dtype: torch.dtype | None) -> None:
-    if dtype is None:
-        return
-    for p in model.parameters():
-        if not p.requires_grad and p.is_floating_point():
-            p.data = p.data.to(dtype)
 
 
 def _sharded_scaler(scaler):
@@ -184,28 +136,6 @@ def _sharded_scaler(scaler):
     raise TypeError(
         f"scaler must be a zerokit.ShardedGradScaler or torch.amp.GradScaler, got {type(scaler).__name__}"
     )
-
-
-def _build_stage3(model, plans, group, sync_comm, mp: MixedPrecision, offload):
-    units = []
-    for plan in plans:  # one bucket per dtype in each unit, whatever its size
-        specs = [ParamSpec(n, tuple(p.shape), p.dtype, p.device) for n, p in plan.params]
-        layouts = plan_buckets(specs, group.size(), max_bucket_numel=2**62)
-        buckets = [
-            ShardedParamBucket(
-                layout,
-                [plan.params[s.param_index][1] for s in layout.slots],
-                group.rank(),
-                group,
-                mp.param_dtype,
-                _CPU if offload else None,
-            )
-            for layout in layouts
-        ]
-        units.append(Unit(plan, buckets))
-    buckets = [b for unit in units for b in unit.buckets]
-    grad_sync = ShardedParamGrads(buckets, group, sync_comm, units, _reduce_dtype(mp))
-    return grad_sync, Stage3Runtime(model, units)
 
 
 def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .core.collectives import all_reduce_
+from .core.state import state_of
 from .tensor_parallel.layers import tensor_parallel_params, tp_group_of
 
 
@@ -17,13 +18,13 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
     Collective: every rank must call it (after backward, before ``optimizer.step()``).
     """
-    state = getattr(model, "_zerokit", None)
-    tp_group = tp_group_of(model)
+    state = state_of(model)
+    tp_group = state.tp_group if state is not None else tp_group_of(model)
     if state is not None:
-        state.grad_sync.check_ready_for_step()
-        owned = state.grad_sync.owned_grad_pieces()  # every element once across the ZeRO group
-        groups = [state.group]
-        to_scale = state.grad_sync.grads_to_scale()
+        state.check_ready_for_step()
+        owned = state.owned_grad_pieces()  # every element once across the ZeRO group
+        groups = [state.process_group]
+        to_scale = state.grads_to_scale()
     elif tp_group is not None:
         owned = [(p, p.grad) for p in model.parameters() if p.grad is not None]
         groups, to_scale = [], [g for _, g in owned]
@@ -47,8 +48,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     total = torch.zeros((), device=device)
     if parts:
         total = torch.stack(parts).max() if is_max else torch.stack(parts).sum()
-    if state is not None and state.grad_sync.buckets:  # offloaded shards: reduce on the GPU
-        total = total.to(state.grad_sync.buckets[0].data.device)
+    if state is not None:  # offloaded shards: reduce where the group communicates (the GPU)
+        total = total.to(state.communication_device)
     for group in groups:
         all_reduce_(total, group, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM)
     if not is_max:

@@ -10,6 +10,8 @@ from torch import nn
 @dataclass(frozen=True, kw_only=True)
 class ShardingConfig:
     wrap: tuple[type[nn.Module], ...] = ()
-    """Level 'p_g_os': module classes that become units (each instance gathered and freed as a
-    whole). Empty: the default policy — children of ``nn.ModuleList``/``nn.Sequential`` and
-    modules whose own parameters reach ``segment_size`` elements."""
+    """Module classes whose instances become units: a unit's gradients are reduced together
+    as soon as its backward is done, and at level 'p_g_os' its parameters are gathered and
+    freed together. Empty: the default policy — children of ``nn.ModuleList``/
+    ``nn.Sequential``. Either way, modules whose own parameters reach ``segment_size``
+    elements are units too."""

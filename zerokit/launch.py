@@ -6,9 +6,7 @@ Used by the examples, benchmarks and tests; under torchrun, call your function d
 from __future__ import annotations
 
 import faulthandler
-import gc
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -45,13 +43,4 @@ def _entry(rank: int, world_size: int, init_file: str, backend: str, fn, args) -
     try:
         fn(rank, world_size, *args)
     finally:
-        gc.collect()  # free wrapped models (which hold the group) before the group goes
         dist.destroy_process_group()
-    # Note: a rank whose work succeeded leaves without interpreter finalization. About one run
-    # in six of the test suite, a rank aborted there ("terminate called without an active
-    # exception", no Python frame on the stack): a C++ thread object destroyed while joinable
-    # during torch/gloo teardown, after every result was already delivered. A rank that raised
-    # still exits normally above, so its error reaches the parent.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -8,18 +8,21 @@ a rank really holds, each storage once, in the same categories. Both are bytes p
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from .core.layout import ParamSpec, plan_buckets
+from .core.state import state_of
 from .mixed_precision import MixedPrecision
 from .core.units import plan_units
 
 #: optimizer state tensors per parameter element (fp32), by optimizer name
 STATE_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1, "none": 0}
-ESTIMATE_LEVELS = ("dp", "os", "os_g", "p_g_os")
+ESTIMATE_LEVELS = ("ddp", "os", "os_g", "p_g_os")
+_LEVEL_ALIASES = {"dp": "ddp"}  # the name estimate() used first
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class MemoryEstimate:
 
 
 def estimate(
-    model_or_num_params: nn.Module | int,
+    model_or_num_params: nn.Module | int | float,
     level: str,
     world_size: int,
     *,
@@ -46,10 +49,12 @@ def estimate(
     buffer_max_size: int = 2**23,
     segment_size: int = 2**20,
 ) -> MemoryEstimate:
-    """Model-state bytes per rank at ``level`` ('dp' is plain data parallelism).
+    """Model-state bytes per rank at ``level`` ('ddp' is plain data parallelism, as torch
+    DDP holds it; 'dp' is accepted as another name for it).
 
     With a model, padding is that of zerokit's real layout for the level; with a parameter
-    count, one padding of fewer than ``world_size`` elements is assumed.
+    count (an int, or a whole-valued float such as ``7.5e9``), one padding of fewer than
+    ``world_size`` elements is assumed.
     ``mixed_precision``: a ``MixedPrecision`` policy (``True``: bf16 compute, fp32
     reduction) gives what zerokit holds with it, as ``measure`` counts it: the compute copy in
     ``param_dtype`` and the fp32 master shard under parameters, gradients in ``reduce_dtype``
@@ -63,7 +68,11 @@ def estimate(
     [120.0, 31.4, 16.6, 1.9]
     >>> [gb(estimate(7_500_000_000, lvl, 64, mixed_precision=True)) for lvl in ESTIMATE_LEVELS]
     [135.0, 46.4, 16.9, 1.9]
+    >>> estimate(7.5e9, "os", 64) == estimate(7_500_000_000, "os", 64)
+    True
     """
+    level = _LEVEL_ALIASES.get(level, level)
+    model_or_num_params = _model_or_count(model_or_num_params)
     if level not in ESTIMATE_LEVELS:
         raise ValueError(f"unknown level {level!r}; valid: {', '.join(ESTIMATE_LEVELS)}")
     if optimizer not in STATE_PER_PARAM:
@@ -85,7 +94,7 @@ def estimate(
     full, shard = _full_and_shard_numel(
         model_or_num_params, level, world_size, buffer_max_size, segment_size
     )
-    if level == "dp":
+    if level == "ddp":
         return MemoryEstimate(full * param_bytes, full * grad_bytes, full * state_bytes)
     if level == "os":
         return MemoryEstimate(full * param_bytes, full * grad_bytes, shard * state_bytes)
@@ -99,7 +108,7 @@ def _estimate_policy(mp, level, world_size, full, shard, optimizer) -> MemoryEst
     reduce = mp.reduce_dtype.itemsize
     master = 4  # fp32 master weights
     state = 4 * STATE_PER_PARAM[optimizer]
-    if level == "dp":  # data parallel with fp32 masters beside the compute copy (torch AMP style)
+    if level == "ddp":  # data parallel with fp32 masters beside the compute copy (torch AMP style)
         return MemoryEstimate(full * (compute + master), full * master, full * state)
     frozen = full - shard * world_size  # whole on every rank, cast to the compute dtype
     if level == "p_g_os":  # between steps no compute copy exists: only the master shards
@@ -111,15 +120,32 @@ def _estimate_policy(mp, level, world_size, full, shard, optimizer) -> MemoryEst
     return MemoryEstimate(params, grads, shard * state)
 
 
+def _model_or_count(x):
+    """A model as it is; a parameter count as an int (a float only if it is whole)."""
+    if isinstance(x, nn.Module):
+        return x
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(
+            f"estimate() takes an nn.Module or a number of parameters, got {type(x).__name__}"
+        )
+    if isinstance(x, numbers.Integral) or float(x).is_integer():
+        count = int(x)
+    else:
+        raise ValueError(f"the number of parameters must be a whole number, got {x!r}")
+    if count < 0:
+        raise ValueError(f"the number of parameters must be >= 0, got {count}")
+    return count
+
+
 def _full_and_shard_numel(model_or_n, level, world_size, buffer_max_size, segment_size):
     """(elements of a full flat copy, elements of one rank's shard), padding included."""
     if isinstance(model_or_n, int):
         padded = -(-model_or_n // world_size) * world_size
-        return (model_or_n if level == "dp" else padded), padded // world_size
+        return (model_or_n if level == "ddp" else padded), padded // world_size
     named = [(n, p) for n, p in model_or_n.named_parameters() if p.requires_grad]
     frozen = sum(p.numel() for p in model_or_n.parameters() if not p.requires_grad)
     trainable = sum(p.numel() for _, p in named)
-    if level == "dp":
+    if level == "ddp":
         return trainable + frozen, trainable // world_size
     if level == "p_g_os":
         groups = [list(u.params) for u in plan_units(model_or_n, named, segment_size=segment_size)]
@@ -182,16 +208,10 @@ def measure(model: nn.Module, optimizer, peak: PeakMemory | None = None) -> Memo
         return total
 
     inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its own
-    zk = getattr(model, "_zerokit", None)
-    sync = zk.grad_sync if zk is not None else None
-    shards = [b.shard_data for b in sync.buckets] if sync is not None else []
-    params = count([p.data for p in model.parameters()] + shards)
+    held = state_of(model).held_tensors() if state_of(model) is not None else {}
+    params = count([p.data for p in model.parameters()] + held.get("params", []))
     opt_params = [p for g in inner.param_groups for p in g["params"]]
-    zk_grads = []
-    if sync is not None:
-        zk_grads = list(getattr(sync, "grad_buffers", [])) + list(getattr(sync, "grad_shards", []))
-        staging = getattr(sync, "staging", None)
-        zk_grads += staging.buffers if staging is not None else []
+    zk_grads = held.get("grads", []) + held.get("staging", [])
     grads = count([p.grad for p in model.parameters()] + [p.grad for p in opt_params] + zk_grads)
     state = count(v for s in inner.state.values() for v in s.values())
     return MemoryMeasurement(params, grads, state, peak.read() if peak is not None else None)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .core.collectives import all_reduce_
+from .core.state import state_of
 
 
 class ShardedGradScaler:
@@ -63,19 +64,18 @@ class ShardedGradScaler:
             return
         if id(optimizer) in self._unscaled:
             raise RuntimeError("unscale_() was already called on this optimizer since update()")
-        state = getattr(optimizer, "_zerokit", None)
+        state = state_of(optimizer)
         if state is None:
             raise TypeError(
                 "ShardedGradScaler takes an optimizer returned by group_sharded_parallel"
             )
-        grad_sync = state.grad_sync
-        grad_sync.check_ready_for_step()
+        state.check_ready_for_step()
         inv = 1.0 / self.scale_value
-        for buffer in grad_sync.grads_to_scale():
+        for buffer in state.grads_to_scale():
             buffer.mul_(inv)
-        grads = [g for _, g in grad_sync.owned_grad_pieces()]
+        grads = [g for _, g in state.owned_grad_pieces()]
         # where the group communicates (NCCL: the GPU), even if the shards are offloaded
-        device = grad_sync.buckets[0].data.device if grad_sync.buckets else "cpu"
+        device = state.communication_device
         found = torch.zeros((), device=device)
         for g in grads:
             found = torch.maximum(found, (~torch.isfinite(g)).any().float().to(device))

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.state import state_of
 from ..tensor_parallel.layers import tensor_parallel_params
 from ..tensor_parallel.topology import TPSplit
 
@@ -79,12 +80,12 @@ def _hyperparameters(group: dict) -> dict:
 
 def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdings:
     """This rank's holdings. Cheap: views only, nothing copied or gathered."""
-    state = getattr(model, "_zerokit", None)
+    state = state_of(model)
     split_of = tensor_parallel_params(model)
     tp_layout = next((layer.layout for layer, _ in split_of.values()), None)
     tp_rank = tp_layout.tp_rank if tp_layout else 0
     if state is not None:
-        group_rank, group_size = state.group.rank(), state.group.size()
+        group_rank, group_size = state.process_group.rank(), state.process_group.size()
     else:  # a bare model: every data-parallel replica holds all of it
         group_rank = (
             tp_layout.dp_rank if tp_layout else (dist.get_rank() if dist.is_initialized() else 0)
@@ -122,7 +123,7 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
     sharded = set()
     owner = {}  # id(tensor the optimizer steps) -> the parameter chunk it is
     if state is not None:
-        for bucket in state.grad_sync.buckets:
+        for bucket in state.buckets:
             for piece, view in zip(bucket.pieces, bucket.param_pieces):
                 p = bucket.params[piece.slot]
                 name = names[id(p)]

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..optimizer import gather_params
+from ..core.state import state_of
 from .holdings import Chunk, Holdings, TensorMeta, collect
 from .index import (
     INDEX_NAME,
@@ -163,9 +163,6 @@ def _apply(staged: _Staged, model: nn.Module, optimizer) -> None:
                     current.fill_(value)
                 else:
                     group[key] = tuple(value) if isinstance(current, tuple) else value
-    state = getattr(model, "_zerokit", None)
+    state = state_of(model)
     if state is not None:  # the shards changed: refresh the full parameters
-        if state.runtime is not None:
-            state.runtime.after_step()
-        else:
-            gather_params(state.grad_sync.buckets, state.group)
+        state.refresh_params()

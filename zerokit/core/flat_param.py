@@ -1,5 +1,5 @@
-"""Flat parameter storage: one bucket's contiguous buffer, the parameter views into it, and
-the pieces of it that this rank's optimizer updates.
+"""Flat parameter storage: one bucket's contiguous buffer, the parameter views into it, the
+pieces of it this rank's optimizer updates, and (level 'p_g_os') its gathering and freeing.
 
 After construction every parameter of the bucket *is* a view of ``FlatParamBucket.data``
 (``param.data`` is re-pointed), so gathering the flat buffer updates the model in place and the
@@ -8,33 +8,54 @@ optimizer's in-place update of a piece writes straight into the parameter.
 
 from __future__ import annotations
 
+import enum
+
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 
+from .collectives import Pending, start_all_gather_
 from .layout import BucketLayout
+
+
+class Storage(enum.Enum):
+    SHARDED = "sharded"  # only this rank's shard exists
+    GATHERING = "gathering"  # an all-gather into the full buffer is in flight
+    GATHERED = "gathered"  # full parameters usable
 
 
 class FlatParamBucket:
     """Owns one bucket's flat parameter buffer and hands out views of buffers laid out like it.
 
     ``data`` is the full flat buffer the parameters are views of; ``shard_data`` is this rank's
-    shard, which the optimizer's pieces are views of. Here (levels 'os', 'os_g') the shard is a
-    view of ``data``; level 'p_g_os' keeps it as a tensor of its own (see ``stage3.py``).
+    shard, which the optimizer's pieces are views of. With full parameters kept (levels 'os',
+    'os_g') the shard is a view of ``data``; with ``shard_params`` (level 'p_g_os') or a
+    separate master copy (mixed precision, offload) it is a tensor of its own.
+
+    Note: freeing resizes the full buffer's *storage* to zero rather than dropping the tensor.
+    Autograd keeps views of weights for backward (``weight.t()`` in a linear layer); those views
+    share the storage, so memory really is freed between forward and backward, and gathering
+    again refills the same storage before backward reads them. While sharded, each parameter
+    points at an empty tensor: code that reads a parameter outside its unit's forward gets a
+    shape error, never freed memory.
     """
 
     def __init__(
         self,
         layout: BucketLayout,
         params: list[nn.Parameter],
-        rank: int,
+        group: ProcessGroup,
+        *,
         compute_dtype: torch.dtype | None = None,
         master_device: torch.device | None = None,
+        shard_params: bool = False,
     ):
         assert len(params) == len(layout.slots)
         self.layout = layout
         self.params = params
-        self.pieces = layout.pieces(rank)
-        self.shard_start, self.shard_end = layout.shard_range(rank)
+        self.group = group
+        self.pieces = layout.pieces(group.rank())
+        self.shard_start, self.shard_end = layout.shard_range(group.rank())
         full = torch.zeros(layout.padded_numel, dtype=layout.dtype, device=layout.device)
         with torch.no_grad():
             for i, param in enumerate(params):
@@ -42,19 +63,23 @@ class FlatParamBucket:
         # The master shard is taken before any cast: it keeps the parameters' exact values.
         cast = compute_dtype not in (None, layout.dtype)
         device = master_device or layout.device  # offload: the master shard lives in CPU memory
-        self.shard_data = self._make_shard(full, own=cast or device != full.device, device=device)
+        own = shard_params or cast or device != full.device
+        self.shard_data = self.shard(full).to(device, copy=True) if own else self.shard(full)
         self.data = full.to(compute_dtype) if cast else full
         del full
         for i, param in enumerate(params):
             param.data = self.slot_view(self.data, i)  # the parameter now lives in the bucket
         # What this rank's optimizer updates: 1-D views of its shard, one per parameter piece.
         self.param_pieces = self.piece_views(self.shard_data)
+        self.storage = Storage.GATHERED
+        self._nbytes = self.data.untyped_storage().nbytes()
+        self._empty = self.data.new_empty(0)
+        self._pending: Pending | None = None
+        self.shards_params = shard_params
+        if shard_params:
+            self.reshard()
 
-    def _make_shard(self, full: torch.Tensor, own: bool, device: torch.device) -> torch.Tensor:
-        """The master shard: a view of the full buffer, or (mixed precision, offload) a tensor
-        of its own."""
-        return self.shard(full).to(device, copy=True) if own else self.shard(full)
-
+    # -- views ---------------------------------------------------------------------------------
     @property
     def separate_masters(self) -> bool:
         """Do the masters differ from the compute copy in dtype or device (mixed precision,
@@ -63,11 +88,6 @@ class FlatParamBucket:
             self.shard_data.dtype,
             self.shard_data.device,
         )
-
-    def refresh_compute_shard(self) -> None:
-        """After a step: cast the updated master shard into the compute copy (mixed precision)."""
-        if self.separate_masters:
-            self.shard(self.data).copy_(self.shard_data)
 
     def slot_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Slot ``i`` of a full-size buffer laid out like ``data``, shaped like its parameter."""
@@ -85,3 +105,49 @@ class FlatParamBucket:
             start = self.layout.slots[piece.slot].offset + piece.start - self.shard_start
             views.append(shard[start : start + piece.numel])
         return views
+
+    # -- after a step: full parameters from the updated shards ---------------------------------
+    def refresh_compute_shard(self) -> None:
+        """Cast the updated master shard into the compute copy (mixed precision, offload)."""
+        if self.separate_masters:
+            self.shard(self.data).copy_(self.shard_data)
+
+    def start_gather_updated(self) -> Pending:
+        """Full parameters kept ('os', 'os_g'): spread every rank's updated shard to all."""
+        self.refresh_compute_shard()
+        return start_all_gather_(self.data, self.group)
+
+    # -- storage life cycle ('p_g_os') ---------------------------------------------------------
+    def start_unshard(self) -> None:
+        if self.storage is not Storage.SHARDED:
+            return
+        self.data.untyped_storage().resize_(self._nbytes)
+        self.shard(self.data).copy_(self.shard_data)  # the compute dtype: a cast under bf16
+        self._pending = start_all_gather_(self.data, self.group)
+        self.storage = Storage.GATHERING
+
+    def wait_for_unshard(self) -> None:
+        self.start_unshard()
+        if self.storage is Storage.GATHERING:
+            self._pending.finish()
+            self._pending = None
+            for i, param in enumerate(self.params):
+                param.data = self.slot_view(self.data, i)
+            self.storage = Storage.GATHERED
+
+    def reshard(self) -> None:
+        """Free the full buffer (only where parameters are sharded)."""
+        if not self.shards_params:
+            return
+        if self.storage is Storage.GATHERING:
+            self.wait_for_unshard()  # never free memory a collective is writing into
+        if self.storage is Storage.GATHERED:
+            for param in self.params:
+                param.data = self._empty
+            self.data.untyped_storage().resize_(0)
+            self.storage = Storage.SHARDED
+
+    @property
+    def gathered_numel(self) -> int:
+        """Elements of the full buffer that have storage now (0 when sharded)."""
+        return 0 if self.storage is Storage.SHARDED else self.layout.padded_numel

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from .layout import BucketLayout, ParamSpec, plan_buckets
+
 
 @dataclass(frozen=True)
 class UnitPlan:
@@ -38,8 +40,9 @@ def plan_units(
 
     Default policy: every child of an ``nn.ModuleList``/``nn.Sequential`` (the repeated blocks),
     and every module whose own (direct) parameters reach ``segment_size`` elements. With
-    ``wrap``, instances of those classes instead. ``exclude`` (modules or classes) become units
-    that are kept whole.
+    ``wrap``, instances of those classes instead of the list children (modules reaching
+    ``segment_size`` still become units). ``exclude`` (modules or classes) become units that
+    are kept whole.
     """
     chosen: list[tuple[str, nn.Module, bool]] = []
 
@@ -54,12 +57,9 @@ def plan_units(
                 continue
             if is_excluded(child):
                 chosen.append((path, child, True))
-            elif wrap:
-                if isinstance(child, wrap):
-                    chosen.append((path, child, False))
-                else:
-                    visit(path + ".", child, False)
-            elif in_list or _own_numel(child) >= segment_size:
+            elif wrap and isinstance(child, wrap):
+                chosen.append((path, child, False))
+            elif (in_list and not wrap) or _own_numel(child) >= segment_size:
                 chosen.append((path, child, False))
             else:
                 visit(path + ".", child, isinstance(child, nn.ModuleList | nn.Sequential))
@@ -112,3 +112,23 @@ def _params_outside_units(module: nn.Module, unit_ids: set[int]) -> set[int]:
     for child in module.children():
         found |= _params_outside_units(child, unit_ids)
     return found
+
+
+def plan_groups(
+    plans: Sequence[UnitPlan], world_size: int, buffer_max_size: int
+) -> list[tuple[UnitPlan, tuple[BucketLayout, ...]]]:
+    """Each unit's flat buckets: one per dtype, split further at ``buffer_max_size`` elements.
+
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    >>> named = list(model.named_parameters())
+    >>> groups = plan_groups(plan_units(model, named, segment_size=2**20), 3, 16)
+    >>> [(plan.name, [b.numel for b in buckets]) for plan, buckets in groups]
+    [('0', [16, 4]), ('1', [10])]
+    """
+    out = []
+    for plan in plans:
+        specs = [ParamSpec(n, tuple(p.shape), p.dtype, p.device) for n, p in plan.params]
+        out.append((plan, plan_buckets(specs, world_size, buffer_max_size)))
+    return out

@@ -9,16 +9,12 @@ original elementwise algorithm on that slice, so the result equals the unsharded
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
 
 import torch
-from torch.distributed import ProcessGroup
 
-from .core.collectives import start_all_gather_
-from .core.flat_param import FlatParamBucket
-from .grad_sync import BucketedGradSync
-
+from .state import ShardState
 
 class ShardedOptimizer:
     """Mixed in front of the user's optimizer class."""
@@ -26,49 +22,57 @@ class ShardedOptimizer:
     _zerokit: OptimizerShardState
 
     def step(self, closure=None):
-        state = self._zerokit
-        state.grad_sync.check_ready_for_step()
-        loss = super().step(closure)  # type: ignore[misc]
-        state.after_step()
+        state = self._zerokit.shard_state
+        state.check_ready_for_step()
+        if closure is not None:  # one evaluation of the closure: step everything at once
+            loss = super().step(closure)  # type: ignore[misc]
+        else:
+            loss = None
+            for chunk in self._zerokit.chunks:
+                with _stepping_only(self, chunk):
+                    super().step()  # type: ignore[misc]
+        state.refresh_params()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._zerokit.grad_sync.zero_grad(set_to_none)
+        self._zerokit.shard_state.zero_grad(set_to_none)
+
+
+@contextlib.contextmanager
+def _stepping_only(optimizer, chunk: set[int]):
+    """Restrict every param group to the pieces in ``chunk`` for one inner step.
+
+    Note: the optimizer is stepped one shard group at a time because its foreach kernels make
+    temporaries as large as all the tensors they are given (AdamW: one ``sqrt(v)`` per
+    element). Per group, that temporary is bounded by the largest unit's shard instead of the
+    whole shard of the model: the difference is 4 bytes x P/N at the peak of a step.
+    """
+    saved = [group["params"] for group in optimizer.param_groups]
+    for group, params in zip(optimizer.param_groups, saved):
+        group["params"] = [p for p in params if id(p) in chunk]
+    try:
+        yield
+    finally:
+        for group, params in zip(optimizer.param_groups, saved):
+            group["params"] = params
 
 
 class OptimizerShardState:
-    def __init__(
-        self,
-        grad_sync: BucketedGradSync,
-        after_step: Callable[[], None],
-        group_params: list[list[torch.Tensor]],
-    ):
-        self.grad_sync = grad_sync
-        self.after_step = after_step  # what a level does once the shards are updated
+    def __init__(self, shard_state: ShardState, group_params: list[list[torch.Tensor]]):
+        self.shard_state = shard_state
         self.group_params = group_params  # each param group's whole parameters, as given
-        # groups a per-step decision (the scaler's inf/nan skip) must be agreed over: the ZeRO
-        # group, and the tp group when tensor-parallel ranks hold different gradients
-        self.agree_groups = [grad_sync.group]
+        # the pieces of each shard group: the optimizer steps one chunk at a time
+        self.chunks = [
+            {id(piece) for bucket in g.buckets for piece in bucket.param_pieces}
+            for g in shard_state.groups
+        ]
+        self.chunks = [c for c in self.chunks if c]
 
 
-def gather_params(buckets: list[FlatParamBucket], group: ProcessGroup) -> None:
-    """Every rank's updated shard to every rank: full parameters everywhere again."""
-    for bucket in buckets:
-        bucket.refresh_compute_shard()
-    pending = [start_all_gather_(bucket.data, group) for bucket in buckets]
-    for work in pending:
-        work.finish()
-
-
-def shard_optimizer_(
-    optimizer: torch.optim.Optimizer,
-    buckets: list[FlatParamBucket],
-    grad_sync: BucketedGradSync,
-    after_step: Callable[[], None],
-) -> torch.optim.Optimizer:
+def shard_optimizer_(optimizer: torch.optim.Optimizer, shard_state: ShardState):
     """Point ``optimizer`` at this rank's pieces, in place. Validation happens before this."""
     piece_of = {}  # id(original param) -> its pieces on this rank
-    for bucket in buckets:
+    for bucket in shard_state.buckets:
         for piece, piece_param in zip(bucket.pieces, bucket.param_pieces):
             param = bucket.params[piece.slot]
             shape = bucket.layout.slots[piece.slot].shape  # param.shape may be empty (stage 3)
@@ -90,7 +94,7 @@ def shard_optimizer_(
 
     cls = type(optimizer)
     optimizer.__class__ = type(f"Sharded{cls.__name__}", (ShardedOptimizer, cls), {})
-    optimizer._zerokit = OptimizerShardState(grad_sync, after_step, group_params)
+    optimizer._zerokit = OptimizerShardState(shard_state, group_params)
     _repoint_scheduler_patch(optimizer)
     return optimizer
 

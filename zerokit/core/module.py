@@ -1,9 +1,9 @@
 """The wrapped model: the user's module, converted in place to also be a ``ShardedModule``.
 
 As FSDP2 does, the model keeps its object identity, forward and ``state_dict`` keys; its class
-becomes a subclass of the original that adds ``no_sync()``. Stage 1/2 keep full parameters on
+becomes a subclass of the original that adds ``no_sync()``. Stages 1-2 keep full parameters on
 every rank (views of the flat buckets), so ``state_dict``/``load_state_dict`` work unchanged;
-stage 3 adds state_dict hooks that gather on demand (``stage3.py``).
+stage 3 adds state_dict hooks that gather on demand (``hooks.py``).
 """
 
 from __future__ import annotations
@@ -15,25 +15,14 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .core.collectives import broadcast_
-from .grad_sync import BucketedGradSync
-
-
-class ModuleShardState:
-    """What zerokit keeps for a wrapped model; reachable as ``model._zerokit``."""
-
-    def __init__(self, level: str, grad_sync: BucketedGradSync, group: ProcessGroup, runtime=None):
-        self.level = level
-        self.grad_sync = grad_sync
-        self.group = group
-        self.runtime = runtime  # level 'p_g_os': the Stage3Runtime that owns the unit hooks
-        self.hook_handles: list = []
+from .collectives import broadcast_
+from .state import ShardState
 
 
 class ShardedModule:
     """Mixed in front of the user's model class."""
 
-    _zerokit: ModuleShardState
+    _zerokit: ShardState
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -43,15 +32,15 @@ class ShardedModule:
         >>> #     with model.no_sync(): loss_fn(model(x)).backward()
         >>> # loss_fn(model(micro_batches[-1])).backward()   # reduces the accumulated sum
         """
-        grad_sync = self._zerokit.grad_sync
-        previous, grad_sync.sync_enabled = grad_sync.sync_enabled, False
+        state = self._zerokit
+        previous, state.sync_enabled = state.sync_enabled, False
         try:
             yield
         finally:
-            grad_sync.sync_enabled = previous
+            state.sync_enabled = previous
 
 
-def convert_module_(model: nn.Module, state: ModuleShardState) -> nn.Module:
+def convert_module_(model: nn.Module, state: ShardState) -> nn.Module:
     cls = type(model)
     model.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
     model._zerokit = state
@@ -69,10 +58,12 @@ def broadcast_module_state(model: nn.Module, group: ProcessGroup, *, params: boo
                 broadcast_(tensor.data, group)
 
 
-def register_buffer_sync(model: nn.Module, state: ModuleShardState) -> None:
+def register_buffer_sync(model: nn.Module, state: ShardState) -> None:
     """``sync_buffers=True``: before every forward, rank 0's buffers go to every rank."""
+    group = state.process_group  # a module-level function below holds no reference to state
 
-    def pre_forward(module: nn.Module, args) -> None:
-        broadcast_module_state(module, state.group, params=False)
-
-    state.hook_handles.append(model.register_forward_pre_hook(pre_forward))
+    state.hook_handles.append(
+        model.register_forward_pre_hook(
+            lambda module, args: broadcast_module_state(module, group, params=False)
+        )
+    )

@@ -14,8 +14,8 @@ import functools
 import torch
 from torch import nn
 
-from .core.collectives import start_all_gather_
-from .core.flat_param import FlatParamBucket
+from .collectives import start_all_gather_
+from .flat_param import FlatParamBucket
 
 
 class MasterStateDict:

@@ -1,0 +1,94 @@
+"""Build the core for a validated model and optimizer: units -> buckets -> shard groups ->
+``ShardState`` -> hooks -> the model and optimizer converted in place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from ..mixed_precision import MixedPrecision
+from .flat_param import FlatParamBucket
+from .group import ShardGroup
+from .hooks import register_hooks
+from .master_state import MasterStateDict
+from .module import broadcast_module_state, convert_module_, register_buffer_sync
+from .optimizer import shard_optimizer_
+from .reduction import AllReduce, ReduceScatter
+from .staging import StagingPool
+from .state import ShardState
+from .units import UnitPlan, plan_groups
+
+_CPU = torch.device("cpu")  # where offload=True keeps master shards and optimizer state
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoreOptions:
+    level: str
+    group: ProcessGroup
+    buffer_max_size: int
+    sync_comm: bool
+    sync_buffers: bool
+    offload: bool
+    mixed_precision: MixedPrecision
+    tp_group: ProcessGroup | None
+
+
+def build(
+    model: nn.Module, optimizer: torch.optim.Optimizer, plans: list[UnitPlan], opts: CoreOptions
+) -> ShardState:
+    """Everything that changes the model and optimizer happens here, after validation."""
+    mp, group = opts.mixed_precision, opts.group
+    broadcast_module_state(model, group, params=True)  # every rank starts from rank 0's model
+    _cast_frozen_params(model, mp.param_dtype)
+    # None (the parameters' own dtype) unless a policy changes the compute dtype
+    reduce_dtype = mp.reduce_dtype if mp.param_dtype is not None else None
+    reduction = AllReduce(group) if opts.level == "os" else ReduceScatter(group)
+    device = next((p.device for plan in plans for _, p in plan.params), _CPU)
+    staging = StagingPool(device)
+    groups, root, units = [], None, []
+    for plan, layouts in plan_groups(plans, group.size(), opts.buffer_max_size):
+        buckets = [
+            FlatParamBucket(
+                layout,
+                [plan.params[s.param_index][1] for s in layout.slots],
+                group,
+                compute_dtype=mp.param_dtype,
+                master_device=_CPU if opts.offload else None,
+                shard_params=opts.level == "p_g_os",
+            )
+            for layout in layouts
+        ]
+        shard_group = ShardGroup(
+            plan.name, buckets, reduction, staging, reduce_dtype=reduce_dtype,
+            keep_whole=plan.keep_whole,
+        )
+        if plan.module is model:
+            root = shard_group
+        else:
+            units.append((plan.module, len(groups)))
+        groups.append(shard_group)
+    state = ShardState(
+        model, opts.level, group, groups, root, staging, tp_group=opts.tp_group,
+        sync_comm=opts.sync_comm,
+    )
+    convert_module_(model, state)
+    register_hooks(model, state, units)
+    if any(b.separate_masters for b in state.buckets):
+        state.hook_handles += MasterStateDict(model, state.buckets, group).handles
+    if opts.sync_buffers:
+        register_buffer_sync(model, state)
+    if opts.level == "p_g_os":
+        state.refresh_params()  # gathers the units kept whole
+    shard_optimizer_(optimizer, state)
+    return state
+
+
+def _cast_frozen_params(model: nn.Module, dtype: torch.dtype | None) -> None:
+    if dtype is None:
+        return
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point():
+            p.data = p.data.to(dtype)

@@ -1,0 +1,190 @@
+"""Every hook zerokit puts on a model, registered in one place; each calls ``ShardState``.
+
+Hooks hold the state through a weak reference: the model owns its state (``model._zerokit``),
+and a hook that held it strongly would close a cycle (model -> hooks -> state -> buckets ->
+parameters), which only the garbage collector can free, late, after the process group.
+
+Which hook fires when, in one step (units U1..Uk in forward order; R the model itself):
+
+  forward   R pre-forward        -> state.root_pre_forward (gather R's own group, prefetch U1)
+            Ui pre-forward       -> state.unit_pre_forward (gather Ui, prefetch Ui+1; its
+                                    tensor inputs pass through ``_PostBackward``)
+            Ui forward           -> state.unit_post_forward (free Ui); Ui's outputs get a
+                                    gradient hook
+            R forward            -> state.root_post_forward (agree the order of units); R's
+                                    outputs get a gradient hook
+  backward  R output gradient    -> state.begin_backward (queues the end-of-backward callback)
+            Ui output gradient   -> state.unit_pre_backward (gather Ui, prefetch Ui-1)
+            parameter gradient   -> state.grad_ready (stage it; launch ready groups in order)
+            Ui inputs' gradient  -> state.unit_post_backward (Ui's backward is over)
+            end of backward      -> state._end_of_backward (launch the rest, agree which
+                                    parameters hold a gradient, publish, free)
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .group import ShardGroup
+from .state import ShardState
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward runs once the inputs' gradients are done."""
+
+    @staticmethod
+    def forward(ctx, state_ref, k: int, *inputs: torch.Tensor):
+        ctx.state_ref, ctx.k = state_ref, k
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        state = ctx.state_ref()
+        if state is not None:
+            group = state.groups[ctx.k]
+            if group.forward_calls == 1:  # called twice: another call's backward may be pending
+                state.unit_post_backward(group)
+        return (None, None, *grads)
+
+
+def register_hooks(model: nn.Module, state: ShardState, units: list[tuple[nn.Module, int]]) -> None:
+    """``units``: (module, index of its group) for every group except the root's."""
+    ref = weakref.ref(state)
+    handles = state.hook_handles
+    for group in state.groups:
+        for bucket in group.buckets:
+            for param in bucket.params:
+                handles.append(
+                    param.register_post_accumulate_grad_hook(functools.partial(_grad_ready, ref))
+                )
+    handles.append(model.register_forward_pre_hook(functools.partial(_root_pre_forward, ref)))
+    handles.append(model.register_forward_hook(functools.partial(_root_post_forward, ref)))
+    for module, k in units:
+        handles.append(
+            module.register_forward_pre_hook(
+                functools.partial(_unit_pre_forward, ref, k), with_kwargs=True
+            )
+        )
+        handles.append(module.register_forward_hook(functools.partial(_unit_post_forward, ref, k)))
+    if state.level == "p_g_os":
+        io = _GatherForIO(ref)
+        handles += [
+            model.register_state_dict_pre_hook(io.gather),
+            # torch tags this hook with an attribute, which a bound method cannot take
+            model.register_state_dict_post_hook(functools.partial(_GatherForIO.after_save, io)),
+            model.register_load_state_dict_pre_hook(io.gather),
+            model.register_load_state_dict_post_hook(io.after_load),
+        ]
+
+
+def _grad_ready(ref, param: torch.Tensor) -> None:
+    state = ref()
+    if state is not None:
+        state.grad_ready(param)
+
+
+def _root_pre_forward(ref, module, args) -> None:
+    state = ref()
+    if state is not None:
+        state.root_pre_forward()
+
+
+def _root_post_forward(ref, module, args, output) -> None:
+    state = ref()
+    if state is None:
+        return
+    outputs = _grad_outputs(output)
+    state.root_post_forward(graph=bool(outputs) and not state.in_backward)
+    for tensor in outputs:
+        tensor.register_hook(functools.partial(_begin_backward, ref))
+
+
+def _begin_backward(ref, grad: torch.Tensor) -> None:
+    state = ref()
+    if state is not None:
+        state.begin_backward()
+
+
+def _unit_pre_forward(ref, k: int, module, args, kwargs):
+    state = ref()
+    if state is None:
+        return None
+    group: ShardGroup = state.groups[k]
+    state.unit_pre_forward(group)
+    if state.in_backward or not torch.is_grad_enabled():
+        return None
+    # Inputs that require grad pass through _PostBackward, whose backward says "Ui is done".
+    flat, _ = tree_flatten((args, kwargs))
+    needs = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not needs:
+        return None
+    passed = iter(_PostBackward.apply(ref, k, *needs))
+    swap = {id(t): next(passed) for t in needs}
+    return tree_map(lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+
+
+def _unit_post_forward(ref, k: int, module, args, output):
+    state = ref()
+    if state is None:
+        return None
+    group = state.groups[k]
+    state.unit_post_forward(group)
+    if torch.is_grad_enabled():
+        for tensor in _grad_outputs(output):
+            tensor.register_hook(functools.partial(_unit_pre_backward, ref, k))
+    return None
+
+
+def _unit_pre_backward(ref, k: int, grad: torch.Tensor) -> None:
+    state = ref()
+    if state is not None:
+        state.unit_pre_backward(state.groups[k])
+
+
+def _grad_outputs(output) -> list[torch.Tensor]:
+    return [
+        t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+
+
+class _GatherForIO:
+    """'p_g_os' ``state_dict``/``load_state_dict``: full tensors under the original keys,
+    gathered on demand and freed again."""
+
+    def __init__(self, ref):
+        self._ref = ref
+        self._was_sharded: list[ShardGroup] = []
+
+    def gather(self, *args, **kwargs) -> None:
+        state = self._ref()
+        self._was_sharded = [g for g in state.groups if g.gathered_numel() == 0]
+        for g in state.groups:
+            g.unshard()
+        for g in state.groups:
+            g.wait_for_unshard()
+
+    def after_save(self, module, state_dict, prefix, local_metadata) -> None:
+        state = self._ref()
+        full = {b.data.untyped_storage().data_ptr() for b in state.buckets}
+        for key, value in state_dict.items():
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in full:
+                state_dict[key] = value.detach().clone()
+        self._restore()
+
+    def after_load(self, module, incompatible_keys) -> None:
+        state = self._ref()
+        with torch.no_grad():
+            for bucket in state.buckets:
+                if not bucket.separate_masters:  # else the fp32 masters were loaded directly
+                    bucket.shard_data.copy_(bucket.shard(bucket.data))
+        self._restore()
+
+    def _restore(self) -> None:
+        for g in self._was_sharded:
+            g.reshard()
+        self._was_sharded = []

@@ -1,0 +1,65 @@
+"""How a bucket's gradients are averaged across ranks: a strategy a shard group holds.
+
+* ``AllReduce`` ('os'): every rank keeps the full averaged gradient.
+* ``ReduceScatter`` ('os_g', 'p_g_os'): every rank keeps only its shard of the average.
+* ``ReduceScatterThenAllReduce``: reduce-scatter inside the shard group, then all-reduce the
+  shard across replicas (hybrid sharding: shard inside a host, replicate across hosts).
+
+A strategy holds no buffers: the shard group owns them and passes them in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import ProcessGroup
+
+from .collectives import Pending, start_all_reduce_mean, start_reduce_scatter_mean
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """Average the whole bucket in place; the persistent gradient is full-size."""
+
+    group: ProcessGroup
+    keeps_full_grad = True
+    needs_staging = False
+
+    def start(self, full: torch.Tensor) -> Pending:
+        return start_all_reduce_mean(full, self.group)
+
+
+@dataclass(frozen=True)
+class ReduceScatter:
+    """Average a staged full-size bucket and add this rank's chunk into its gradient shard."""
+
+    group: ProcessGroup
+    keeps_full_grad = False
+    needs_staging = True
+
+    def start(self, full: torch.Tensor, shard: torch.Tensor, scratch) -> Pending:
+        # Always accumulate: zero_grad() zeroes the shard, and backwards between steps add up.
+        return start_reduce_scatter_mean(full, shard, self.group, accumulate=True, scratch=scratch)
+
+    @property
+    def scratch_needed(self) -> bool:
+        return self.group.size() > 1
+
+
+@dataclass(frozen=True)
+class ReduceScatterThenAllReduce(ReduceScatter):
+    """Hybrid sharding: reduce-scatter in ``group``, then average the shard over ``replicas``.
+
+    Note: the all-reduce runs on the whole shard after the reduce-scatter's epilogue, so a shard
+    that already held gradients (accumulation without ``zero_grad``) is averaged too: it holds
+    the same values on every replica, so the average leaves it unchanged.
+    """
+
+    replicas: ProcessGroup | None = None
+
+    def start(self, full: torch.Tensor, shard: torch.Tensor, scratch) -> Pending:
+        pending = super().start(full, shard, scratch)
+        if self.replicas is None or self.replicas.size() == 1:
+            return pending
+        return pending.then(lambda: start_all_reduce_mean(shard, self.replicas).finish())

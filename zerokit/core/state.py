@@ -1,0 +1,311 @@
+"""``ShardState``: one per wrapped model. It owns the shard groups, the order their reductions
+are launched in, the reductions in flight, the end of backward and the after-step, and offers
+the small public protocol the tools around the core use (checkpoint, memory, clip, scaler).
+
+Reachable as ``zerokit.core.state_of(model)`` (or of the wrapped optimizer).
+
+Note: every rank must issue the same collectives in the same sequence. Gradients arrive in the
+order autograd runs, which can differ between ranks when a parameter is used on some ranks
+only, so reductions are launched in an *agreed* order, never in arrival order: the reverse of
+the order units first ran in this step's forward, once every rank has checked (one small
+all-reduce after the forward) that it saw the same order; otherwise the reverse of the
+registration order. A group is launched when it is ready (every parameter has its gradient, or
+its module's backward is over) and every group before it in that order has been launched; at
+the end of backward the rest are launched in order.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.distributed import ProcessGroup
+
+from .collectives import Pending, all_reduce_
+from .flat_param import FlatParamBucket
+from .group import Phase, ShardGroup
+
+#: most groups whose reductions are in flight at once; the oldest is finished before another
+#: starts, which bounds the staging memory of backward (see docs/ARCHITECTURE.md)
+MAX_GROUPS_IN_FLIGHT = 2
+
+
+class ShardState:
+    def __init__(
+        self,
+        model: nn.Module,
+        level: str,
+        process_group: ProcessGroup,
+        groups: list[ShardGroup],
+        root_group: ShardGroup | None,
+        staging,
+        *,
+        tp_group: ProcessGroup | None = None,
+        sync_comm: bool = False,
+    ):
+        self._model = weakref.ref(model)  # the model holds this state: no strong cycle back
+        self.level = level
+        self.process_group = process_group
+        self.tp_group = tp_group  # given at wrap time: ranks holding other slices of tp layers
+        self.groups = groups
+        self.root_group = root_group
+        self.staging = staging
+        self.sync_comm = sync_comm
+        self.sync_enabled = True  # False inside no_sync()
+        self.in_backward = False
+        self._graph_pending = False  # a forward with grad ran; its backward has not ended
+        self.peak_groups_in_flight = 0
+        self._where = {
+            id(p): (g, b, i)
+            for g in groups
+            for b, bucket in enumerate(g.buckets)
+            for i, p in enumerate(bucket.params)
+        }
+        self._index = {id(g): k for k, g in enumerate(groups)}
+        self._static_order = list(reversed(range(len(groups))))  # reverse registration
+        self.forward_order: list[int] = []  # groups in first-call order, this step
+        self.prefetch_order: list[int] = []  # the last complete forward's order
+        self._order_agreed = False
+        self._launch_order: list[int] = self._static_order
+        self._next_launch = 0
+        self._in_flight: collections.deque[list[Pending]] = collections.deque()
+        self._unsynced = False  # no_sync() gradients are waiting for a synchronised backward
+        self._prefetched: ShardGroup | None = None  # 'p_g_os': gathered ahead of its use
+        self.hook_handles: list = []
+
+    # -- the public protocol -----------------------------------------------------------------
+    @property
+    def buckets(self) -> list[FlatParamBucket]:
+        return [b for g in self.groups for b in g.buckets]
+
+    @property
+    def communication_device(self) -> torch.device:
+        """Where the group's collectives run (offload keeps shards on the CPU, not this)."""
+        buckets = self.buckets
+        return buckets[0].data.device if buckets else torch.device("cpu")
+
+    @property
+    def agree_groups(self) -> list[ProcessGroup]:
+        """Groups a per-step decision (the scaler's skip) must be agreed over."""
+        extra = [self.tp_group] if self.tp_group is not None and self.tp_group.size() > 1 else []
+        return [self.process_group, *extra]
+
+    def check_ready_for_step(self) -> None:
+        if self.in_backward:
+            raise RuntimeError("optimizer.step() was called while a backward was still running")
+        if self._unsynced:
+            raise RuntimeError(
+                "gradients accumulated under no_sync() were never reduced across ranks: run the "
+                "last micro-batch's backward outside `with model.no_sync():` before step()"
+            )
+
+    def owned_grad_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, gradient of this rank's piece): every element of the model once."""
+        return [pair for g in self.groups for pair in g.owned_grad_pieces()]
+
+    def grads_to_scale(self) -> list[torch.Tensor]:
+        return [t for g in self.groups for t in g.grads_to_scale()]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.check_ready_for_step()
+        for g in self.groups:
+            g.zero_grad(set_to_none)
+
+    def refresh_params(self) -> None:
+        """The shards changed (a step, a load): make the parameters the model sees match."""
+        if self.level == "p_g_os":
+            for g in self.groups:  # drop stale gathered copies; units kept whole gather again
+                for bucket in g.buckets:
+                    bucket.reshard()
+                if g.keep_whole:
+                    g.unshard()
+                    g.wait_for_unshard()
+            return
+        pending = [bucket.start_gather_updated() for bucket in self.buckets]
+        for work in pending:
+            work.finish()
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What zerokit holds for this model, by category (each storage may appear in several
+        lists; ``zerokit.memory.measure`` counts each once)."""
+        return {
+            "params": [b.shard_data for b in self.buckets],
+            "grads": self.grads_to_scale(),
+            "staging": self.staging.buffers(),
+        }
+
+    def gathered_numel(self) -> int:
+        """Elements of full parameters that have storage now ('p_g_os'; 0 elsewhere)."""
+        return sum(g.gathered_numel() for g in self.groups)
+
+    # -- forward (called by the hooks in hooks.py) ---------------------------------------------
+    def root_pre_forward(self) -> None:
+        if not self.in_backward and not self._graph_pending:
+            self.forward_order = []
+        if self.root_group is not None:
+            self._note_call(self.root_group)
+            self.root_group.pre_forward()
+        if self.level == "p_g_os":
+            first = next((self.groups[k] for k in self.prefetch_order), None)
+            if first is self.root_group and len(self.prefetch_order) > 1:
+                first = self.groups[self.prefetch_order[1]]
+            if first is not self.root_group:
+                self._prefetch(first)
+
+    def root_post_forward(self, graph: bool) -> None:
+        """``graph``: the output requires grad, so a backward may follow."""
+        self._prefetch(None)
+        if not graph:
+            self.prefetch_order = list(self.forward_order)
+            if not self.in_backward and not self._graph_pending:
+                for g in self.groups:  # no backward will come: leave nothing gathered
+                    g.reset()
+            return
+        self._graph_pending = True
+        self._order_agreed = self._agree_on_order()
+
+    def unit_pre_forward(self, group: ShardGroup) -> None:
+        if self.in_backward:  # recomputation (activation checkpointing): backward follows
+            group.wait_for_unshard()
+            return
+        self._note_call(group)
+        group.pre_forward()
+        if self.level == "p_g_os":
+            self._prefetch(self._neighbour(group, +1, self.prefetch_order), using=group)
+
+    def unit_post_forward(self, group: ShardGroup) -> None:
+        if not self.in_backward:
+            group.post_forward()
+
+    def _note_call(self, group: ShardGroup) -> None:
+        k = self._index[id(group)]
+        if k not in self.forward_order:
+            self.forward_order.append(k)
+
+    def _agree_on_order(self) -> bool:
+        """Did every rank run the units in the same order? One all-reduce of a digest."""
+        digest = hashlib.sha256(repr(self.forward_order).encode()).digest()
+        value = int.from_bytes(digest[:7], "little")  # < 2**56: -value fits an int64 too
+        both = torch.tensor([value, -value], dtype=torch.int64, device=self.communication_device)
+        all_reduce_(both, self.process_group, op=dist.ReduceOp.MAX)
+        agreed = int(both[0]) == -int(both[1])
+        if not agreed and self.level == "p_g_os":
+            raise RuntimeError(
+                "ranks ran the model's units in different orders in this forward (a branch that "
+                "depends on the rank or its data): at level 'p_g_os' every gather is a "
+                "collective, so parameters would be mixed between units. Run the same modules "
+                "in the same order on every rank, or use level 'os' / 'os_g'."
+            )
+        return agreed
+
+    # -- backward ------------------------------------------------------------------------------
+    def begin_backward(self) -> None:
+        """First hook of a backward (the model output's gradient, or a parameter's)."""
+        if self.in_backward:
+            return
+        self.in_backward = True
+        Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self._order_agreed:
+            called = list(reversed(self.forward_order))
+            self._launch_order = called + [k for k in self._static_order if k not in called]
+        else:
+            self._launch_order = self._static_order
+        self._next_launch = 0
+        self.staging.reset_peak()
+
+    def unit_pre_backward(self, group: ShardGroup) -> None:
+        self.begin_backward()
+        if group.phase in (Phase.PRE_BACKWARD, Phase.POST_BACKWARD):
+            return
+        group.pre_backward()
+        if self.level == "p_g_os":
+            previous = self._neighbour(group, -1, self.forward_order)
+            if previous is not None and previous.phase is Phase.POST_BACKWARD:
+                previous = None
+            self._prefetch(previous, using=group)
+
+    def unit_post_backward(self, group: ShardGroup) -> None:
+        """The gradients of the module's inputs are computed: its backward is over."""
+        if self.sync_enabled and self.in_backward:
+            group.post_backward_signalled = True
+            self._launch_ready(force=False)
+
+    def grad_ready(self, param: nn.Parameter) -> None:
+        self.begin_backward()
+        if not self.sync_enabled:
+            self._unsynced = True
+            return
+        group, b, i = self._where[id(param)]
+        group.accumulate(b, i, param)
+        if group.ready:
+            self._launch_ready(force=False)
+
+    def _launch_ready(self, force: bool) -> None:
+        order = self._launch_order
+        while self._next_launch < len(order):
+            group = self.groups[order[self._next_launch]]
+            if not (force or group.ready):
+                return
+            while len(self._in_flight) >= MAX_GROUPS_IN_FLIGHT:  # make room: frees staging
+                for pending in self._in_flight.popleft():
+                    pending.finish()
+            self._in_flight.append(group.post_backward())
+            self.peak_groups_in_flight = max(self.peak_groups_in_flight, len(self._in_flight))
+            self._next_launch += 1
+            if self.sync_comm:
+                for pending in self._in_flight.pop():
+                    pending.finish()
+
+    def _end_of_backward(self) -> None:
+        if self.sync_enabled:
+            self._launch_ready(force=True)
+            # Which parameters hold a gradient anywhere: one MAX all-reduce, one byte each.
+            contributed = torch.cat([f for g in self.groups for f in g.contributed])
+            contributed = contributed.to(device=self.communication_device, dtype=torch.uint8)
+            all_reduce_(contributed, self.process_group, op=dist.ReduceOp.MAX)
+            while self._in_flight:
+                for pending in self._in_flight.popleft():
+                    pending.finish()
+            flags = iter(contributed.cpu().bool().split([len(b.params) for b in self.buckets]))
+            for g in self.groups:
+                g.finish_backward([next(flags) for _ in g.buckets])
+            self._unsynced = False
+        else:
+            for g in self.groups:  # gradients stay in param.grad until a synchronised backward
+                g.reset()
+        self.staging.clear()
+        self.prefetch_order = list(self.forward_order)
+        self.forward_order = []
+        self.in_backward = False
+        self._graph_pending = False
+        self._prefetched = None
+
+    def _prefetch(self, group: ShardGroup | None, using: ShardGroup | None = None) -> None:
+        """Gather ``group`` ahead of its use; free the previous guess if it was wrong (the
+        order changed since it was recorded) and nothing is using it now."""
+        guess, self._prefetched = self._prefetched, group
+        if guess is not None and guess is not using and guess is not group:
+            if guess.phase in (Phase.IDLE, Phase.FORWARD):
+                guess.reshard()
+        if group is not None:
+            group.unshard()
+
+    def _neighbour(self, group: ShardGroup, step: int, order: list[int]) -> ShardGroup | None:
+        k = self._index[id(group)]
+        if k not in order:
+            return None
+        j = order.index(k) + step
+        if 0 <= j < len(order) and self.groups[order[j]] is not self.root_group:
+            return self.groups[order[j]]
+        return None
+
+
+def state_of(obj) -> ShardState | None:
+    """The ``ShardState`` of a model or optimizer returned by ``group_sharded_parallel``."""
+    state = getattr(obj, "_zerokit", None)
+    return getattr(state, "shard_state", state) if state is not None else None
