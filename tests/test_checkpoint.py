@@ -193,7 +193,7 @@ def test_consolidate_gives_the_plain_model(saved, tmp_path):
 
 
 def test_inspect_reports_layout_and_verification(saved, capsys):
-    assert cli(["ckpt", "inspect", os.path.join(saved, "tp-gpt")]) == 0
+    assert cli(["ckpt", "inspect", "--tensors", os.path.join(saved, "tp-gpt")]) == 0
     out = capsys.readouterr().out
     assert "saved by 4 rank(s), level p_g_os, ZeRO group of 2, tp degree 2, dp degree 2" in out
     assert "blocks.0.qkv.weight" in out and "dim 0 x2" in out

@@ -16,6 +16,7 @@ from torch import nn
 
 from zerokit import checkpoint
 from zerokit.checkpoint import CheckpointError
+from zerokit.checkpoint.index import seal
 
 
 def _model_and_opt(seed=0, out=3):
@@ -63,8 +64,9 @@ def _index(path):
 
 
 def _write_index(path, index):
-    with open(path / "index.json", "w") as f:
-        json.dump(index, f)
+    """An edit that also fixes the index's checksum (as an attacker would): what is refused
+    is then refused by validation, not by the checksum."""
+    (path / "index.json").write_bytes(seal(index))
 
 
 def _break(path, how):
@@ -103,7 +105,7 @@ CASES = {
     "header mismatch": r"'0\.weight@0' is F32 \[12\], the index says float16",
     "overlap": r"0\.weight: pieces overlap at element 2",
     "gap": r"0\.weight: elements 0\.\.1 are in no piece",
-    "version": r"format version 99; this zerokit reads version 1",
+    "version": r"format version 99; this zerokit reads version 2",
     "escaping tensor": r"tensor name '\.\./\.\./etc/passwd' would escape",
     "escaping file": r"file name '\.\./evil\.safetensors' would escape",
 }
@@ -168,7 +170,9 @@ class _Payload:
 def test_a_pickle_payload_never_runs(good, tmp_path):
     marker = tmp_path / "executed"
     shard = good / "rank00000.safetensors"
-    shard.write_bytes(pickle.dumps(_Payload(str(marker))))
+    size = shard.stat().st_size
+    payload = pickle.dumps(_Payload(str(marker)))
+    shard.write_bytes(payload + b"." * (size - len(payload) - 1))  # one byte short
     model, opt = _model_and_opt(seed=1)
     with pytest.raises(CheckpointError, match=r"rank00000\.safetensors: \d+ bytes, the index says"):
         checkpoint.load(good, model, opt)
@@ -201,13 +205,13 @@ _KILLED_SAVE = textwrap.dedent(
 
     if phase == "writing a shard":
         save_module.write_safetensors = die
-    else:  # after the n-th rename of the commit: 1 = index in place, 2 = old checkpoint moved
-        calls, real_replace = [], os.replace
+    else:  # right after the index is in place, or after the old checkpoint was moved aside
+        real_replace = os.replace
+        last = {"index written": "index.json", "between renames": ".zerokit-old"}[phase]
 
         def replace(src, dst):
             real_replace(src, dst)
-            calls.append(dst)
-            if len(calls) == {"index written": 1, "between renames": 2}[phase]:
+            if str(dst).endswith(last):
                 die()
 
         save_module.os.replace = replace

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from .checkpoint.cli import add_parser as add_ckpt_parser
+from .checkpoint.cli import run as run_ckpt
 from .compare import (
     CompareConfig,
     format_table,
@@ -58,27 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     compare.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     compare.add_argument("--plot", metavar="PATH", help="also write a stacked bar chart PNG")
-    ckpt = commands.add_parser("ckpt", help="inspect or consolidate a zerokit checkpoint")
-    ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
-    inspect = ckpt_commands.add_parser(
-        "inspect", help="layout, tensors and sizes; whether it is complete and verified"
-    )
-    inspect.add_argument("checkpoint")
-    consolidate = ckpt_commands.add_parser(
-        "consolidate",
-        help="write the full model as one safetensors file (or a Hugging Face style set)",
-    )
-    consolidate.add_argument("checkpoint")
-    consolidate.add_argument(
-        "output", help="a .safetensors file, or a directory with --max-shard-size"
-    )
-    consolidate.add_argument(
-        "--max-shard-size", help="e.g. 5GB: write model-0000i-of-0000n.safetensors + index"
-    )
-    consolidate.add_argument("--optimizer", metavar="PATH", help="also write the optimizer state")
+    add_ckpt_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "ckpt":
-        return _ckpt(args)
+        return run_ckpt(args)
 
     cfg = CompareConfig(
         model=args.model,
@@ -107,24 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    return 0
-
-
-def _ckpt(args) -> int:
-    from .checkpoint import CheckpointError, consolidate, describe
-    from .checkpoint.consolidate import parse_size
-
-    try:
-        if args.ckpt_command == "inspect":
-            report, ok = describe(args.checkpoint)
-            print(report)
-            return 0 if ok else 1
-        max_size = parse_size(args.max_shard_size) if args.max_shard_size else None
-        for path in consolidate(args.checkpoint, args.output, max_size, args.optimizer):
-            print(f"wrote {path}")
-    except (CheckpointError, ValueError) as e:
-        print(f"zerokit ckpt {args.ckpt_command}: error: {e}", file=sys.stderr)
-        return 2
     return 0
 
 

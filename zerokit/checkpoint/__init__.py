@@ -1,13 +1,26 @@
 """Sharded checkpoints in safetensors: save and load at any world size, level and tp degree.
 
 ``save(path, model, optimizer)`` and ``load(path, model, optimizer)`` are collective (every
-rank calls them). ``zerokit ckpt inspect|consolidate`` reads a checkpoint without any process
-group. No pickle anywhere: a checkpoint from an untrusted source cannot run code.
+rank calls them); ``extra=`` carries the rest of a run's state (scheduler, step, RNG states).
+``zerokit ckpt inspect|consolidate`` reads a checkpoint without any process group, and
+``load_consolidated`` loads a consolidated file into a plain model. No pickle anywhere: a
+checkpoint from an untrusted source cannot run code.
 """
 
-from .consolidate import consolidate, describe
+from ..core.agreement import CollectiveTimeout
+from .consolidate import consolidate, describe, load_consolidated
+from .extra import RNGState
 from .index import CheckpointError
 from .loading import load
 from .saving import save
 
-__all__ = ["CheckpointError", "consolidate", "describe", "load", "save"]
+__all__ = [
+    "CheckpointError",
+    "CollectiveTimeout",
+    "RNGState",
+    "consolidate",
+    "describe",
+    "load",
+    "load_consolidated",
+    "save",
+]

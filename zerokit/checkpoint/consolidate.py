@@ -1,8 +1,11 @@
-"""Offline tools (no process group): describe a checkpoint, consolidate it to plain files.
+"""Offline tools (no process group): describe a checkpoint, consolidate it to plain files, and
+load a consolidated file into a plain model.
 
-Consolidation streams: the safetensors header is computed from the index first, then each
-tensor is assembled from its pieces, written and dropped, so at most one tensor (and its tp
-parts) is in memory at a time.
+Consolidation streams: every file of the checkpoint is verified first (size, sha256, header,
+so no tensor can claim more bytes than its files hold), then the safetensors header is computed
+from the index, and each tensor is assembled from its pieces, written and dropped, so at most
+one tensor (and its tp parts) is in memory at a time. Tied names are stored once; the
+``zerokit_aliases`` metadata names the others, and ``load_consolidated`` restores them.
 """
 
 from __future__ import annotations
@@ -11,19 +14,28 @@ import json
 import math
 import os
 import re
+import stat
+
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
 
 from ..memory import format_bytes
 from .holdings import OPTIM_PREFIX
-from .index import CheckpointError, CheckpointReader, dtype_from_name, read_index
-from .loading import resolve
+from .index import CheckpointError, dtype_from_name
+from .reading import CheckpointReader, kind_of
 from .streaming import write_safetensors
+
+HF_INDEX = "model.safetensors.index.json"
+ALIASES_KEY = "zerokit_aliases"
 
 
 def _nbytes(entry: dict) -> int:
     return math.prod(entry["shape"]) * dtype_from_name(entry["dtype"], "").itemsize
 
 
-def _write_safetensors(path: str, names: list[str], index: dict, reader, metadata: dict) -> None:
+def _write_safetensors(path: str, names: list[str], reader, metadata: dict) -> None:
+    index = reader.index
     entries = [
         (
             name,
@@ -38,13 +50,49 @@ def _write_safetensors(path: str, names: list[str], index: dict, reader, metadat
 
 def parse_size(text: str) -> int:
     """'5GB', '500MB', '1.5GiB', '1000' -> bytes."""
-    match = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*", text, re.IGNORECASE)
     if not match:
         raise ValueError(f"not a size: {text!r} (e.g. 5GB, 500MB)")
     unit = match.group(2).upper().rstrip("B")
     base = 1024 if unit.endswith("I") else 1000
     power = " KMGT".index(unit.rstrip("I") or " ")
-    return int(float(match.group(1)) * base**power)
+    size = int(float(match.group(1)) * base**power)
+    if size < 1:
+        raise ValueError(f"--max-shard-size must be at least 1 byte, got {text!r}")
+    return size
+
+
+def _inside(path: str, directory: str) -> bool:
+    path = os.path.realpath(path)
+    return os.path.commonpath([path, directory]) == directory
+
+
+def _check_file_output(path: str, what: str) -> None:
+    """A new or replaceable ``.safetensors`` file in an existing directory."""
+    if os.path.isdir(path) or path.endswith(os.sep):
+        raise CheckpointError(
+            f"{what} {path} is a directory: give a .safetensors file name, or "
+            "--max-shard-size to write a set of files into a directory"
+        )
+    if not path.endswith(".safetensors"):
+        raise CheckpointError(f"{what} {path} must end in .safetensors")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"{what} {path}: the directory {parent} does not exist")
+    if os.path.lexists(path):
+        mode = os.lstat(path).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            raise CheckpointError(f"{what} {path} is {kind_of(mode)}")
+
+
+def _check_dir_output(path: str) -> None:
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise CheckpointError(
+            f"output {path} exists and is not a directory (--max-shard-size writes a directory)"
+        )
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"output {path}: the directory {parent} does not exist")
 
 
 def consolidate(
@@ -54,18 +102,53 @@ def consolidate(
     optimizer_output: str | None = None,
 ) -> list[str]:
     """Write the full model, with the plain model's names and shapes, as one safetensors file
-    (``safetensors.torch.load_model(plain_model, output)`` loads it; tied weights stored once)
-    or, with ``max_shard_size``, as a Hugging Face style set in the directory ``output``.
+    (``load_consolidated(path, plain_model)`` loads it, tied names included) or, with
+    ``max_shard_size``, as a Hugging Face style set in the directory ``output``.
     ``optimizer_output``: also write the full optimizer state there. Returns the files written.
+    On an error, the files it wrote are removed.
     """
-    directory = resolve(checkpoint)
-    index = read_index(directory)
-    reader = CheckpointReader(directory, index)
+    with CheckpointReader(checkpoint) as reader:
+        directory = os.path.realpath(reader.directory)
+        for out in (output, optimizer_output):
+            if out is not None and _inside(out, directory):
+                raise CheckpointError(
+                    f"{out} is inside the checkpoint {reader.directory} it reads: write it elsewhere"
+                )
+        if max_shard_size is None:
+            _check_file_output(output, "output")
+        else:
+            _check_dir_output(output)
+        if optimizer_output is not None:
+            _check_file_output(optimizer_output, "--optimizer")
+            if reader.index["optimizer"] is None:
+                raise CheckpointError(f"{reader.directory}: holds no optimizer state")
+        reader.verify_all()  # before anything is allocated: tensors fit in the files' bytes
+        written, made_dir = [], False
+        try:
+            if max_shard_size is not None and not os.path.isdir(output):
+                os.mkdir(output)
+                made_dir = True
+            _consolidate(reader, output, max_shard_size, optimizer_output, written)
+        except BaseException:
+            for path in written:
+                if os.path.lexists(path):
+                    os.unlink(path)
+            if made_dir:
+                os.rmdir(output)
+            raise
+    return written
+
+
+def _consolidate(reader, output, max_shard_size, optimizer_output, written: list) -> None:
+    index = reader.index
     names = [n for n in index["tensors"] if not n.startswith(OPTIM_PREFIX + ".")]
-    metadata = {"format": "pt", "zerokit_source": os.path.basename(os.path.abspath(directory))}
-    written = []
+    metadata = {
+        "format": "pt",
+        "zerokit_source": os.path.basename(os.path.abspath(reader.directory)),
+        ALIASES_KEY: json.dumps(index["aliases"]),
+    }
     if max_shard_size is None:
-        _write_safetensors(output, names, index, reader, metadata)
+        _write_safetensors(output, names, reader, metadata)
         written.append(output)
     else:
         shards, size = [[]], 0
@@ -76,32 +159,60 @@ def consolidate(
                 size = 0
             shards[-1].append(name)
             size += nbytes
-        os.makedirs(output, exist_ok=True)
         weight_map = {}
         for i, shard in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_safetensors(os.path.join(output, fname), shard, index, reader, metadata)
-            weight_map.update(dict.fromkeys(shard, fname))
+            _write_safetensors(os.path.join(output, fname), shard, reader, metadata)
             written.append(os.path.join(output, fname))
+            weight_map.update(dict.fromkeys(shard, fname))
         total = sum(_nbytes(index["tensors"][n]) for n in names)
-        hf_index = os.path.join(output, "model.safetensors.index.json")
-        with open(hf_index, "w", encoding="utf-8") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
-        written.append(hf_index)
+        meta = {"total_size": total, ALIASES_KEY: index["aliases"]}
+        hf_index = json.dumps({"metadata": meta, "weight_map": weight_map}, indent=1)
+        with open(os.path.join(output, HF_INDEX), "w", encoding="utf-8") as f:
+            written.append(os.path.join(output, HF_INDEX))
+            f.write(hf_index)
     if optimizer_output is not None:
-        if index["optimizer"] is None:
-            raise CheckpointError(f"{directory}: holds no optimizer state")
         state = [n for n in index["tensors"] if n.startswith(OPTIM_PREFIX + ".")]
         meta = metadata | {"optimizer": json.dumps(index["optimizer"])}
-        _write_safetensors(optimizer_output, state, index, reader, meta)
+        _write_safetensors(optimizer_output, state, reader, meta)
         written.append(optimizer_output)
-    return written
 
 
-def describe(checkpoint: str) -> tuple[str, bool]:
-    """A report for a person, and whether the checkpoint is complete and verified."""
-    directory = resolve(checkpoint)
-    index = read_index(directory)
+def load_consolidated(path: str | os.PathLike, model: nn.Module, strict: bool = True):
+    """Load a consolidated file (or a ``--max-shard-size`` directory) into a plain model, tied
+    names included (they are stored once; the metadata names the others). Returns what
+    ``model.load_state_dict`` returns."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        with open(os.path.join(path, HF_INDEX), encoding="utf-8") as f:
+            hf = json.load(f)
+        state = {}
+        for fname in sorted(set(hf["weight_map"].values())):
+            if os.path.basename(fname) != fname:
+                raise CheckpointError(f"{path}/{HF_INDEX}: file name {fname!r} would escape it")
+            state.update(load_file(os.path.join(path, fname)))
+        aliases = hf.get("metadata", {}).get(ALIASES_KEY, {})
+    else:
+        with safe_open(path, framework="pt") as f:
+            aliases = json.loads((f.metadata() or {}).get(ALIASES_KEY, "{}"))
+        state = load_file(path)
+    for alias, target in aliases.items():
+        if target in state and alias not in state:
+            state[alias] = state[target]
+    return model.load_state_dict(state, strict=strict)
+
+
+def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
+    """A report for a person (a summary; ``tensors=True`` adds one line per tensor), and
+    whether the checkpoint is complete and verified."""
+    with CheckpointReader(checkpoint) as reader:
+        problems = []
+        for name in reader.index["files"]:
+            try:
+                reader.verify_file(name)
+            except CheckpointError as e:
+                problems.append(str(e))
+        index, directory = reader.index, reader.directory
     layout = index["layout"]
     lines = [f"checkpoint {directory} (format version {index['format_version']})"]
     level = layout["level"] or "none (a bare model)"
@@ -110,40 +221,55 @@ def describe(checkpoint: str) -> tuple[str, bool]:
         f"{layout['zero_group_size']}, tp degree {layout['tp_degree']}"
         + (f", dp degree {layout['dp_degree']}" if layout["dp_degree"] else "")
     )
+    model = {n: e for n, e in index["tensors"].items() if not n.startswith(OPTIM_PREFIX + ".")}
+    split = sum(1 for e in model.values() if e["tp"])
+    tied = ", ".join(f"{a} -> {b}" for a, b in index["aliases"].items()) or "none"
+    lines.append(
+        f"model: {len(model)} tensors, {format_bytes(sum(map(_nbytes, model.values())))}"
+        + (f" ({split} split across tp ranks)" if split else "")
+        + f"; tied: {tied}"
+    )
     optim = index["optimizer"]
     if optim:
+        state = [e for n, e in index["tensors"].items() if n not in model]
         keys = sorted({k for ks in optim["state_tensors"].values() for k in ks})
         keys += sorted({k for ks in optim["scalar_state"].values() for k in ks})
         lines.append(
             f"optimizer: {optim['class']}, {len(optim['param_groups'])} param group(s), "
-            f"state {', '.join(keys) or 'none yet'}"
+            f"state {', '.join(keys) or 'none yet'} ({len(state)} tensors, "
+            f"{format_bytes(sum(map(_nbytes, state)))})"
         )
-    reader = CheckpointReader(directory, index)
-    problems = []
-    for name in index["files"]:
-        try:
-            reader.verify_file(name)
-        except CheckpointError as e:
-            problems.append(str(e))
+    extra = index.get("extra", {})
+    if extra:
+        shown = [k + (" (per rank)" if e["per_rank"] else "") for k, e in extra.items()]
+        lines.append(f"extra state: {', '.join(shown)}")
     total = sum(f["size"] for f in index["files"].values())
     lines.append(f"files: {len(index['files'])}, {format_bytes(total)}")
-    model = [n for n in index["tensors"] if not n.startswith(OPTIM_PREFIX + ".")]
-    lines.append(
-        f"tensors: {len(model)} model, {len(index['tensors']) - len(model)} optimizer state; "
-        f"tied: {', '.join(f'{a} -> {b}' for a, b in index['aliases'].items()) or 'none'}"
-    )
-    lines.append(f"{'tensor':<40} {'shape':<16} {'dtype':<9} {'tp split':<14} bytes")
-    for name, entry in index["tensors"].items():
-        tp = entry["tp"]
-        split = f"dim {tp['dim']} x{len(tp['block_sizes'])}" if tp else "-"
-        shape = "x".join(map(str, entry["shape"])) or "scalar"
-        lines.append(
-            f"{name:<40} {shape:<16} {entry['dtype']:<9} {split:<14} {format_bytes(_nbytes(entry))}"
-        )
+    if tensors:
+        lines += _tensor_table(index["tensors"])
     ok = not problems
     lines.append(
         "complete and verified (every file present, sizes and sha256 match, every tensor covered)"
         if ok
         else "NOT usable:\n  " + "\n  ".join(problems)
     )
+    if not tensors:
+        lines.append("(--tensors lists every tensor)")
     return "\n".join(lines), ok
+
+
+def _tensor_table(tensors: dict) -> list[str]:
+    rows = [("tensor", "shape", "dtype", "tp split", "bytes")]
+    for name, entry in tensors.items():
+        tp = entry["tp"]
+        rows.append(
+            (
+                name,
+                "x".join(map(str, entry["shape"])) or "scalar",
+                entry["dtype"],
+                f"dim {tp['dim']} x{len(tp['block_sizes'])}" if tp else "-",
+                format_bytes(_nbytes(entry)),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4] for row in rows]

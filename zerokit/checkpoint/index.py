@@ -2,9 +2,13 @@
 
 Note: the index alone says where every value is. For each tensor (a parameter, a persistent
 buffer, or ``optim.<state>.<parameter>``): its full shape, dtype, tensor-parallel split and,
-per tp part, pieces ``(file, key, start, numel)`` that tile the flattened tp-local tensor.
-Each file is listed with its size and sha256. Nothing is parsed from file names, and nothing
-is ever unpickled: safetensors holds raw bytes and a JSON header only.
+per tp part, pieces ``(file, key, start, numel)`` that tile the flattened tp-local tensor; a
+piece's key is always ``<tensor>@<start>``, so a piece cannot be pointed at another tensor's
+bytes. Each file is listed with its size and sha256, and the index carries the sha256 of its
+own canonical JSON (``checksum``), so an edited or damaged index is refused. Every field is
+checked (types, ranges, finite numbers, tp splits, pieces that tile each tensor, pieces that
+fit in their file's listed size) before anything is read, allocated or copied. Nothing is
+parsed from file names, and nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -12,19 +16,21 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from ..tensor_parallel.topology import TPSplit
 from .streaming import SAFETENSORS_DTYPES
 
 FORMAT = "zerokit-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 INDEX_NAME = "index.json"
-_SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors$")
+MAX_INDEX_BYTES = 1 << 30
+_SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.safetensors$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_LEVEL = re.compile(r"^[a-z][a-z_]{0,31}$")
+_DTYPES = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES}
 
 
 class CheckpointError(ValueError):
@@ -36,10 +42,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str, what: str) -> torch.dtype:
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
+    if not isinstance(name, str) or name not in _DTYPES:
         raise CheckpointError(f"{what}: unknown dtype {name!r}")
-    return dtype
+    return _DTYPES[name]
 
 
 def split_from_json(tp: dict | None) -> TPSplit | None:
@@ -60,138 +65,265 @@ def part_numel(entry: dict, tp_rank: int) -> int:
     return math.prod(shape)
 
 
-def sha256_of(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+def piece_key(name: str, start: int) -> str:
+    return f"{name}@{start}"
 
 
-def read_index(directory: str) -> dict:
-    """Parse and check the index of ``directory``: structure, names, and that every tensor's
-    pieces tile it exactly. Files are checked when they are read (``CheckpointReader``)."""
-    path = os.path.join(directory, INDEX_NAME)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no checkpoint index here (missing or incomplete save)")
+# -- the index's own checksum -----------------------------------------------------------------
+def _canonical(index: dict) -> bytes:
+    body = {k: v for k, v in index.items() if k != "checksum"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def seal(index: dict) -> bytes:
+    """The index as written: its JSON with ``checksum``, the sha256 of the rest."""
+    index = dict(index, checksum=hashlib.sha256(_canonical(index)).hexdigest())
+    return json.dumps(index, indent=1, allow_nan=False).encode()
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise CheckpointError(f"{text} is not a finite number")
+    return value
+
+
+def parse_index(raw: bytes, where: str) -> dict:
+    """Parse, checksum and validate an index read from ``where``."""
     try:
-        with open(path, encoding="utf-8") as f:
-            index = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable index: {e}") from None
+        index = json.loads(raw.decode("utf-8"), parse_constant=_finite, parse_float=_finite)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{where}: unreadable index: {e}") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a zerokit checkpoint index")
+        raise CheckpointError(f"{where}: not a zerokit checkpoint index")
     if index.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
-            f"{path}: format version {index.get('format_version')!r}; this zerokit reads "
-            f"version {FORMAT_VERSION} (upgrade zerokit to read newer checkpoints)"
+            f"{where}: format version {index.get('format_version')!r}; this zerokit reads "
+            f"version {FORMAT_VERSION} (use the zerokit that wrote it, or a newer one)"
         )
-    for name in index["files"]:
-        if not _SAFE_FILE.match(name) or os.path.basename(name) != name:
-            raise CheckpointError(
-                f"{path}: file name {name!r} would escape the checkpoint directory"
-            )
-    for name, entry in index["tensors"].items():
-        check_tensor_entry(name, entry, index["files"])
+    if index.get("checksum") != hashlib.sha256(_canonical(index)).hexdigest():
+        raise CheckpointError(
+            f"{where}: the index's checksum does not match its contents (edited or corrupted)"
+        )
+    try:
+        validate(index)
+    except CheckpointError as e:
+        raise CheckpointError(f"{where}: {e}") from None
     return index
 
 
-def check_tensor_entry(name: str, entry: dict, files: dict) -> None:
-    """A tensor's index entry: safe name, known dtype, and pieces that tile each tp part."""
-    if not name or "/" in name or "\\" in name or ".." in name.split("."):
-        raise CheckpointError(f"tensor name {name!r} would escape the checkpoint directory")
-    dtype_from_name(entry["dtype"], name)
-    split = split_from_json(entry["tp"])
-    parts = range(len(split.block_sizes)) if split else range(1)
-    if split is not None and split.full_size != entry["shape"][split.dim]:
-        raise CheckpointError(f"{name}: tensor-parallel split does not add up to its shape")
-    if set(entry["parts"]) - {str(t) for t in parts}:
-        raise CheckpointError(f"{name}: has parts {sorted(entry['parts'])}, expected {list(parts)}")
-    for t in parts:
-        pieces = sorted(entry["parts"].get(str(t), []), key=lambda piece: piece["start"])
-        end = 0
+# -- validation: every field, before anything is allocated ------------------------------------
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise CheckpointError(message)
+
+
+def _int(value, what: str, low: int = 0) -> int:
+    _need(type(value) is int and value >= low, f"{what} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _dict(value, what: str) -> dict:
+    _need(isinstance(value, dict), f"{what} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _list(value, what: str) -> list:
+    _need(isinstance(value, list), f"{what} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _keys(value: dict, what: str, required: set[str], optional: frozenset = frozenset()) -> None:
+    missing, extra = required - value.keys(), value.keys() - required - optional
+    _need(not missing and not extra, f"{what}: missing {sorted(missing)}, unknown {sorted(extra)}")
+
+
+def is_finite_number(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def check_name(name, what: str = "tensor name") -> str:
+    _need(
+        isinstance(name, str)
+        and 0 < len(name) <= 1000
+        and name.isprintable()
+        and "/" not in name
+        and "\\" not in name
+        and ".." not in name.split("."),
+        f"{what} {name!r} would escape the checkpoint directory or is not a plain name",
+    )
+    return name
+
+
+def validate(index: dict) -> None:
+    """Every field of an index: raises ``CheckpointError`` naming the first bad one."""
+    _keys(
+        index,
+        "index",
+        {"format", "format_version", "checksum", "layout", "files", "tensors", "aliases"},
+        frozenset({"optimizer", "extra"}),
+    )
+    _check_layout(_dict(index["layout"], "layout"))
+    files = _dict(index["files"], "files")
+    for name, listed in files.items():
+        _need(
+            bool(_SAFE_FILE.match(name)),
+            f"file name {name!r} would escape the checkpoint directory (or is not *.safetensors)",
+        )
+        _keys(_dict(listed, f"files[{name!r}]"), f"files[{name!r}]", {"size", "sha256"})
+        _int(listed["size"], f"files[{name!r}].size")
+        _need(
+            isinstance(listed["sha256"], str) and bool(_SHA256.match(listed["sha256"])),
+            f"files[{name!r}].sha256 is not a sha256",
+        )
+    used = dict.fromkeys(files, 0)  # bytes the index places in each file
+    tensors = _dict(index["tensors"], "tensors")
+    for name, entry in tensors.items():
+        check_tensor_entry(name, entry, files, used)
+    for name, nbytes in used.items():
+        _need(
+            nbytes <= files[name]["size"],
+            f"files[{name!r}]: the index places {nbytes} bytes in a file of {files[name]['size']}",
+        )
+    for alias, stored in _dict(index["aliases"], "aliases").items():
+        check_name(alias, "alias")
+        _need(
+            isinstance(stored, str) and stored in tensors and not stored.startswith("optim."),
+            f"alias {alias!r} points to {stored!r}, which is not a saved model tensor",
+        )
+        _need(alias not in tensors, f"alias {alias!r} is also a saved tensor")
+    if index.get("optimizer") is not None:
+        _check_optimizer(_dict(index["optimizer"], "optimizer"), tensors, index["aliases"])
+    from .extra import validate_extra  # the extra state's own format
+
+    validate_extra(_dict(index.get("extra", {}), "extra"), files, used)
+
+
+def _check_layout(layout: dict) -> None:
+    """Informational (``load`` reads only the world size): the known fields are checked,
+    further scalar fields (from a newer zerokit) are allowed."""
+    required = {"world_size", "level", "dp_degree", "tp_degree", "zero_group_size"}
+    _need(required <= layout.keys(), f"layout: missing {sorted(required - layout.keys())}")
+    for key, value in layout.items():
+        _need(
+            value is None or (type(value) in (bool, int, str) and len(str(value)) <= 100),
+            f"layout.{key} must be a plain value, got {type(value).__name__}",
+        )
+    _int(layout["world_size"], "layout.world_size", 1)
+    _need(
+        layout["level"] is None or bool(_LEVEL.match(str(layout["level"]))),
+        f"layout.level {layout['level']!r} is not a level",
+    )
+    if layout["dp_degree"] is not None:
+        _int(layout["dp_degree"], "layout.dp_degree", 1)
+    _int(layout["tp_degree"], "layout.tp_degree", 1)
+    _int(layout["zero_group_size"], "layout.zero_group_size", 1)
+
+
+def _check_split(name: str, tp, shape: list[int]) -> None:
+    if tp is None:
+        return
+    what = f"{name}: tensor-parallel split"
+    _keys(_dict(tp, what), what, {"dim", "block_sizes", "stride"})
+    _need(type(tp["dim"]) is int and 0 <= tp["dim"] < len(shape), f"{what}: bad dim {tp['dim']!r}")
+    sizes = _list(tp["block_sizes"], f"{what}: block_sizes")
+    _need(0 < len(sizes) <= 1 << 16, f"{what}: {len(sizes)} parts")
+    for size in sizes:
+        _int(size, f"{what}: a block size", 1)
+    _int(tp["stride"], f"{what}: stride", 1)
+    _need(sum(sizes) * tp["stride"] == shape[tp["dim"]], f"{what} does not add up to its shape")
+
+
+def check_tensor_entry(name: str, entry: dict, files: dict, used: dict | None = None) -> None:
+    """A tensor's index entry: safe name, known dtype, sane shape and split, and pieces in
+    listed files, keyed ``<name>@<start>``, that tile each tp part exactly once."""
+    check_name(name)
+    _keys(_dict(entry, name), name, {"shape", "dtype", "tp", "parts"})
+    shape = _list(entry["shape"], f"{name}: shape")
+    _need(len(shape) <= 64, f"{name}: {len(shape)} dimensions")
+    for size in shape:
+        _int(size, f"{name}: a dimension")
+    itemsize = dtype_from_name(entry["dtype"], name).itemsize
+    _check_split(name, entry["tp"], shape)
+    nparts = len(entry["tp"]["block_sizes"]) if entry["tp"] else 1
+    parts = _dict(entry["parts"], f"{name}: parts")
+    expected = {str(t) for t in range(nparts)}
+    _need(set(parts) <= expected, f"{name}: has parts {sorted(parts)}, expected {sorted(expected)}")
+    for t in range(nparts):
+        pieces = _list(parts.get(str(t), []), f"{name}: part {t}")
         for piece in pieces:
-            if piece["file"] not in files:
-                raise CheckpointError(f"{name}: piece in unlisted file {piece['file']!r}")
-            if piece["start"] < end:
-                raise CheckpointError(f"{name}: pieces overlap at element {piece['start']}")
-            if piece["start"] > end:
-                raise CheckpointError(f"{name}: elements {end}..{piece['start']} are in no piece")
+            what = f"{name}: a piece"
+            _keys(_dict(piece, what), what, {"file", "key", "start", "numel"})
+            _int(piece["start"], f"{what}'s start")
+            _int(piece["numel"], f"{what}'s numel", 1)
+            _need(piece["file"] in files, f"{name}: piece in unlisted file {piece['file']!r}")
+        end = 0
+        for piece in sorted(pieces, key=lambda piece: piece["start"]):
+            _need(piece["start"] >= end, f"{name}: pieces overlap at element {piece['start']}")
+            _need(
+                piece["start"] == end, f"{name}: elements {end}..{piece['start']} are in no piece"
+            )
             end = piece["start"] + piece["numel"]
-        if end != part_numel(entry, t):
-            raise CheckpointError(
-                f"{name}: pieces cover {end} of {part_numel(entry, t)} elements (part {t})"
+        _need(
+            end == part_numel(entry, t),
+            f"{name}: pieces cover {end} of {part_numel(entry, t)} elements (part {t})",
+        )
+        for piece in pieces:
+            _need(
+                piece["key"] == piece_key(name, piece["start"]),
+                f"{name}: the piece at {piece['start']} is keyed {piece['key']!r}, "
+                f"expected {piece_key(name, piece['start'])!r}",
             )
+            if used is not None:
+                used[piece["file"]] += piece["numel"] * itemsize
 
 
-class CheckpointReader:
-    """Reads slices of checkpoint tensors, checking each file (size, sha256, header) once."""
+def check_hyperparameter(what: str, value) -> None:
+    """A saved hyperparameter: JSON scalars and lists of finite numbers only."""
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if isinstance(value, list):
+        _need(
+            len(value) <= 64 and all(is_finite_number(v) for v in value),
+            f"{what} must hold finite numbers, got {value!r}",
+        )
+        return
+    _need(is_finite_number(value), f"{what} must be a finite number, got {value!r}")
 
-    def __init__(self, directory: str, index: dict):
-        self.directory, self.index = directory, index
-        self._open: dict[str, object] = {}
 
-    def verify_file(self, name: str):
-        """Open a listed file once, after checking its size, sha256 and header."""
-        if name in self._open:
-            return self._open[name]
-        path = os.path.join(self.directory, name)
-        listed = self.index["files"][name]
-        if not os.path.isfile(path):
-            raise CheckpointError(f"{path}: missing")
-        if os.path.getsize(path) != listed["size"]:
-            raise CheckpointError(
-                f"{path}: {os.path.getsize(path)} bytes, the index says {listed['size']} (truncated?)"
+def _check_optimizer(optimizer: dict, tensors: dict, aliases: dict) -> None:
+    _keys(optimizer, "optimizer", {"class", "param_groups", "scalar_state", "state_tensors"})
+    _need(isinstance(optimizer["class"], str), "optimizer.class must be a string")
+    model = {n for n in tensors if not n.startswith("optim.")} | set(aliases)
+    for i, group in enumerate(_list(optimizer["param_groups"], "optimizer.param_groups")):
+        what = f"optimizer param group {i}"
+        _keys(_dict(group, what), what, {"hyperparameters", "params"})
+        for key, value in _dict(group["hyperparameters"], what).items():
+            check_hyperparameter(f"{what}: {key}", value)
+        for param in _list(group["params"], f"{what}: params"):
+            _need(param in model, f"{what}: {param!r} is not a saved model tensor")
+    for param, scalars in _dict(optimizer["scalar_state"], "optimizer.scalar_state").items():
+        _need(param in model, f"optimizer.scalar_state: {param!r} is not a saved model tensor")
+        for key, scalar in _dict(scalars, f"optimizer state of {param}").items():
+            what = f"optimizer state {key!r} of {param}"
+            _keys(_dict(scalar, what), what, {"value", "tensor_dtype"})
+            _need(is_finite_number(scalar["value"]), f"{what} must be a finite number")
+            if scalar["tensor_dtype"] is not None:
+                dtype_from_name(scalar["tensor_dtype"], what)
+    for param, names in _dict(optimizer["state_tensors"], "optimizer.state_tensors").items():
+        _need(
+            param in tensors and not param.startswith("optim."),
+            f"optimizer.state_tensors: {param!r} is not a saved model tensor",
+        )
+        for key, name in _dict(names, f"optimizer state of {param}").items():
+            _need(
+                name == f"optim.{key}.{param}" and name in tensors,
+                f"optimizer state {key!r} of {param} points to {name!r}",
             )
-        if sha256_of(path) != listed["sha256"]:
-            raise CheckpointError(
-                f"{path}: sha256 does not match the index (corrupted or replaced)"
+            _need(
+                tensors[name]["shape"] == tensors[param]["shape"]
+                and tensors[name]["tp"] == tensors[param]["tp"],
+                f"{name}: its shape or split differs from {param}'s",
             )
-        try:
-            handle = safe_open(path, framework="pt")
-            keys = set(handle.keys())
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{path}: not a valid safetensors file: {e}") from None
-        for tensor, entry in self.index["tensors"].items():
-            for pieces in entry["parts"].values():
-                for piece in pieces:
-                    if piece["file"] == name:
-                        self._check_header(handle, keys, path, tensor, entry, piece)
-        self._open[name] = handle
-        return handle
-
-    @staticmethod
-    def _check_header(handle, keys, path, tensor, entry, piece) -> None:
-        if piece["key"] not in keys:
-            raise CheckpointError(f"{path}: has no {piece['key']!r} (piece of {tensor})")
-        sl = handle.get_slice(piece["key"])
-        dtype = SAFETENSORS_DTYPES.get(dtype_from_name(entry["dtype"], tensor))
-        if sl.get_shape() != [piece["numel"]] or sl.get_dtype() != dtype:
-            raise CheckpointError(
-                f"{path}: {piece['key']!r} is {sl.get_dtype()} {sl.get_shape()}, the index says "
-                f"{entry['dtype']} [{piece['numel']}] (piece of {tensor})"
-            )
-
-    def read_part(self, name: str, tp_rank: int, start: int, numel: int) -> torch.Tensor:
-        """Elements ``[start, start + numel)`` of tp part ``tp_rank`` of ``name``, flattened."""
-        entry = self.index["tensors"][name]
-        out = torch.empty(numel, dtype=dtype_from_name(entry["dtype"], name))
-        for piece in entry["parts"].get(str(tp_rank), []):
-            lo, hi = max(start, piece["start"]), min(start + numel, piece["start"] + piece["numel"])
-            if lo < hi:
-                sl = self.verify_file(piece["file"]).get_slice(piece["key"])
-                out[lo - start : hi - start] = sl[lo - piece["start"] : hi - piece["start"]]
-        return out
-
-    def read_full(self, name: str) -> torch.Tensor:
-        """The whole tensor, tp parts assembled, in its full shape."""
-        entry = self.index["tensors"][name]
-        split = split_from_json(entry["tp"])
-        if split is None:
-            return self.read_part(name, 0, 0, part_numel(entry, 0)).view(entry["shape"])
-        parts = []
-        for t in range(len(split.block_sizes)):
-            shape = list(entry["shape"])
-            shape[split.dim] = split.local_size(t)
-            parts.append(self.read_part(name, t, 0, part_numel(entry, t)).view(shape))
-        return split.assemble(parts)

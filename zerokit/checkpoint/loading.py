@@ -1,26 +1,28 @@
 """``load``: into any world size and level (and tp degree), reading only the slices this rank
-holds; everything is validated and read before anything is copied, and all ranks agree first,
-so a refused checkpoint changes nothing anywhere."""
+holds. The ranks first agree that they read the same checkpoint (the sha256 of its index) into
+the same model; everything is validated and read before anything is copied, and all ranks
+agree again first, so a refused checkpoint changes nothing anywhere."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..core.agreement import alive
 from ..core.state import state_of
+from . import extra as extra_state
 from .holdings import Chunk, Holdings, TensorMeta, collect
-from .index import (
-    INDEX_NAME,
-    CheckpointError,
-    CheckpointReader,
-    dtype_from_name,
-    read_index,
-    split_from_json,
-)
-from .saving import OLD_SUFFIX, agree, world_group
+from .index import CheckpointError, dtype_from_name, is_finite_number, split_from_json
+from .reading import CheckpointReader, resolve
+from .saving import agree_on, gather_json, model_fingerprint, raise_any, world_group
+
+__all__ = ["load", "resolve"]
 
 
 @dataclass
@@ -30,16 +32,7 @@ class _Staged:
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     optimizer_state: list[tuple[torch.Tensor, dict]] = field(default_factory=list)
     hyperparameters: list[dict] = field(default_factory=list)
-
-
-def resolve(path: str | os.PathLike) -> str:
-    """The checkpoint directory; the previous one if a save died between its two renames."""
-    path = os.fspath(path).rstrip("/")
-    if not os.path.exists(os.path.join(path, INDEX_NAME)):
-        old = path + OLD_SUFFIX
-        if not os.path.exists(path) and os.path.exists(os.path.join(old, INDEX_NAME)):
-            return old
-    return path
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def load(
@@ -47,31 +40,91 @@ def load(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     strict: bool = True,
+    *,
+    extra: MutableMapping[str, Any] | None = None,
+    timeout: float | None = None,
 ) -> None:
     """Load a checkpoint written by ``save`` at any world size and level into ``model`` (and
     ``optimizer``), wrapped at any level or bare. Collective: every rank calls it.
 
     ``strict=False`` loads the tensors both sides have and leaves the rest as they are.
-    Raises ``CheckpointError`` on every rank, changing nothing, if anything is wrong.
+    ``extra``: the extra state to restore, by the names it was saved under: an object with
+    ``load_state_dict()`` gets its state; any other entry of the dict is replaced by the saved
+    value. Raises ``CheckpointError`` on every rank, changing nothing, if anything is wrong;
+    ``CollectiveTimeout`` naming the ranks that did not call ``load`` within ``timeout``
+    seconds (default ``$ZEROKIT_COLLECTIVE_TIMEOUT`` or 60).
     """
     group = world_group()
-    h = collect(model, optimizer)
-    staged, error = None, None
-    try:
-        directory = resolve(path)
-        index = read_index(directory)
-        staged = _stage(index, CheckpointReader(directory, index), h, optimizer, strict)
-    except CheckpointError as e:
-        error = str(e)
-    except (OSError, KeyError, TypeError, ValueError) as e:
-        error = f"{os.fspath(path)}: malformed checkpoint: {type(e).__name__}: {e}"
-    agree(error, group)
-    _apply(staged, model, optimizer)
+    with alive(group):
+        reader, error, h = None, None, None
+        try:
+            h = collect(model, optimizer)
+            reader = CheckpointReader(path)
+        except CheckpointError as e:
+            error = str(e)
+        except (OSError, ValueError) as e:
+            error = f"{os.fspath(path)}: cannot read: {type(e).__name__}: {e}"
+        try:
+            raise_any(gather_json("checkpoint.load", [error, None], group, timeout))
+            agree_on(
+                "checkpoint.load: what",
+                {
+                    "the checkpoint read (sha256 of its index)": reader.digest.encode(),
+                    "the model's tensors": model_fingerprint(h),
+                    "the optimizer": str(h.optimizer_class).encode(),
+                    "the extra state asked for": repr(sorted(extra or {})).encode(),
+                },
+                group,
+                timeout,
+            )
+            staged, error = None, None
+            try:
+                staged = _stage(reader, h, optimizer, strict, extra)
+            except CheckpointError as e:
+                error = str(e)
+            except (OSError, KeyError, TypeError, ValueError) as e:
+                error = f"{reader.directory}: malformed checkpoint: {type(e).__name__}: {e}"
+            raise_any(gather_json("checkpoint.load: read", [error, None], group, timeout))
+        finally:
+            if reader is not None:
+                reader.close()
+        error = None
+        try:  # the extra state first: a Stateful that refuses its state stops the load here
+            _apply_extra(staged.extra, extra)
+        except Exception as e:
+            error = f"restoring the extra state failed: {type(e).__name__}: {e}; the model and optimizer are unchanged"
+        raise_any(gather_json("checkpoint.load: extra", [error, None], group, timeout))
+        _apply(staged, model, optimizer)
 
 
-def _stage(index: dict, reader: CheckpointReader, h: Holdings, optimizer, strict: bool) -> _Staged:
+def _check_ties(saved: dict, aliases: dict, h: Holdings) -> None:
+    """The checkpoint ties together exactly the names the model ties together."""
+
+    def stored(name: str) -> str | None:
+        return name if name in saved else aliases.get(name)
+
+    model_first = dict(h.aliases) | {n: n for n in h.param_names}
+    for alias, first in h.aliases.items():
+        if alias in aliases or alias in saved:
+            if stored(alias) != stored(first):
+                raise CheckpointError(
+                    f"the model ties {alias} to {first}, the checkpoint ties it to "
+                    f"{stored(alias)} (a tied weight would load another tensor's values)"
+                )
+    for alias, target in aliases.items():
+        if alias in model_first and target in model_first:
+            if model_first[alias] != model_first[target]:
+                raise CheckpointError(
+                    f"the checkpoint ties {alias} to {target}, the model does not (a tied "
+                    "weight would load another tensor's values)"
+                )
+
+
+def _stage(reader: CheckpointReader, h: Holdings, optimizer, strict: bool, extra) -> _Staged:
+    index = reader.index
     saved = index["tensors"]
-    aliases = index.get("aliases", {})
+    aliases = index["aliases"]
+    _check_ties(saved, aliases, h)
     names = {n: (n if n in saved else aliases.get(n, n)) for n in h.param_names}
     missing = sorted(n for n, stored in names.items() if stored not in saved)
     stored = {aliases.get(n, n) for n in names.values()}
@@ -88,7 +141,8 @@ def _stage(index: dict, reader: CheckpointReader, h: Holdings, optimizer, strict
             continue  # optimizer state (below), or skipped under strict=False
         staged.copies.append((chunk.tensor, _read(reader, name, h.metas[chunk.name], chunk)))
     if optimizer is not None:
-        _stage_optimizer(index, reader, h, staged)
+        _stage_optimizer(index, reader, h, optimizer, staged)
+    staged.extra = _stage_extra(reader, extra)
     return staged
 
 
@@ -112,7 +166,33 @@ def _read(reader: CheckpointReader, name: str, meta: TensorMeta, chunk: Chunk) -
     return local.reshape(-1)[chunk.start : chunk.start + numel]
 
 
-def _stage_optimizer(index: dict, reader: CheckpointReader, h: Holdings, staged: _Staged) -> None:
+_NON_NEGATIVE = {"lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay", "alpha"}
+
+
+def _check_hyperparameter(i: int, key: str, value, current) -> None:
+    """A saved hyperparameter must be of the kind the optimizer holds, and finite."""
+    what = f"param group {i}: {key}"
+    if isinstance(current, bool) or current is None:
+        ok = value is None or isinstance(value, bool)
+    elif isinstance(current, (int, float, torch.Tensor)):
+        ok = is_finite_number(value) and (key not in _NON_NEGATIVE or value >= 0)
+    elif isinstance(current, (tuple, list)):
+        ok = isinstance(value, list) and len(value) == len(current)
+        ok = ok and all(is_finite_number(v) for v in value)
+        if key == "betas":
+            ok = ok and all(0 <= v < 1 for v in value)
+    else:
+        ok = type(value) is type(current)
+    if not ok:
+        raise CheckpointError(
+            f"{what} is {value!r} in the checkpoint; the optimizer holds {current!r} there "
+            "(refused: it would fail or diverge at the next step)"
+        )
+
+
+def _stage_optimizer(
+    index: dict, reader: CheckpointReader, h: Holdings, optimizer, staged: _Staged
+) -> None:
     saved = index.get("optimizer")
     if saved is None:
         raise CheckpointError("the checkpoint holds no optimizer state; pass optimizer=None")
@@ -125,6 +205,10 @@ def _stage_optimizer(index: dict, reader: CheckpointReader, h: Holdings, staged:
         raise CheckpointError(
             "the optimizer's param groups hold other parameters than the saved ones"
         )
+    for i, (group, current) in enumerate(zip(groups, optimizer.param_groups)):
+        for key, value in group["hyperparameters"].items():
+            if key in current:  # a key this optimizer does not know cannot change it
+                _check_hyperparameter(i, key, value, current[key])
     for chunk, key_tensor in h.optimizer_chunks:
         state = {}
         for key, tensor_name in saved["state_tensors"].get(chunk.name, {}).items():
@@ -144,7 +228,47 @@ def _stage_optimizer(index: dict, reader: CheckpointReader, h: Holdings, staged:
                 value = torch.tensor(value, dtype=dtype)
             state[key] = value
         staged.optimizer_state.append((key_tensor, state))
-    staged.hyperparameters = [g["hyperparameters"] for g in groups]
+    staged.hyperparameters = [
+        {k: v for k, v in g["hyperparameters"].items() if k in current}
+        for g, current in zip(groups, optimizer.param_groups)
+    ]
+
+
+def _stage_extra(reader: CheckpointReader, extra) -> dict[str, Any]:
+    if not extra:
+        return {}
+    saved = reader.index.get("extra", {})
+    missing = sorted(k for k in extra if k not in saved)
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint holds no extra state {missing} (it holds {sorted(saved)})"
+        )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = {}
+    for key in extra:
+        entry = saved[key]
+        if entry["per_rank"]:
+            saved_world = reader.index["layout"]["world_size"]
+            if saved_world != world or len(entry["values"]) != world:
+                raise CheckpointError(
+                    f"extra {key!r} differed between the {saved_world} saving ranks (each stored "
+                    f"its own); it can be restored at world size {saved_world} only, not {world}"
+                )
+            value = entry["values"][rank]
+        else:
+            value = entry["values"][0]
+        tensors = [reader.read_tensor(ref["file"], ref["key"]) for ref in value["tensors"]]
+        out[key] = extra_state.decode(value["json"], tensors, f"extra {key!r}")
+    return out
+
+
+def _apply_extra(values: dict[str, Any], extra) -> None:
+    for key, value in values.items():
+        if extra_state.is_stateful(extra[key]):
+            extra[key].load_state_dict(value)
+        else:
+            extra[key] = value
 
 
 def _apply(staged: _Staged, model: nn.Module, optimizer) -> None:

@@ -1,39 +1,50 @@
-"""``save``: every rank writes its own shard file; rank 0 writes the index and moves the
-finished checkpoint into place.
+"""``save``: the ranks agree on what they save and where, each writes its own shard file, and
+rank 0 writes the index and moves the finished checkpoint into place.
 
-Note: a checkpoint is built in ``<path>.zerokit-tmp`` and only a complete one (every rank's
-file written and flushed, the index written to a temp file, fsynced and renamed) replaces
-``<path>``: the old one is first renamed to ``<path>.zerokit-old`` and deleted after the new
-one is in place. A save killed at any point leaves the previous checkpoint loadable (``load``
-falls back to ``<path>.zerokit-old`` if it was killed between the two renames); the next save
-removes the debris. A failure on any rank becomes the same error on every rank.
+Note: the steps, each ending in an all-gather that raises the same error on every rank.
+(1) every rank checks what it was given and encodes its extra state; (2) the ranks agree on
+the path, the model's tensors, the optimizer and the extra keys, and a rank that did not call
+``save`` is named within the collective timeout; nothing has been written yet. (3) Rank 0 takes
+the save lock, refuses a path that holds anything but a zerokit checkpoint, clears debris of
+dead saves and makes its own temp directory, which every rank must then see. (4) Every rank
+writes and fsyncs its file. (5) Rank 0 builds the index (every tensor tiled exactly once, every
+file there with its size), writes it with its checksum (temp file, fsync, rename), renames
+``<path>`` to ``<path>.zerokit-old`` and the temp directory to ``<path>``, deletes the old one
+and releases the lock. A save killed at any point leaves the previous checkpoint loadable
+(``load`` falls back to ``.zerokit-old`` between the two renames); the next save removes the
+debris (see ``places``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.collectives import all_gather_bytes
+from ..core.agreement import AgreementError, CollectiveTimeout, agree_all, alive, gather
+from . import extra as extra_state
 from .holdings import Holdings, collect
 from .index import (
     FORMAT,
     FORMAT_VERSION,
     INDEX_NAME,
     CheckpointError,
+    check_hyperparameter,
     check_tensor_entry,
     dtype_name,
+    piece_key,
+    seal,
     split_to_json,
 )
+from .places import SaveLock, clear_debris, make_temp, remove, why_not_replaceable
+from .reading import OLD_SUFFIX
 from .streaming import write_safetensors
-
-TMP_SUFFIX = ".zerokit-tmp"
-OLD_SUFFIX = ".zerokit-old"
 
 
 def world_group():
@@ -44,12 +55,33 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def agree(error: str | None, group) -> None:
-    """Raise the same error on every rank if any rank had one (collective)."""
-    errors = [json.loads(b) for b in all_gather_bytes(json.dumps(error).encode(), group)]
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed))
+def gather_json(what: str, value: Any, group, timeout: float | None) -> list[Any]:
+    try:
+        return [json.loads(r) for r in gather(what, json.dumps(value).encode(), group, timeout)]
+    except CollectiveTimeout:
+        raise
+    except AgreementError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def model_fingerprint(h: Holdings) -> bytes:
+    """The model's tensors as every rank sees them: names, full shapes, dtypes, tp splits."""
+    tensors = {
+        n: [list(m.shape), dtype_name(m.dtype), split_to_json(m.split)]
+        for n, m in h.metas.items()
+        if not n.startswith("optim.")
+    }
+    text = json.dumps([tensors, h.aliases], sort_keys=True).encode()
+    return hashlib.sha256(text).hexdigest().encode()
+
+
+def agree_on(what: str, fields: dict[str, bytes], group, timeout: float | None) -> None:
+    try:
+        agree_all(what, fields, group, timeout)
+    except CollectiveTimeout:
+        raise
+    except AgreementError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _fsync_dir(path: str) -> None:
@@ -60,22 +92,38 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_shard(tmp: str, h: Holdings) -> dict:
-    """This rank's file (written straight from the shards, hashed on the way) and what the
-    index needs to know of it."""
+def _write_shard(tmp: str, h: Holdings, extras: dict, mine: set[str]) -> dict:
+    """This rank's file (written straight from the shards, hashed on the way): its primary
+    chunks and the extra state it stores; and what the index needs to know of it."""
     rank = _rank()
     chunks = [c for c in h.chunks if c.primary and c.tensor.numel() > 0]
     fname = f"rank{rank:05d}.safetensors"
     pieces = [
-        {"name": c.name, "key": f"{c.name}@{c.start}", "start": c.start, "numel": c.tensor.numel()}
+        {
+            "name": c.name,
+            "key": piece_key(c.name, c.start),
+            "start": c.start,
+            "numel": c.tensor.numel(),
+        }
         for c in chunks
     ]
-    info = {"pieces": pieces, "file": None}
-    if chunks:
-        entries = [
-            (p["key"], c.tensor.dtype, [p["numel"]], lambda c=c: c.tensor)
-            for p, c in zip(pieces, chunks)
-        ]
+    entries = [
+        (p["key"], c.tensor.dtype, [p["numel"]], lambda c=c: c.tensor)
+        for p, c in zip(pieces, chunks)
+    ]
+    extra_docs = {}
+    for position, key in enumerate(sorted(extras)):
+        if key not in mine:
+            continue
+        doc, tensors = extras[key]
+        refs = []
+        for n, t in enumerate(tensors):
+            tkey = extra_state.tensor_key(position, rank, n)
+            entries.append((tkey, t.dtype, list(t.shape), lambda t=t: t))
+            refs.append(extra_state.tensor_ref(fname, tkey, t))
+        extra_docs[key] = {"json": doc, "tensors": refs}
+    info = {"pieces": pieces, "file": None, "extra": extra_docs}
+    if entries:
         metadata = {"format": FORMAT, "rank": str(rank)}
         size, sha256 = write_safetensors(os.path.join(tmp, fname), entries, metadata)
         info["file"] = {"name": fname, "size": size, "sha256": sha256}
@@ -89,7 +137,7 @@ def _describe(h: Holdings) -> dict:
     }
 
 
-def _build_index(h: Holdings, shards: list[dict]) -> dict:
+def _build_index(h: Holdings, shards: list[dict], per_rank: dict[str, bool]) -> dict:
     tensors = {}
     for shard in shards:  # a rank knows the optimizer state of the pieces it holds only
         for name, described in shard["tensors"].items():
@@ -112,6 +160,13 @@ def _build_index(h: Holdings, shards: list[dict]) -> dict:
         scalars.update(shard["scalars"])
         for param, keys in shard["state_names"].items():
             state_names.setdefault(param, {}).update(keys)
+    extra = {
+        key: {
+            "per_rank": per_rank[key],
+            "values": [s["extra"][key] for s in shards if key in s["extra"]],
+        }
+        for key in sorted(per_rank)
+    }
     index = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -127,71 +182,173 @@ def _build_index(h: Holdings, shards: list[dict]) -> dict:
             "scalar_state": scalars,
             "state_tensors": state_names,
         },
+        "extra": extra,
     }
     for name, entry in tensors.items():
         check_tensor_entry(name, entry, files)  # every element once: no gaps, no overlaps
     return index
 
 
+def _local_checks(h: Holdings, extra: Mapping[str, Any] | None) -> dict:
+    """What this rank was given, checked, and its extra state encoded."""
+    for i, group in enumerate(h.groups):
+        for key, value in group["hyperparameters"].items():
+            try:
+                check_hyperparameter(f"param group {i}: {key}", value)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}; it would not load") from None
+    for param, state in h.scalars.items():
+        for key, scalar in state.items():
+            check_hyperparameter(f"optimizer state {key!r} of {param}", scalar["value"])
+    if extra is not None and not isinstance(extra, Mapping):
+        raise CheckpointError(f"extra must be a dict of name -> state, got {type(extra).__name__}")
+    extras = {}
+    for key, value in (extra or {}).items():
+        if not isinstance(key, str):
+            raise CheckpointError(f"extra: keys must be strings, got {key!r}")
+        extras[key] = extra_state.encode(value, f"extra[{key!r}]")
+    return extras
+
+
 def save(
-    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
 ) -> None:
-    """Save ``model`` (and ``optimizer``) to the directory ``path``, atomically.
+    """Save ``model`` (and ``optimizer``, and ``extra`` state) to the directory ``path``,
+    atomically.
 
-    Collective: every rank calls it; each writes only what it holds (its shards). Works at
-    every level, on a bare model, and with tensor-parallel layers. All ranks must see the
-    same file system.
+    Collective: every rank calls it, with the same path; each writes only what it holds (its
+    shards). Works at every level, on a bare model, and with tensor-parallel layers. All ranks
+    must see the same file system. ``path`` must not exist, or be an empty directory or a
+    zerokit checkpoint (which is replaced); anything else there is refused. ``extra``: name ->
+    an object with ``state_dict()``/``load_state_dict()`` (an LR scheduler,
+    ``zerokit.checkpoint.RNGState()``) or a plain value (numbers, strings, lists, dicts,
+    tensors), stored without pickle. ``timeout``: seconds to wait for a rank that does not
+    call ``save`` (default ``$ZEROKIT_COLLECTIVE_TIMEOUT`` or 60) before raising
+    ``CollectiveTimeout`` naming it.
     """
-    path = os.fspath(path).rstrip("/")
+    path = os.path.abspath(os.fspath(path))
     group = world_group()
-    tmp, old = path + TMP_SUFFIX, path + OLD_SUFFIX
-    h = collect(model, optimizer)
-    error = None
-    if _rank() == 0:
-        try:
-            if not os.path.exists(path) and os.path.isdir(old):
-                os.replace(old, path)  # a save died between its renames: that was the last good one
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(old, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as e:
-            error = f"cannot prepare {tmp}: {e}"
-    agree(error, group)
+    with alive(group):
+        _save(path, model, optimizer, extra, group, timeout)
+
+
+def _save(path: str, model, optimizer, extra, group, timeout) -> None:
+    h, extras, error = None, {}, None
     try:
-        shard, error = _write_shard(tmp, h), None
-        shard["scalars"], shard["tensors"] = h.scalars, _describe(h)
-        shard["state_names"] = h.state_names
-        shard["tp_rank"] = next((m.tp_rank for m in h.metas.values() if m.split), 0)
-    except Exception as e:  # disk full, permissions: every rank must hear of it
-        shard, error = None, f"writing its shard failed: {type(e).__name__}: {e}"
+        h = collect(model, optimizer)
+        extras = _local_checks(h, extra)
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # every rank must hear of it, or the others would wait for it
+        error = f"{type(e).__name__}: {e}"
+    digests = {k: extra_state.digest(*v) for k, v in extras.items()}
+    replies = raise_any(gather_json("checkpoint.save", [error, digests], group, timeout))
+    optimizer_desc = json.dumps([h.optimizer_class, h.groups], sort_keys=True).encode()
+    agree_on(
+        "checkpoint.save: what and where",
+        {
+            "the path": path.encode(),
+            "the model's tensors": model_fingerprint(h),
+            "the optimizer": hashlib.sha256(optimizer_desc).hexdigest().encode(),
+            "the extra state's keys": json.dumps(sorted(extras)).encode(),
+            "the layout": json.dumps(h.layout, sort_keys=True).encode(),
+        },
+        group,
+        timeout,
+    )
+    per_rank = {k: len({d[k] for _, d in replies}) > 1 for k in extras}
+    mine = {k for k in extras if per_rank[k] or _rank() == 0}
+    lock, tmp, committed = None, None, False
     try:
-        agree(error, group)
-    except CheckpointError:
+        error = None
         if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shards = [json.loads(b) for b in all_gather_bytes(json.dumps(shard).encode(), group)]
-    error = None
-    if _rank() == 0:
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)  # as `mkdir -p` would
+                lock = SaveLock(path).acquire()
+                refused = why_not_replaceable(path)
+                if refused:
+                    raise CheckpointError(
+                        f"{refused}; zerokit never replaces it: choose another path, or remove "
+                        "it yourself"
+                    )
+                clear_debris(path)
+                tmp = make_temp(path)
+            except (CheckpointError, OSError) as e:
+                error = str(e) if isinstance(e, CheckpointError) else f"cannot prepare {path}: {e}"
+        made = gather_json("checkpoint.save: directory", [error, tmp], group, timeout)
+        if made[0][0] is not None:
+            raise CheckpointError(made[0][0])
+        tmp = made[0][1]
+        shard, error = None, None
         try:
-            index = _build_index(h, shards)
-            _commit(path, tmp, old, index)
-        except Exception as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            error = f"finishing the checkpoint failed: {type(e).__name__}: {e}"
-    agree(error, group)
+            if not os.path.isdir(tmp):
+                raise CheckpointError(
+                    f"cannot see {tmp}, which rank 0 made: all ranks must share one file system"
+                )
+            shard = _write_shard(tmp, h, extras, mine)
+            shard["scalars"], shard["tensors"] = h.scalars, _describe(h)
+            shard["state_names"] = h.state_names
+            shard["tp_rank"] = next((m.tp_rank for m in h.metas.values() if m.split), 0)
+        except CheckpointError as e:
+            error = str(e)
+        except Exception as e:  # disk full, permissions: every rank must hear of it
+            error = f"writing its shard failed: {type(e).__name__}: {e}"
+        written = gather_json("checkpoint.save: written", [error, shard], group, timeout)
+        shards = [s for _, s in raise_any(written)]
+        error = None
+        if _rank() == 0:
+            try:
+                index = _build_index(h, shards, per_rank)
+                _commit(path, tmp, index)
+                committed = True
+            except Exception as e:
+                error = f"finishing the checkpoint failed: {type(e).__name__}: {e}"
+            lock.release()
+        raise_any(gather_json("checkpoint.save: committed", [error, None], group, timeout))
+    finally:
+        if _rank() == 0:
+            if tmp is not None and not committed:
+                remove(tmp)
+            if lock is not None:
+                lock.release()
 
 
-def _commit(path: str, tmp: str, old: str, index: dict) -> None:
+def raise_any(replies: list) -> list:
+    """Raise the same ``CheckpointError`` on every rank if any rank's ``[error, ...]`` reply
+    holds an error; else return the replies."""
+    failed = [(r, e) for r, (e, _) in enumerate(replies) if e is not None]
+    if len(replies) == 1 and failed:
+        raise CheckpointError(failed[0][1])
+    if failed:
+        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed))
+    return replies
+
+
+def _commit(path: str, tmp: str, index: dict) -> None:
+    for name, listed in index["files"].items():  # written where rank 0 sees them
+        full = os.path.join(tmp, name)
+        if not os.path.isfile(full) or os.path.getsize(full) != listed["size"]:
+            raise CheckpointError(
+                f"{full} is not there as written: all ranks must share one file system"
+            )
     index_tmp = os.path.join(tmp, INDEX_NAME + ".tmp")
-    with open(index_tmp, "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=1)
+    with open(index_tmp, "wb") as f:
+        f.write(seal(index))
         f.flush()
         os.fsync(f.fileno())
     os.replace(index_tmp, os.path.join(tmp, INDEX_NAME))
     _fsync_dir(tmp)
-    if os.path.exists(path):
+    refused = why_not_replaceable(path)  # again: something may have appeared meanwhile
+    if refused:
+        raise CheckpointError(f"{refused}; zerokit never replaces it")
+    old = path + OLD_SUFFIX
+    if os.path.lexists(path):
         os.replace(path, old)
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(os.path.dirname(path))
+    remove(old)

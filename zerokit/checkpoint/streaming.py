@@ -2,7 +2,8 @@
 
 The header is computed first (names, dtypes, shapes, offsets), then each tensor's bytes are
 written straight from its memory: no second copy of the whole file in memory, no read-back to
-hash it. The file is written to a temp name, fsynced and renamed.
+hash it. The file is written to a temp name of its own, fsynced and renamed (the temp file is
+removed if writing fails).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import struct
 from collections.abc import Callable
 
@@ -49,19 +51,24 @@ def write_safetensors(
     header["__metadata__"] = metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
-    digest, tmp = hashlib.sha256(), path + ".tmp"
-    with open(tmp, "wb") as f:
-        for chunk in (struct.pack("<Q", len(raw)), raw):
-            f.write(chunk)
-            digest.update(chunk)
-        for name, dtype, shape, produce in tensors:
-            tensor = produce().detach().to("cpu").contiguous()
-            if tensor.dtype != dtype or list(tensor.shape) != list(shape):
-                raise ValueError(f"{name}: produced {tensor.dtype} {list(tensor.shape)}")
-            data = tensor.view(-1).view(torch.uint8).numpy()
-            f.write(data)
-            digest.update(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    digest, tmp = hashlib.sha256(), f"{path}.tmp-{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "xb") as f:
+            for chunk in (struct.pack("<Q", len(raw)), raw):
+                f.write(chunk)
+                digest.update(chunk)
+            for name, dtype, shape, produce in tensors:
+                tensor = produce().detach().to("cpu").contiguous()
+                if tensor.dtype != dtype or list(tensor.shape) != list(shape):
+                    raise ValueError(f"{name}: produced {tensor.dtype} {list(tensor.shape)}")
+                data = tensor.view(-1).view(torch.uint8).numpy()
+                f.write(data)
+                digest.update(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
     return os.path.getsize(path), digest.hexdigest()

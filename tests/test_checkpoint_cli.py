@@ -1,0 +1,134 @@
+"""``zerokit ckpt``: a short summary by default and an aligned table with ``--tensors``; no
+traceback when the reader of a pipe goes away; clear errors and no debris from consolidate;
+a consolidated file loads strictly into the plain model, tied names included."""
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from zerokit import checkpoint
+from zerokit.checkpoint import load_consolidated
+from zerokit.cli import main as cli
+
+LONG = "a_rather_long_module_name_that_is_longer_than_forty_characters"
+
+
+class Model(nn.Module):
+    def __init__(self, blocks: int = 3):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4)
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(blocks))
+        setattr(self, LONG, nn.Linear(4, 4))
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.register_buffer("count", torch.tensor(3))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    torch.manual_seed(0)
+    model = Model(blocks=20)
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    path = tmp_path / "ckpt"
+    checkpoint.save(path, model, opt, extra={"step": 1})
+    return path, model
+
+
+def test_inspect_gives_a_summary_and_tensors_on_request(saved, capsys):
+    path, _ = saved
+    assert cli(["ckpt", "inspect", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) <= 10, out
+    assert "model: 44 tensors, " in out[2] and "tied: head.weight -> emb.weight" in out[2]
+    assert out[3].startswith("optimizer: AdamW, 1 param group(s), state exp_avg, exp_avg_sq, step")
+    assert "extra state: step" in out
+    assert out[-1] == "(--tensors lists every tensor)"
+    assert cli(["ckpt", "inspect", "--tensors", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    table = out[next(i for i, line in enumerate(out) if line.startswith("files:")) + 1 : -1]
+    assert len(table) == 1 + 44 + 2 * 43  # header, model tensors, two states per parameter
+    assert out[-1].startswith("complete and verified")
+    for column in ("shape", "dtype", "tp split"):  # every row's cell starts under its header
+        at = table[0].index(column)
+        assert all(row[at - 2 : at] == "  " and row[at] != " " for row in table), column
+
+
+def test_inspect_into_a_closed_pipe_ends_quietly(saved):
+    path, _ = saved
+    done = subprocess.run(
+        f"{sys.executable} -m zerokit ckpt inspect --tensors {path} | head -1",
+        shell=True, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert done.stdout.startswith("checkpoint ") and done.stderr == "", done.stderr
+
+
+def test_consolidate_errors_are_clear_and_leave_nothing(saved, tmp_path, capsys):
+    path, _ = saved
+    out = tmp_path / "out"
+    out.mkdir()
+    cases = {
+        str(
+            out
+        ): r"output .*/out is a directory: give a \.safetensors file name, or --max-shard-size",
+        str(out) + "/": r"is a directory",
+        str(tmp_path / "missing" / "m.safetensors"): r"the directory .*/missing does not exist",
+        str(tmp_path / "notes.txt"): r"must end in \.safetensors",
+    }
+    for output, message in cases.items():
+        assert cli(["ckpt", "consolidate", str(path), output]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert re.search(message, err), err
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out"] and os.listdir(out) == []
+    assert cli(["ckpt", "consolidate", str(path), str(tmp_path / "f.safetensors")]) == 0
+    assert cli(["ckpt", "consolidate", str(path), str(tmp_path / "f.safetensors"),
+                "--max-shard-size", "1KB"]) == 2  # fmt: skip
+    assert "exists and is not a directory" in capsys.readouterr().err
+
+
+def test_a_failing_consolidate_removes_what_it_wrote(saved, tmp_path, monkeypatch):
+    path, _ = saved
+    module = importlib.import_module("zerokit.checkpoint.consolidate")
+
+    calls = []
+    real = module.write_safetensors
+
+    def fail_on_third(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "write_safetensors", fail_on_third)
+    assert (
+        cli(["ckpt", "consolidate", str(path), str(tmp_path / "hf"), "--max-shard-size", "500B"])
+        == 2
+    )
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_consolidated_checkpoint_loads_strictly_with_tied_names(saved, tmp_path, sharded):
+    path, model = saved
+    out = tmp_path / ("hf" if sharded else "model.safetensors")
+    args = ["--max-shard-size", "600B"] if sharded else []
+    assert cli(["ckpt", "consolidate", str(path), str(out), *args]) == 0
+    if not sharded:
+        with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"head\.weight\""):
+            Model(blocks=20).load_state_dict(load_file(out))  # why the loader exists
+    plain = Model(blocks=20)
+    load_consolidated(out, plain)  # strict
+    for key, value in model.state_dict().items():
+        assert torch.equal(plain.state_dict()[key], value), key
+    assert plain.head.weight is plain.emb.weight

@@ -1,0 +1,64 @@
+"""``zerokit ckpt inspect|consolidate``: the checkpoint commands of the ``zerokit`` CLI."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .consolidate import consolidate, describe, parse_size
+from .index import CheckpointError
+
+
+def add_parser(commands) -> None:
+    """Add ``ckpt`` to the ``zerokit`` command's subparsers."""
+    ckpt = commands.add_parser("ckpt", help="inspect or consolidate a zerokit checkpoint")
+    ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    inspect = ckpt_commands.add_parser(
+        "inspect", help="layout, sizes, and whether it is complete and verified"
+    )
+    inspect.add_argument("checkpoint")
+    inspect.add_argument("--tensors", action="store_true", help="also list every tensor")
+    consolidate_cmd = ckpt_commands.add_parser(
+        "consolidate",
+        help="write the full model as one safetensors file (or a Hugging Face style set)",
+        description=(
+            "Write the full model with the plain model's names. Tied weights are stored once; "
+            "zerokit.checkpoint.load_consolidated(path, model) loads it, tied names included."
+        ),
+    )
+    consolidate_cmd.add_argument("checkpoint")
+    consolidate_cmd.add_argument(
+        "output", help="a .safetensors file, or a directory with --max-shard-size"
+    )
+    consolidate_cmd.add_argument(
+        "--max-shard-size", help="e.g. 5GB: write model-0000i-of-0000n.safetensors + index"
+    )
+    consolidate_cmd.add_argument(
+        "--optimizer", metavar="PATH", help="also write the optimizer state (a .safetensors file)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a parsed ``ckpt`` command: 0 done, 1 the checkpoint is not usable, 2 an error."""
+    try:
+        if args.ckpt_command == "inspect":
+            report, ok = describe(args.checkpoint, tensors=args.tensors)
+            _print(report)
+            return 0 if ok else 1
+        max_size = parse_size(args.max_shard_size) if args.max_shard_size else None
+        written = consolidate(args.checkpoint, args.output, max_size, args.optimizer)
+        _print("\n".join(f"wrote {path}" for path in written))
+    except BrokenPipeError:  # `zerokit ckpt inspect ... | head`: the reader has gone
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # and the interpreter's final flush must not fail
+        return 0
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"zerokit ckpt {args.ckpt_command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _print(text: str) -> None:
+    print(text)
+    sys.stdout.flush()

@@ -1,0 +1,288 @@
+"""Reading a checkpoint: one directory handle, one mapping per file, nothing followed.
+
+Note: a load must return one checkpoint or an error, even while a save replaces the same path.
+So the directory is opened once and every file is opened relative to that handle: a save that
+swaps directories mid-load leaves this load reading the directory it started with (or failing
+when its files are gone). A file is mapped once, and its sha256, its header and the values
+are all read through that one mapping of one open file, never by name again. Entries are
+looked at with ``lstat`` and opened with ``O_NOFOLLOW | O_NONBLOCK``: a symbolic link, FIFO or
+device inside a checkpoint is refused without being followed or opened, and the message says
+nothing about what it points to. The checkpoint directory itself may be a symbolic link
+(``latest -> step_1000``); it is resolved once, when it is opened.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import mmap
+import os
+import stat
+import struct
+
+import torch
+
+from .index import (
+    INDEX_NAME,
+    MAX_INDEX_BYTES,
+    CheckpointError,
+    dtype_from_name,
+    parse_index,
+    part_numel,
+    split_from_json,
+)
+from .streaming import SAFETENSORS_DTYPES
+
+OLD_SUFFIX = ".zerokit-old"
+_MAX_HEADER = 100 << 20
+_DTYPE_OF = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+_KINDS = {
+    stat.S_ISREG: "a regular file",
+    stat.S_ISLNK: "a symbolic link",
+    stat.S_ISDIR: "a directory",
+    stat.S_ISFIFO: "a FIFO",
+    stat.S_ISSOCK: "a socket",
+    stat.S_ISCHR: "a character device",
+    stat.S_ISBLK: "a block device",
+}
+
+
+def resolve(path: str | os.PathLike) -> str:
+    """The checkpoint directory; the previous one if a save died between its two renames."""
+    path = os.fspath(path).rstrip("/") or "/"
+    if not os.path.lexists(path) and os.path.isfile(os.path.join(path + OLD_SUFFIX, INDEX_NAME)):
+        return path + OLD_SUFFIX
+    return path
+
+
+def kind_of(mode: int) -> str:
+    return next((kind for test, kind in _KINDS.items() if test(mode)), "a special file")
+
+
+def open_regular(dir_fd: int, name: str, where: str) -> int:
+    """An fd for the regular file ``name`` in ``dir_fd``; anything else is refused unopened."""
+    try:
+        before = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        gone = os.fstat(dir_fd).st_nlink == 0
+        hint = " (the checkpoint was replaced or removed while being read: load again)"
+        raise CheckpointError(f"{where}: missing" + (hint if gone else "")) from None
+    if not stat.S_ISREG(before.st_mode):
+        raise CheckpointError(
+            f"{where}: is {kind_of(before.st_mode)}; a checkpoint holds regular files only "
+            "(refused without following or opening it)"
+        )
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(name, flags, dir_fd=dir_fd)
+    now = os.fstat(fd)
+    if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(now.st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{where}: replaced while being opened; load again")
+    return fd
+
+
+class ShardFile:
+    """One safetensors file, mapped once: hashed, parsed and read through that mapping."""
+
+    def __init__(self, dir_fd: int, name: str, where: str):
+        self.where = where
+        fd = open_regular(dir_fd, name, where)
+        try:
+            self.size = os.fstat(fd).st_size
+            self.mm = mmap.mmap(fd, self.size, access=mmap.ACCESS_COPY) if self.size else None
+        finally:
+            os.close(fd)  # the mapping keeps the file
+        self.header: dict = {}
+        self.data_start = 0
+
+    def verify(self, size: int, sha256: str) -> None:
+        if self.size != size:
+            raise CheckpointError(
+                f"{self.where}: {self.size} bytes, the index says {size} (truncated?)"
+            )
+        digest, view = hashlib.sha256(), memoryview(self.mm) if self.mm else memoryview(b"")
+        for begin in range(0, self.size, 1 << 26):
+            digest.update(view[begin : begin + (1 << 26)])
+        view.release()
+        if digest.hexdigest() != sha256:
+            raise CheckpointError(
+                f"{self.where}: sha256 does not match the index (corrupted or replaced)"
+            )
+        self.header, self.data_start = self._parse_header()
+
+    def _parse_header(self) -> tuple[dict, int]:
+        bad = f"{self.where}: not a valid safetensors file"
+        if self.size < 8:
+            raise CheckpointError(f"{bad}: {self.size} bytes")
+        (length,) = struct.unpack("<Q", self.mm[:8])
+        if length > min(self.size - 8, _MAX_HEADER):
+            raise CheckpointError(f"{bad}: a header of {length} bytes in a file of {self.size}")
+        try:
+            header = json.loads(bytes(self.mm[8 : 8 + length]).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise CheckpointError(f"{bad}: {e}") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{bad}: the header is not an object")
+        data = self.size - 8 - length
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            ok = (
+                isinstance(info, dict)
+                and info.get("dtype") in _DTYPE_OF
+                and isinstance(info.get("shape"), list)
+                and all(type(n) is int and n >= 0 for n in info["shape"])
+                and isinstance(info.get("data_offsets"), list)
+                and len(info["data_offsets"]) == 2
+                and all(type(n) is int for n in info["data_offsets"])
+            )
+            if ok:
+                begin, end = info["data_offsets"]
+                nbytes = math.prod(info["shape"]) * _DTYPE_OF[info["dtype"]].itemsize
+                ok = 0 <= begin <= end <= data and end - begin == nbytes
+            if not ok:
+                raise CheckpointError(f"{bad}: bad header entry for {key!r}")
+        return header, 8 + length
+
+    def check_entry(self, key: str, dtype: torch.dtype, shape: list[int], what: str) -> None:
+        """The header holds ``key`` as ``dtype`` ``shape``, as the index says."""
+        info = self.header.get(key)
+        if info is None:
+            raise CheckpointError(f"{self.where}: has no {key!r} ({what})")
+        if info["shape"] != list(shape) or info["dtype"] != SAFETENSORS_DTYPES[dtype]:
+            raise CheckpointError(
+                f"{self.where}: {key!r} is {info['dtype']} {info['shape']}, the index says "
+                f"{str(dtype).removeprefix('torch.')} {list(shape)} ({what})"
+            )
+
+    def read(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the flattened tensor ``key``: a tensor of its own."""
+        info = self.header[key]
+        dtype = _DTYPE_OF[info["dtype"]]
+        offset = self.data_start + info["data_offsets"][0] + lo * dtype.itemsize
+        raw = torch.frombuffer(
+            self.mm, dtype=torch.uint8, count=(hi - lo) * dtype.itemsize, offset=offset
+        )
+        return raw.clone().view(dtype)  # copied out: the mapping can be closed afterwards
+
+
+class CheckpointReader:
+    """A checkpoint opened for reading: its index (checked) and its files (each checked, size,
+    sha256 and header, the first time it is used). ``digest`` is the sha256 of the index as
+    read: two readers with the same digest read the same checkpoint."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.directory = resolve(path)
+        try:
+            self._dir_fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.directory}: no checkpoint here") from None
+        except NotADirectoryError:
+            raise CheckpointError(
+                f"{self.directory}: not a directory, so not a checkpoint"
+            ) from None
+        self._files: dict[str, ShardFile] = {}
+        try:
+            where = os.path.join(self.directory, INDEX_NAME)
+            try:
+                fd = open_regular(self._dir_fd, INDEX_NAME, where)
+            except CheckpointError as e:
+                if str(e).endswith("missing"):
+                    raise CheckpointError(
+                        f"{where}: no checkpoint index here (not a checkpoint, or an incomplete save)"
+                    ) from None
+                raise
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read(MAX_INDEX_BYTES + 1)
+            if len(raw) > MAX_INDEX_BYTES:
+                raise CheckpointError(f"{where}: larger than {MAX_INDEX_BYTES} bytes")
+            self.digest = hashlib.sha256(raw).hexdigest()
+            self.index = parse_index(raw, where)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for f in self._files.values():
+            if f.mm is not None:
+                f.mm.close()
+        self._files.clear()
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def verify_file(self, name: str) -> ShardFile:
+        """Open a listed file once, checking its size, sha256 and header against the index."""
+        if name in self._files:
+            return self._files[name]
+        listed = self.index["files"][name]
+        shard = ShardFile(self._dir_fd, name, os.path.join(self.directory, name))
+        try:
+            shard.verify(listed["size"], listed["sha256"])
+            for tensor, entry in self.index["tensors"].items():
+                dtype = dtype_from_name(entry["dtype"], tensor)
+                for pieces in entry["parts"].values():
+                    for piece in pieces:
+                        if piece["file"] == name:
+                            what = f"piece of {tensor}"
+                            shard.check_entry(piece["key"], dtype, [piece["numel"]], what)
+            for key, value in self.index.get("extra", {}).items():
+                for saved in value["values"]:
+                    for ref in saved["tensors"]:
+                        if ref["file"] == name:
+                            dtype = dtype_from_name(ref["dtype"], f"extra {key!r}")
+                            shard.check_entry(ref["key"], dtype, ref["shape"], f"extra {key!r}")
+        except BaseException:
+            if shard.mm is not None:
+                shard.mm.close()
+            raise
+        self._files[name] = shard
+        return shard
+
+    def verify_all(self) -> None:
+        for name in self.index["files"]:
+            self.verify_file(name)
+
+    def read_part(self, name: str, tp_rank: int, start: int, numel: int) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of tp part ``tp_rank`` of ``name``, flattened."""
+        entry = self.index["tensors"][name]
+        out = torch.empty(numel, dtype=dtype_from_name(entry["dtype"], name))
+        for piece in entry["parts"].get(str(tp_rank), []):
+            lo, hi = max(start, piece["start"]), min(start + numel, piece["start"] + piece["numel"])
+            if lo < hi:
+                shard = self.verify_file(piece["file"])
+                out[lo - start : hi - start] = shard.read(
+                    piece["key"], lo - piece["start"], hi - piece["start"]
+                )
+        return out
+
+    def read_full(self, name: str) -> torch.Tensor:
+        """The whole tensor, tp parts assembled, in its full shape."""
+        entry = self.index["tensors"][name]
+        split = split_from_json(entry["tp"])
+        if split is None:
+            return self.read_part(name, 0, 0, part_numel(entry, 0)).view(entry["shape"])
+        parts = []
+        for t in range(len(split.block_sizes)):
+            shape = list(entry["shape"])
+            shape[split.dim] = split.local_size(t)
+            parts.append(self.read_part(name, t, 0, part_numel(entry, t)).view(shape))
+        return split.assemble(parts)
+
+    def read_tensor(self, file: str, key: str) -> torch.Tensor:
+        """A whole tensor stored under ``key`` (extra state)."""
+        shard = self.verify_file(file)
+        info = shard.header[key]
+        numel = math.prod(info["shape"])
+        return (
+            shard.read(key, 0, numel).view(info["shape"])
+            if numel
+            else torch.empty(info["shape"], dtype=_DTYPE_OF[info["dtype"]])
+        )
