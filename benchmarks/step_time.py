@@ -149,19 +149,23 @@ def worker(rank: int, world_size: int, args) -> None:
     )
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default."""
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated, from {RUNNERS}")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--seq", type=int, default=128)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--nproc", type=int, default=2, help="ranks to start")
+    p.add_argument("--runners", default=",".join(RUNNERS), help="runners to time, comma-separated")
+    p.add_argument("--layers", type=int, default=8, help="GPT blocks")
+    p.add_argument("--width", type=int, default=512, help="GPT embedding width")
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank")
     p.add_argument("--bucket-elems", type=int, default=2**21, help="zerokit buffer_max_size")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--mixed-precision", choices=["bf16"], help="compute in bf16")
+    p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every runner once")
+    p.add_argument(
+        "--mixed-precision", choices=["bf16"], help="compute in bf16; None: fp32 throughout"
+    )
     p.add_argument("--steps", type=int, default=3, help="timed steps per runner per round")
     args = p.parse_args()
     spawn_local(worker, args.nproc, args)

@@ -61,12 +61,18 @@ def train(rank: int, world_size: int, args) -> None:
         print(f"largest parameter difference from 1 process: {diffs[worst]:.2e} ({worst})")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default."""
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--nproc", type=int, default=4, help="ranks to start (without torchrun)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree")
-    parser.add_argument("--level", default="p_g_os", choices=zerokit.LEVELS)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--level", default="p_g_os", choices=zerokit.LEVELS, help="ZeRO level along dp"
+    )
+    parser.add_argument("--steps", type=int, default=10, help="training steps")
     parser.add_argument("--batch", type=int, default=8, help="global batch; divisible by dp")
     args = parser.parse_args()
     if "RANK" in os.environ:  # under torchrun

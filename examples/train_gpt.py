@@ -66,10 +66,14 @@ def train(rank: int, world_size: int, args) -> None:
         print(f"largest final-loss difference from 1 process: {worst:.2e}")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default."""
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, help="ranks to start (without torchrun)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="training steps per level")
     parser.add_argument("--batch", type=int, default=8, help="global batch; divisible by ranks")
     args = parser.parse_args()
     if "RANK" in os.environ:  # under torchrun

@@ -15,10 +15,10 @@ def test_estimate_reproduces_the_zero_paper():
     # ZeRO paper, Figure 1: 7.5B parameters, 64 GPUs, mixed-precision Adam (2 + 2 + 12 bytes)
     gb = {
         lvl: estimate(7_500_000_000, lvl, 64, mixed_precision=True, paper=True).total / 1e9
-        for lvl in ("dp", "os", "os_g", "p_g_os")
+        for lvl in ("ddp", "os", "os_g", "p_g_os")
     }
     assert {k: round(v, 1) for k, v in gb.items()} == {
-        "dp": 120.0,
+        "ddp": 120.0,
         "os": 31.4,
         "os_g": 16.6,
         "p_g_os": 1.9,
@@ -29,7 +29,7 @@ def test_estimate_of_a_model_includes_real_padding_and_frozen_params():
     model = make_model("awkward")  # 1-element and 3-element parameters, a frozen layer
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    dp = estimate(model, "dp", 3)
+    dp = estimate(model, "ddp", 3)
     assert dp == MemoryEstimate(
         4 * (trainable + frozen), 4 * (trainable + frozen), 8 * (trainable + frozen)
     )
@@ -37,7 +37,7 @@ def test_estimate_of_a_model_includes_real_padding_and_frozen_params():
         e = estimate(model, level, 3, optimizer="sgd")
         # shards: at least trainable / 3, padded by fewer than 3 elements per bucket
         assert 4 * trainable / 3 <= e.optimizer < 4 * (trainable / 3 + 3 * 8)
-    with pytest.raises(ValueError, match="valid: dp, os, os_g, p_g_os"):
+    with pytest.raises(ValueError, match="valid: ddp, os, os_g, p_g_os"):
         estimate(model, "zero3", 2)
 
 
@@ -73,7 +73,7 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
         "os_g",
         "p_g_os",
     ]
-    assert set(report["rows"][0]["measured"]) == {"params", "grads", "optimizer", "peak"}
+    assert set(report["rows"][0]["measured"]) == {"params", "grads", "optimizer", "total", "peak"}
     assert set(report["rows"][0]["estimated"]) == {"params", "grads", "optimizer", "total"}
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "measured / estimated" in capsys.readouterr().out

@@ -6,40 +6,48 @@ import argparse
 import json
 import sys
 
+from . import __version__
 from .checkpoint.cli import add_parser as add_ckpt_parser
 from .checkpoint.cli import run as run_ckpt
-from .compare import (
-    CompareConfig,
-    format_table,
-    in_torchrun,
-    main_under_torchrun,
-    run_compare,
-    write_plot,
-)
+from .compare import CompareConfig, in_torchrun, run_compare, run_under_torchrun
+from .compare_report import format_table, require_matplotlib, write_plot
+
+COMPARE_DESCRIPTION = """\
+Train a model under torch DDP and each zerokit level, each level in fresh processes (local
+ranks it starts itself, or one process per torchrun rank), and print per level the bytes per
+rank of parameters, gradients and optimizer state (measured / estimated), the peak, the step
+time and the final loss. Progress goes to stderr, the table to stdout.
+
+--model pkg.module:factory (pkg.module may be in the current directory): factory() returns an
+nn.Module mapping token ids [batch, seq] to logits [batch, seq, vocab], or a tuple
+(model, make_batch) or (model, make_batch, loss_fn) for any other model, where
+make_batch(step, batch) returns that step's global (inputs, targets), tensors of `batch` rows,
+and loss_fn(output, targets) defaults to MSE for float targets, cross-entropy for integer ones.
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="zerokit", description="ZeRO sharded data parallelism for PyTorch"
     )
+    parser.add_argument("--version", action="version", version=f"zerokit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     compare = commands.add_parser(
         "compare",
         help="train a model under DDP and every level; memory measured and estimated, side by side",
-        description=(
-            "Train a model under torch DDP and each zerokit level on local gloo ranks (or under "
-            "torchrun) and print, per level, bytes per rank of parameters, gradients and optimizer "
-            "state (measured / estimated), the peak, the step time and the final loss. --model "
-            "takes pkg.module:factory; factory() returns an nn.Module mapping token ids "
-            "[batch, seq] to logits [batch, seq, vocab]."
-        ),
+        description=COMPARE_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    compare.add_argument("--model", help="pkg.module:factory (default: a small built-in GPT)")
+    compare.add_argument(
+        "--model",
+        metavar="PKG.MODULE:FACTORY",
+        help="the model to compare (default: a built-in GPT of 5.3M parameters)",
+    )
     compare.add_argument(
         "--nproc",
         type=int,
         default=CompareConfig.nproc,
-        help="ranks to start (default %(default)s)",
+        help="ranks to start; under torchrun its world size instead (default %(default)s)",
     )
     compare.add_argument(
         "--steps",
@@ -51,47 +59,72 @@ def main(argv: list[str] | None = None) -> int:
         "--batch",
         type=int,
         default=CompareConfig.batch,
-        help="global batch in sequences (default %(default)s)",
+        help="global batch in rows (sequences), split evenly across ranks (default %(default)s)",
+    )
+    compare.add_argument(
+        "--seq",
+        type=int,
+        default=CompareConfig.seq,
+        help="tokens per sequence, for token models (default %(default)s)",
     )
     compare.add_argument(
         "--mixed-precision",
         choices=["bf16", "fp16"],
-        help="compute in bf16/fp16 with fp32 master shards (DDP: torch.autocast)",
+        help="compute in bf16/fp16 with fp32 master shards; DDP under torch.autocast "
+        "(default: fp32)",
     )
-    compare.add_argument("--json", metavar="PATH", help="also write the report as JSON")
-    compare.add_argument("--plot", metavar="PATH", help="also write a stacked bar chart PNG")
+    compare.add_argument(
+        "--json", metavar="PATH", help="also write the report as JSON (default: none)"
+    )
+    compare.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="also write a chart (PNG): model state measured beside estimated with totals, and "
+        "the peak; needs matplotlib (default: none)",
+    )
     add_ckpt_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "ckpt":
         return run_ckpt(args)
 
+    return _compare(args)
+
+
+def _compare(args) -> int:
     cfg = CompareConfig(
         model=args.model,
         nproc=args.nproc,
         steps=args.steps,
         batch=args.batch,
+        seq=args.seq,
         mixed_precision=args.mixed_precision,
     )
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
     try:
-        if args.steps < 1:
-            raise ValueError(f"--steps must be at least 1, got {args.steps}")
+        if args.plot:
+            require_matplotlib()  # before training, not after it
         if in_torchrun():
-            report = main_under_torchrun(cfg)
+            report = run_under_torchrun(cfg, progress)
             if not report:  # ranks other than 0 print nothing
                 return 0
         else:
-            report = run_compare(
-                cfg, progress=lambda line: print(line, file=sys.stderr, flush=True)
-            )
-        if args.plot:
-            write_plot(report, args.plot)
+            report = run_compare(cfg, progress)
     except ValueError as e:
         print(f"zerokit compare: error: {e}", file=sys.stderr)
         return 2
-    print(format_table(report))
+    print(format_table(report), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if args.plot:
+        try:
+            write_plot(report, args.plot)
+        except Exception as e:  # what was measured is printed (and written) already
+            print(f"zerokit compare: error: --plot {args.plot}: {e}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -1,11 +1,21 @@
 """``zerokit compare``: train one model under torch DDP and every zerokit level, and print per
 level the measured and estimated bytes per rank, the peak, the step time and the final loss.
 
-The model contract (``--model pkg.module:factory``): ``factory()`` returns an ``nn.Module``
-whose forward maps token ids ``[batch, seq]`` (int64) to logits ``[batch, seq, vocab]``; the
-vocabulary size is read from one probe forward. Training data is a learnable synthetic token
-stream; every rank trains on its slice of the global batch, so the final loss must be equal
-across levels (a visible check of equivalence).
+The model contract (``--model pkg.module:factory``; ``pkg.module`` may live in the current
+directory). ``factory()`` returns either
+
+- an ``nn.Module`` whose forward maps token ids ``[batch, seq]`` (int64) to logits
+  ``[batch, seq, vocab]``: it trains on a learnable synthetic token stream with next-token
+  cross-entropy (the vocabulary size is read from one probe forward); or
+- a tuple ``(model, make_batch)`` or ``(model, make_batch, loss_fn)`` for any other model:
+  ``make_batch(step, batch)`` returns the global batch ``(inputs, targets)`` of that step, two
+  tensors with ``batch`` rows, the same on every rank (seed it from ``step``); each rank trains
+  on its slice of the rows. ``loss_fn(output, targets)`` defaults to mean squared error for
+  floating-point targets and cross-entropy over the last dimension for integer targets.
+
+Every rank trains on its slice of the global batch, so the final loss must be equal across
+levels (a visible check of equivalence). Each level runs in fresh processes, under torchrun
+too, so one level's memory never inflates or hides another's peak.
 """
 
 from __future__ import annotations
@@ -15,50 +25,70 @@ import importlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .api import group_sharded_parallel
 from .launch import spawn_local
-from .memory import PeakMemory, estimate, format_bytes, measure
+from .memory import PeakMemory, estimate, measure
 from .mixed_precision import MixedPrecision
-from .models.gpt import lm_loss, synthetic_batch
+from .models.gpt import synthetic_batch
 from .scaler import ShardedGradScaler
 
 LEVELS = ("ddp", "os", "os_g", "p_g_os")
+PRECISION = {None: "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
 @dataclass(frozen=True, kw_only=True)
 class CompareConfig:
     model: str | None = None
-    """``pkg.module:factory`` returning the model; None: the built-in small GPT."""
+    """``pkg.module:factory`` returning the model (see the module docstring); None: the
+    built-in small GPT."""
     nproc: int = 2
     """Ranks to start (ignored under torchrun, which decides)."""
     steps: int = 16
     """Training steps per level."""
     batch: int = 8
-    """Global batch (sequences); split evenly across ranks."""
+    """Global batch (sequences, or rows of ``make_batch``); split evenly across ranks."""
     seq: int = 32
-    """Tokens per sequence."""
+    """Tokens per sequence (token models only)."""
     mixed_precision: str | None = None
     """'bf16' or 'fp16': zerokit levels compute in it with fp32 master shards (fp16 with a
     ``ShardedGradScaler``); DDP runs under ``torch.autocast`` with fp32 parameters."""
 
 
-def load_factory(spec: str | None):
-    """The model factory named by ``pkg.module:factory`` (the built-in GPT if None)."""
+@dataclass(frozen=True)
+class Workload:
+    """What one level trains: the model, where each step's global batch comes from, the loss."""
+
+    model: nn.Module
+    make_batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def load_factory(spec: str | None) -> Callable:
+    """The factory named by ``pkg.module:factory`` (the built-in GPT if None).
+
+    The current directory is importable, as it is for ``python -m zerokit``.
+    """
     if spec is None:
         return default_model
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--model must look like pkg.module:factory, got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the console script's sys.path lacks it
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -75,11 +105,34 @@ def default_model() -> nn.Module:
     return GPT(GPTConfig(vocab_size=2048, block_size=64, n_layer=6, n_head=8, n_embd=256))
 
 
-def build_model(factory) -> nn.Module:
-    model = factory()
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"--model factory returned {type(model).__name__}, not a torch.nn.Module")
-    return model
+def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dimension for integer targets, else mean squared error."""
+    if targets.is_floating_point():
+        return F.mse_loss(output.float(), targets.float())
+    return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), targets.reshape(-1))
+
+
+def build_workload(factory: Callable, cfg: CompareConfig, per_rank: int) -> Workload:
+    """Call the factory and check its result with one forward of a rank's batch."""
+    made = factory()
+    if isinstance(made, nn.Module):  # a token language model
+        vocab = probe_vocab(made, cfg.seq)
+        return Workload(
+            made, lambda step, b: synthetic_batch(vocab, b, cfg.seq, seed=step), default_loss
+        )
+    if not (
+        isinstance(made, tuple)
+        and len(made) in (2, 3)
+        and isinstance(made[0], nn.Module)
+        and all(callable(f) for f in made[1:])
+    ):
+        raise ValueError(
+            f"--model factory returned {type(made).__name__}, not a torch.nn.Module or a tuple "
+            "(nn.Module, make_batch) or (nn.Module, make_batch, loss_fn)"
+        )
+    work = Workload(made[0], made[1], made[2] if len(made) == 3 else default_loss)
+    probe_batch(work, cfg.batch, per_rank)
+    return work
 
 
 def probe_vocab(model: nn.Module, seq: int) -> int:
@@ -88,11 +141,40 @@ def probe_vocab(model: nn.Module, seq: int) -> int:
         with torch.no_grad():
             logits = model(torch.zeros(1, seq, dtype=torch.long))
     except Exception as e:
-        raise ValueError(f"--model: forward of token ids [1, {seq}] failed: {e}") from e
+        raise ValueError(
+            f"--model: forward of token ids [1, {seq}] failed: {e} (a model that takes other "
+            "inputs: return (model, make_batch) from the factory)"
+        ) from e
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != (1, seq):
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"--model: forward must return logits [1, {seq}, vocab], got {shape}")
     return logits.shape[-1]
+
+
+def probe_batch(work: Workload, batch: int, per_rank: int) -> None:
+    """``make_batch(0, batch)`` gives two tensors of ``batch`` rows; a rank's slice runs."""
+    try:
+        made = work.make_batch(0, batch)
+    except Exception as e:
+        raise ValueError(f"--model: make_batch(0, {batch}) failed: {e}") from e
+    if not isinstance(made, (tuple, list)) or len(made) != 2:
+        raise ValueError(
+            f"--model: make_batch(0, {batch}) must return (inputs, targets), got "
+            f"{type(made).__name__}"
+        )
+    x, y = made
+    for what, t in (("inputs", x), ("targets", y)):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"--model: make_batch(0, {batch}) must return (inputs, targets), tensors of "
+                f"{batch} rows; {what} is {got}"
+            )
+    try:
+        with torch.no_grad():
+            work.loss_fn(work.model(x[:per_rank]), y[:per_rank])
+    except Exception as e:
+        raise ValueError(f"--model: forward and loss of {per_rank} rows failed: {e}") from e
 
 
 def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out_dir: str) -> None:
@@ -102,14 +184,12 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
     peak = PeakMemory(device)
     peak.start()  # before the model exists: its state counts toward the peak
     torch.manual_seed(0)
-    model = build_model(load_factory(cfg.model))
-    vocab = probe_vocab(model, cfg.seq)
-    model.to(device)
+    per_rank = cfg.batch // world_size
+    work = build_workload(load_factory(cfg.model), cfg, per_rank)
+    model = work.model.to(device)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[cfg.mixed_precision]
     policy = MixedPrecision(param_dtype=low) if level != "ddp" else MixedPrecision()
-    estimated = estimate(
-        model, "dp" if level == "ddp" else level, world_size, mixed_precision=policy
-    )
+    estimated = estimate(model, level, world_size, mixed_precision=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = None
     if level == "ddp":
@@ -123,15 +203,16 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
             model, optimizer, level, scaler=scaler, mixed_precision=policy
         )
     autocast = torch.autocast(device.type, dtype=low, enabled=level == "ddp" and low is not None)
-    per_rank = cfg.batch // world_size
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     times, measured, loss = [], None, torch.zeros(())
     for step in range(cfg.steps):
-        x, y = (t.to(device) for t in synthetic_batch(vocab, cfg.batch, cfg.seq, seed=step))
+        x, y = (t[mine].to(device) for t in work.make_batch(step, cfg.batch))
+        if x.is_floating_point() and low is not None and level != "ddp":
+            x = x.to(low)  # zerokit's compute copy is in `low`; DDP's autocast casts itself
         start = time.perf_counter()
         with autocast:
-            logits = model(x[mine])
-        loss = lm_loss(logits.float(), y[mine])
+            output = model(x)
+        loss = work.loss_fn(output, y)
         (scaler.scale(loss) if scaler else loss).backward()
         if step == cfg.steps - 1:  # what a rank holds with gradients present
             measured = measure(model, optimizer)
@@ -145,7 +226,9 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     values = torch.tensor(
-        [measured.params, measured.grads, measured.optimizer, peak.read()], dtype=torch.float64
+        [measured.params, measured.grads, measured.optimizer, peak.read()],
+        dtype=torch.float64,
+        device=device,
     )
     dist.all_reduce(values, op=dist.ReduceOp.MAX)  # the largest over ranks
     final = loss.detach().double().clone()
@@ -158,6 +241,7 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
                 "params": params,
                 "grads": grads,
                 "optimizer": opt_bytes,
+                "total": params + grads + opt_bytes,
                 "peak": peak_bytes,
             },
             "estimated": {**asdict(estimated), "total": estimated.total},
@@ -167,99 +251,125 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
         Path(out_dir, f"{level}.json").write_text(json.dumps(row))
 
 
-def run_compare(cfg: CompareConfig, progress=print) -> dict:
+def check_config(cfg: CompareConfig) -> None:
+    """Refuse bad settings, and a model that cannot train, before any rank starts."""
+    if cfg.nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {cfg.nproc}")
+    if cfg.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {cfg.steps}")
+    if cfg.batch % cfg.nproc:
+        raise ValueError(f"--batch {cfg.batch} must divide evenly across {cfg.nproc} ranks")
+    build_workload(load_factory(cfg.model), cfg, cfg.batch // cfg.nproc)
+
+
+def _report(cfg: CompareConfig, backend: str, rows: list[dict]) -> dict:
+    return {
+        "world_size": cfg.nproc,
+        "backend": backend,
+        "model": cfg.model or "built-in GPT",
+        "precision": PRECISION[cfg.mixed_precision],
+        "steps": cfg.steps,
+        "batch": cfg.batch,
+        "rows": rows,
+    }
+
+
+def run_compare(cfg: CompareConfig, progress: Callable[[str], None] = print) -> dict:
     """Run every level (fresh ranks for each, so peaks don't mix) and return the report.
 
     CPU/gloo by default; CUDA/NCCL, one GPU per rank, when there are ``nproc`` GPUs.
     """
-    if cfg.nproc < 1:
-        raise ValueError(f"--nproc must be at least 1, got {cfg.nproc}")
-    if cfg.batch % cfg.nproc:
-        raise ValueError(f"--batch {cfg.batch} must divide evenly across --nproc {cfg.nproc} ranks")
-    probe_vocab(build_model(load_factory(cfg.model)), cfg.seq)  # fail here, not in the ranks
+    check_config(cfg)
     backend = (
         "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.nproc else "gloo"
     )
     rows = []
     with tempfile.TemporaryDirectory(prefix="zerokit-compare-") as out_dir:
         for i, level in enumerate(LEVELS, 1):
-            started = time.perf_counter()
-            progress(
-                f"[{i}/{len(LEVELS)}] {level:<7} training {cfg.steps} steps on {cfg.nproc} "
-                f"{backend} ranks ..."
-            )
+            started = _progress_start(progress, i, level, cfg, backend)
             spawn_local(_train_level, cfg.nproc, level, cfg, out_dir, backend=backend)
             rows.append(json.loads(Path(out_dir, f"{level}.json").read_text()))
             progress(f"      {level:<7} done in {time.perf_counter() - started:.1f} s")
-    return {"world_size": cfg.nproc, "backend": backend, "rows": rows}
+    return _report(cfg, backend, rows)
 
 
-def format_table(report: dict) -> str:
-    """The report as a fixed-width table: measured / estimated bytes per rank."""
-    head = f"{'level':<8}{'params':>22}{'grads':>22}{'optimizer':>22}{'total':>22}{'peak':>12}{'step s':>9}{'final loss':>12}"
-    lines = [
-        f"bytes per rank (largest over {report['world_size']} ranks), measured / estimated",
-        head,
-    ]
-    for row in report["rows"]:
-        m, e = row["measured"], row["estimated"]
-        total = m["params"] + m["grads"] + m["optimizer"]
-        cells = [
-            f"{format_bytes(m[k])} / {format_bytes(e[k])}" for k in ("params", "grads", "optimizer")
-        ] + [f"{format_bytes(total)} / {format_bytes(e['total'])}"]
-        lines.append(
-            f"{row['level']:<8}"
-            + "".join(f"{c:>22}" for c in cells)
-            + f"{format_bytes(m['peak']):>12}{row['step_time_s']:>9.3f}{row['final_loss']:>12.6f}"
-        )
-    if report.get("backend") == "nccl":
-        lines.append("peak: torch's CUDA allocator peak while building and training.")
-    else:
-        lines.append(
-            "peak: the most resident memory a rank used while building and training, above what "
-            "it held before (the kernel's VmHWM on CPU)."
-        )
-    return "\n".join(lines)
+def _progress_start(progress, i: int, level: str, cfg: CompareConfig, backend: str) -> float:
+    progress(
+        f"[{i}/{len(LEVELS)}] {level:<7} training {cfg.steps} steps on {cfg.nproc} {backend} "
+        "ranks ..."
+    )
+    return time.perf_counter()
 
 
-def write_plot(report: dict, path: str) -> None:
-    """A stacked bar chart of measured bytes by category per level."""
-    try:
-        import matplotlib
+def run_under_torchrun(cfg: CompareConfig, progress: Callable[[str], None] = print) -> dict:
+    """Under torchrun: every torchrun rank starts one fresh process per level, and those
+    processes form that level's process group, so each level's peak is measured from a clean
+    process exactly as with ``--nproc``. Returns the report on rank 0, {} elsewhere.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib") from e
-    levels = [row["level"] for row in report["rows"]]
-    bottom = [0.0] * len(levels)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for category in ("params", "grads", "optimizer"):
-        mib = [row["measured"][category] / 2**20 for row in report["rows"]]
-        ax.bar(levels, mib, bottom=bottom, label=category)
-        bottom = [b + v for b, v in zip(bottom, mib)]
-    ax.set_ylabel("MiB per rank")
-    ax.set_title(f"Model state per rank by level ({report['world_size']} ranks)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def main_under_torchrun(cfg: CompareConfig) -> dict:
-    """Under torchrun the ranks exist already: run the levels one after another in them."""
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    Note: running the levels one after another in the torchrun processes themselves would
+    under-report every peak after the first: memory a finished level freed stays resident (the
+    allocator keeps it), so the next level reuses it without raising the high-water mark.
+    """
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo")  # only to agree on where the children meet
     rank, world_size = dist.get_rank(), dist.get_world_size()
     cfg = dataclasses.replace(cfg, nproc=world_size)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    store = None
+    if rank == 0:  # a fresh port, held for the whole run (no race for it)
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    port = [store.port if store is not None else None]
+    dist.broadcast_object_list(port, src=0)
     rows = []
-    with tempfile.TemporaryDirectory(prefix="zerokit-compare-") as out_dir:  # rank 0 writes
-        for level in LEVELS:
-            _train_level(rank, world_size, level, cfg, out_dir)
-            if rank == 0:
-                rows.append(json.loads(Path(out_dir, f"{level}.json").read_text()))
-    report = {"world_size": world_size, "backend": dist.get_backend(), "rows": rows}
-    return report if rank == 0 else {}
+    try:
+        check_config(cfg)  # every rank: a bad model fails here, on all of them alike
+        with tempfile.TemporaryDirectory(prefix="zerokit-compare-") as out_dir:  # rank 0 writes
+            for i, level in enumerate(LEVELS, 1):
+                started = _progress_start(progress, i, level, cfg, backend) if rank == 0 else 0
+                child = mp.get_context("spawn").Process(
+                    target=_level_process,
+                    args=(rank, world_size, level, cfg, out_dir, host, port[0], backend),
+                )
+                child.start()
+                child.join()
+                if child.exitcode != 0:
+                    raise RuntimeError(
+                        f"level {level}: rank {rank}'s process exited with code {child.exitcode}"
+                    )
+                if rank == 0:
+                    rows.append(json.loads(Path(out_dir, f"{level}.json").read_text()))
+                    progress(f"      {level:<7} done in {time.perf_counter() - started:.1f} s")
+        dist.barrier()  # rank 0's store serves until every rank is done
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    return _report(cfg, backend, rows) if rank == 0 else {}
+
+
+def _level_process(rank, world_size, level, cfg, out_dir, host, port, backend) -> None:
+    """One rank of one level, in a fresh process started by a torchrun rank."""
+    _exit_with_parent()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    store = dist.PrefixStore(f"zerokit-compare/{level}", dist.TCPStore(host, port))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    try:
+        _train_level(rank, world_size, level, cfg, out_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def _exit_with_parent() -> None:
+    """If the torchrun rank that started this process dies, end this one too (Linux)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def in_torchrun() -> bool:
