@@ -137,6 +137,48 @@ def test_memory_during_backward_is_bounded_in_any_layer_order(world_size):
     run_distributed(_layer_order_cases, world_size)
 
 
+class SharedInsideCheckpoint(nn.Module):
+    """A parameter used inside a reentrant checkpoint and outside it: its gradient arrives
+    twice in one backward (the nested backward's accumulation, then the outer one's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, DIM))
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = checkpoint(lambda t, b=block: b(t) * self.gain, x, use_reentrant=True)
+        return self.head(x * self.gain)
+
+
+def _shared_inside_checkpoint(rank, world_size):
+    batches = global_batches(4, batch=2 * world_size)
+    for level in ("os", "os_g", "p_g_os"):
+        torch.manual_seed(0)
+        ref = SharedInsideCheckpoint()
+        model = copy.deepcopy(ref)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, opt, _ = zerokit.group_sharded_parallel(model, opt, level)
+        for x, y in batches:
+            loss_fn(ref(x), y).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+            loss_fn(model(xs), ys).backward()
+            opt.step()
+            opt.zero_grad()
+        assert_same_params(model, ref, ATOL, f"{level} shared inside a reentrant checkpoint")
+
+
+def test_a_gradient_delivered_twice_in_one_backward_is_summed():
+    run_distributed(_shared_inside_checkpoint, 2)
+
+
 def _reduces_in_the_asked_dtype(rank, world_size):
     # bf16 compute, fp32 reduction: the reduced gradient must equal the fp32 mean of the ranks'
     # bf16 gradients; a bf16 reduction is off by about 2^-8 relative.

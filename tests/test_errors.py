@@ -52,11 +52,17 @@ def _bad_inputs(rank, world_size):
             TypeError,
             "MixedPrecision",
         ),
-        (
-            "dp_group",
+        (  # world size 2: the world as both shard group and replica group shares 2 ranks
+            "dp_group overlapping group",
             {"level": "os", "dp_group": torch.distributed.group.WORLD},
-            NotImplementedError,
-            "dp_group",
+            ValueError,
+            "must share exactly this rank",
+        ),
+        (
+            "a group without this rank",
+            {"level": "os", "group": -100},
+            ValueError,
+            "not a process group of this rank",
         ),
         ("exclude_layer", {"level": "os_g", "exclude_layer": [nn.Linear]}, ValueError, "p_g_os"),
     ]

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import ShardingConfig
+from .core import checks
 from .core.build import CoreOptions, build
 from .core.units import plan_units
 from .mixed_precision import MixedPrecision
@@ -74,12 +75,44 @@ def group_sharded_parallel(
             of its own (a unit's parameters are reduced together, and at 'p_g_os' gathered
             and freed together).
         sync_comm: wait for each bucket's collective at once instead of overlapping backward.
-        dp_group: an outer data-parallel group; not supported yet (must be None).
+        dp_group: hybrid sharding: the replicas of this rank's shard group (ranks holding the
+            same shards, typically on other hosts). State is sharded across ``group`` and
+            replicated across ``dp_group``; a gradient is reduce-scattered in ``group``, then
+            its shard all-reduced across ``dp_group`` ('os': all-reduced in both). Build both
+            with ``zerokit.init_hybrid_parallel(dp, tp, sharding_degree=...)``.
         exclude_layer: stage 3: modules (or module classes) kept whole on every rank.
         mixed_precision: a ``MixedPrecision`` policy: compute in ``param_dtype``, reduce
             gradients in ``reduce_dtype``, fp32 master weights only as the rank's shard.
         config: rarely used knobs (``ShardingConfig``), e.g. the stage-3 wrap policy.
     """
+    group = _resolve_group(group)
+    _check_member(group, "group")
+    if dp_group is not None:
+        _check_member(dp_group, "dp_group")
+    checks.check_not_wrapped(model, optimizer)
+    # Every rank compares what it was given before anything else: a rank whose arguments or
+    # model differ makes the same error on every rank, never a hang or an abort inside gloo.
+    checks.agree(
+        {
+            "level": level,
+            "scaler": type(scaler).__name__,
+            "offload": offload,
+            "sync_buffers": sync_buffers,
+            "buffer_max_size": buffer_max_size,
+            "segment_size": segment_size,
+            "sync_comm": sync_comm,
+            "dp_group": dist.get_process_group_ranks(dp_group) if dp_group else None,
+            "exclude_layer": _describe_modules(model, exclude_layer or ()),
+            "mixed_precision": repr(mixed_precision),
+            "config": repr(config),
+            "parameters": checks.layout_summary(model),
+            "optimizer": (
+                type(optimizer).__name__,
+                [len(g["params"]) for g in optimizer.param_groups],
+            ),
+        },
+        [group] + ([dp_group] if dp_group is not None else []),
+    )
     if level not in LEVELS:
         raise ValueError(
             f"unknown level {level!r}; valid levels: 'os' (stage 1), 'os_g' (stage 2), "
@@ -89,20 +122,18 @@ def group_sharded_parallel(
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError("mixed_precision must be a zerokit.MixedPrecision policy (or None)")
     mixed_precision = mixed_precision or MixedPrecision()
-    if dp_group is not None:
-        raise NotImplementedError(
-            "dp_group (an outer data-parallel group) is not implemented yet; pass dp_group=None"
-        )
     config = config or ShardingConfig()
     if level != "p_g_os" and exclude_layer:
         raise ValueError(
             "exclude_layer only applies to level 'p_g_os' (stage 3): at 'os' and 'os_g' every "
             "rank keeps full parameters anyway"
         )
-    if hasattr(model, "_zerokit") or hasattr(optimizer, "_zerokit"):
-        raise ValueError("this model or optimizer is already wrapped by group_sharded_parallel")
-    group = _resolve_group(group)
+    checks.check_optimizer(optimizer, config.elementwise_optimizer)
+    checks.check_dense_gradients(model)
     _check_group_spans_no_tp_pair(model, group)
+    if dp_group is not None:
+        _check_group_spans_no_tp_pair(model, dp_group)
+        _check_orthogonal(group, dp_group)
     named = _trainable_params(model)
     _check_optimizer_params(model, optimizer)
 
@@ -123,6 +154,7 @@ def group_sharded_parallel(
         offload=offload,
         mixed_precision=mixed_precision,
         tp_group=tp_group_of(model),
+        replica_group=dp_group if dp_group is not None and dp_group.size() > 1 else None,
     )
     build(model, optimizer, plans, options)
     return model, optimizer, scaler
@@ -154,6 +186,35 @@ def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
                 "init_method='tcp://127.0.0.1:29500')."
             )
     return dist.group.WORLD
+
+
+def _describe_modules(model: nn.Module, items) -> list[str]:
+    names = {id(m): n for n, m in model.named_modules()}
+    return [
+        item.__qualname__ if isinstance(item, type) else names.get(id(item), "<not in model>")
+        for item in items
+    ]
+
+
+def _check_member(group, what: str) -> None:
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            f"{what} is not a process group of this rank (got {group!r}: "
+            "torch.distributed.new_group returns a placeholder on ranks outside the group); "
+            f"pass the {what} this rank belongs to, e.g. from zerokit.init_hybrid_parallel"
+        )
+
+
+def _check_orthogonal(group: dist.ProcessGroup, dp_group: dist.ProcessGroup) -> None:
+    shards, replicas = dist.get_process_group_ranks(group), dist.get_process_group_ranks(dp_group)
+    both = set(shards) & set(replicas)
+    if len(both) != 1:
+        raise ValueError(
+            f"group (ranks {shards}) and dp_group (ranks {replicas}) must share exactly this "
+            f"rank; they share {sorted(both)}. group shards the state, dp_group holds its "
+            "replicas: use layout.sharding_group and layout.dp_group from "
+            "zerokit.init_hybrid_parallel(dp_degree, tp_degree, sharding_degree)"
+        )
 
 
 def _check_group_spans_no_tp_pair(model: nn.Module, group: dist.ProcessGroup) -> None:

@@ -15,3 +15,8 @@ class ShardingConfig:
     freed together. Empty: the default policy — children of ``nn.ModuleList``/
     ``nn.Sequential``. Either way, modules whose own parameters reach ``segment_size``
     elements are units too."""
+    elementwise_optimizer: bool = False
+    """Declare that an optimizer zerokit does not know (not SGD, Adam, AdamW, Adagrad,
+    Adadelta, Adamax, ASGD, NAdam, RAdam, RMSprop or Rprop) updates each element from that
+    element's gradient and state alone, so stepping shards is exact. Unknown optimizers are
+    refused otherwise."""

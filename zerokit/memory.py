@@ -14,10 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .core.layout import ParamSpec, plan_buckets
 from .core.state import state_of
 from .mixed_precision import MixedPrecision
-from .core.units import plan_units
+from .core.units import plan_groups, plan_units
 
 #: optimizer state tensors per parameter element (fp32), by optimizer name
 STATE_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1, "none": 0}
@@ -48,6 +47,7 @@ def estimate(
     optimizer: str = "adam",
     buffer_max_size: int = 2**23,
     segment_size: int = 2**20,
+    sharding_degree: int | None = None,
 ) -> MemoryEstimate:
     """Model-state bytes per rank at ``level`` ('ddp' is plain data parallelism, as torch
     DDP holds it; 'dp' is accepted as another name for it).
@@ -70,7 +70,24 @@ def estimate(
     [135.0, 46.4, 16.9, 1.9]
     >>> estimate(7.5e9, "os", 64) == estimate(7_500_000_000, "os", 64)
     True
+
+    ``sharding_degree``: hybrid sharding (``dp_group``): the state is sharded over this many
+    ranks and replicated over ``world_size / sharding_degree``, so a rank holds what it would
+    hold at a world of ``sharding_degree`` ranks.
+
+    >>> e8, e2 = estimate(10**9, "p_g_os", 8), estimate(10**9, "p_g_os", 8, sharding_degree=2)
+    >>> round(e8.total / 1e9, 1), round(e2.total / 1e9, 1)
+    (2.0, 8.0)
     """
+    if sharding_degree is not None:
+        if not isinstance(sharding_degree, int) or sharding_degree < 1:
+            raise ValueError(f"sharding_degree must be an integer >= 1, got {sharding_degree!r}")
+        if world_size % sharding_degree:
+            raise ValueError(
+                f"sharding_degree {sharding_degree} must divide world_size {world_size}"
+            )
+        if level not in ("ddp", "dp"):
+            world_size = sharding_degree  # what one rank holds does not depend on replicas
     level = _LEVEL_ALIASES.get(level, level)
     model_or_num_params = _model_or_count(model_or_num_params)
     if level not in ESTIMATE_LEVELS:
@@ -147,20 +164,9 @@ def _full_and_shard_numel(model_or_n, level, world_size, buffer_max_size, segmen
     trainable = sum(p.numel() for _, p in named)
     if level == "ddp":
         return trainable + frozen, trainable // world_size
-    if level == "p_g_os":
-        groups = [list(u.params) for u in plan_units(model_or_n, named, segment_size=segment_size)]
-        max_numel = 2**62  # one bucket per dtype in each unit
-    else:
-        groups, max_numel = [named], buffer_max_size
-    layouts = [
-        layout
-        for group in groups
-        for layout in plan_buckets(
-            [ParamSpec(n, tuple(p.shape), p.dtype, p.device) for n, p in group],
-            world_size,
-            max_numel,
-        )
-    ]
+    # the layout the core builds: each unit's buckets, split at buffer_max_size, every level
+    plans = plan_units(model_or_n, named, segment_size=segment_size)
+    layouts = [b for _, buckets in plan_groups(plans, world_size, buffer_max_size) for b in buckets]
     padded = sum(layout.padded_numel for layout in layouts)
     # frozen parameters stay whole on every rank, outside the buckets (counted as parameters)
     return padded + frozen, padded // world_size

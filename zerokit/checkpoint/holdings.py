@@ -86,7 +86,10 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
     tp_rank = tp_layout.tp_rank if tp_layout else 0
     if state is not None:
         group_rank, group_size = state.process_group.rank(), state.process_group.size()
+        # hybrid sharding: every replica holds the same shards; replica 0 writes them
+        replica_rank = state.replica_group.rank() if state.replica_group is not None else 0
     else:  # a bare model: every data-parallel replica holds all of it
+        replica_rank = 0
         group_rank = (
             tp_layout.dp_rank if tp_layout else (dist.get_rank() if dist.is_initialized() else 0)
         )
@@ -98,6 +101,7 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
         "dp_degree": tp_layout.dp_degree if tp_layout else None,
         "tp_degree": tp_layout.tp_degree if tp_layout else 1,
         "zero_group_size": group_size,
+        "replicas": state.replica_group.size() if state and state.replica_group else 1,
     }
 
     names, params = {}, {}  # id(parameter) -> its first name, the parameter
@@ -116,7 +120,7 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
         return TensorMeta(tuple(shape), dtype or p.dtype, split, tp_rank if split else 0)
 
     def is_primary(meta: TensorMeta, whole: bool) -> bool:
-        replicated_copy = meta.split is None and tp_rank != 0
+        replicated_copy = (meta.split is None and tp_rank != 0) or replica_rank != 0
         return not replicated_copy and (group_rank == 0 or not whole)
 
     # Trainable parameters under ZeRO: this rank's pieces of the flat buckets.

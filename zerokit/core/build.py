@@ -10,13 +10,14 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..mixed_precision import MixedPrecision
+from . import checks
 from .flat_param import FlatParamBucket
 from .group import ShardGroup
 from .hooks import register_hooks
 from .master_state import MasterStateDict
 from .module import broadcast_module_state, convert_module_, register_buffer_sync
 from .optimizer import shard_optimizer_
-from .reduction import AllReduce, ReduceScatter
+from .reduction import AllReduce, ReduceScatter, ReduceScatterThenAllReduce
 from .staging import StagingPool
 from .state import ShardState
 from .units import UnitPlan, plan_groups
@@ -34,6 +35,7 @@ class CoreOptions:
     offload: bool
     mixed_precision: MixedPrecision
     tp_group: ProcessGroup | None
+    replica_group: ProcessGroup | None = None  # hybrid sharding: replicas of this shard group
 
 
 def build(
@@ -41,11 +43,18 @@ def build(
 ) -> ShardState:
     """Everything that changes the model and optimizer happens here, after validation."""
     mp, group = opts.mixed_precision, opts.group
-    broadcast_module_state(model, group, params=True)  # every rank starts from rank 0's model
+    # every rank starts from rank 0's model: replica 0's, then shard-group rank 0's
+    if opts.replica_group is not None:
+        broadcast_module_state(model, opts.replica_group, params=True)
+    broadcast_module_state(model, group, params=True)
     _cast_frozen_params(model, mp.param_dtype)
     # None (the parameters' own dtype) unless a policy changes the compute dtype
     reduce_dtype = mp.reduce_dtype if mp.param_dtype is not None else None
-    reduction = AllReduce(group) if opts.level == "os" else ReduceScatter(group)
+    replicas = opts.replica_group
+    if opts.level == "os":
+        reduction = AllReduce(group, replicas)
+    else:
+        reduction = ReduceScatterThenAllReduce(group, replicas) if replicas else ReduceScatter(group)
     device = next((p.device for plan in plans for _, p in plan.params), _CPU)
     staging = StagingPool(device)
     groups, root, units = [], None, []
@@ -70,9 +79,11 @@ def build(
         else:
             units.append((plan.module, len(groups)))
         groups.append(shard_group)
+    checks.remember_wrapped(model.parameters())
     state = ShardState(
         model, opts.level, group, groups, root, staging, tp_group=opts.tp_group,
-        sync_comm=opts.sync_comm,
+        replica_group=replicas, sync_comm=opts.sync_comm,
+        frozen=[(n, p) for n, p in model.named_parameters() if not p.requires_grad],
     )
     convert_module_(model, state)
     register_hooks(model, state, units)

@@ -113,10 +113,38 @@ class ShardGroup:
         self.phase = Phase.PRE_BACKWARD
 
     def accumulate(self, b: int, i: int, param: nn.Parameter) -> None:
-        """A parameter's gradient is complete for this backward: take it into bucket ``b``."""
+        """A parameter's gradient is complete for this backward: take it into bucket ``b``.
+
+        A parameter used inside a reentrant checkpoint and outside it delivers twice (the
+        nested backward's accumulation, then the outer one's): the second adds to the first.
+        """
+        if self.phase is Phase.POST_BACKWARD:
+            raise TransitionError(
+                f"a gradient of unit {self.name!r} arrived after the unit was reduced in this "
+                "backward; a parameter must not be used again after its unit's backward is over"
+            )
+        if param.grad is not None and param.grad.layout != torch.strided:
+            raise RuntimeError(
+                f"unit {self.name!r}: a parameter got a sparse gradient, which zerokit cannot "
+                "reduce or shard; use dense gradients (e.g. nn.Embedding(sparse=False))"
+            )
+        if self._is_taken(b, i):
+            self.contributed[b][i] |= self._add_grad(b, i, param)
+            return
         self.contributed[b][i] = self._take_grad(b, i, param)
         self._arrived[b] += 1
         self._missing_total -= 1
+
+    def _add_grad(self, b: int, i: int, param: nn.Parameter) -> bool:
+        if param.grad is None:
+            return False
+        target = self._full_grad(b) if self.reduction.keeps_full_grad else self._staged_buffer(b)
+        slot = self.buckets[b].slot_view(target, i)
+        if param.grad.data_ptr() != slot.data_ptr():  # else autograd added into the slot itself
+            slot.add_(param.grad)
+        alias = self.reduction.keeps_full_grad and self._aliases_param(b)
+        param.grad = slot if alias else None
+        return True
 
     @property
     def ready(self) -> bool:

@@ -10,6 +10,7 @@ original elementwise algorithm on that slice, so the result equals the unsharded
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import functools
 
 import torch
@@ -36,6 +37,29 @@ class ShardedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zerokit.shard_state.zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise RuntimeError(
+            "add_param_group after group_sharded_parallel is not supported: the new parameters "
+            "would be in no bucket, so each rank would step them with its own unreduced "
+            "gradient. Build the optimizer with every param group first, then wrap."
+        )
+
+    def state_dict(self) -> dict:
+        """Torch's per-rank state dict of this rank's pieces, tagged with the layout it fits."""
+        return {**super().state_dict(), "zerokit_layout": self._zerokit.layout_tag()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        tag, mine = state_dict.get("zerokit_layout"), self._zerokit.layout_tag()
+        if tag != mine:
+            saved = "an unwrapped optimizer" if tag is None else f"{tag}"
+            raise ValueError(
+                f"this optimizer state dict was saved by {saved}; this rank is {mine}. A "
+                "sharded optimizer's state_dict holds one rank's pieces and loads only into the "
+                "same rank of the same layout: use zerokit.checkpoint.save/load to resume at "
+                "another world size or level"
+            )
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "zerokit_layout"})
 
 
 @contextlib.contextmanager
@@ -67,6 +91,15 @@ class OptimizerShardState:
             for g in shard_state.groups
         ]
         self.chunks = [c for c in self.chunks if c]
+
+    def layout_tag(self) -> dict:
+        """What a per-rank optimizer state dict fits: rank, world, level, and its pieces."""
+        state = self.shard_state
+        pieces = [(b.layout.slots[p.slot].name, p.start, p.end) for b in state.buckets for p in b.pieces]
+        digest = hashlib.sha256(repr(pieces).encode()).hexdigest()[:16]
+        group = state.process_group
+        return {"rank": group.rank(), "world_size": group.size(), "level": state.level,
+                "pieces": digest}
 
 
 def shard_optimizer_(optimizer: torch.optim.Optimizer, shard_state: ShardState):

@@ -20,14 +20,19 @@ from .collectives import Pending, start_all_reduce_mean, start_reduce_scatter_me
 
 @dataclass(frozen=True)
 class AllReduce:
-    """Average the whole bucket in place; the persistent gradient is full-size."""
+    """Average the whole bucket in place (over ``group``, then over ``replicas`` if any); the
+    persistent gradient is full-size."""
 
     group: ProcessGroup
+    replicas: ProcessGroup | None = None
     keeps_full_grad = True
     needs_staging = False
 
     def start(self, full: torch.Tensor) -> Pending:
-        return start_all_reduce_mean(full, self.group)
+        pending = start_all_reduce_mean(full, self.group)
+        if self.replicas is None or self.replicas.size() == 1:
+            return pending
+        return pending.then(lambda: start_all_reduce_mean(full, self.replicas).finish())
 
 
 @dataclass(frozen=True)

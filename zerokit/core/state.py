@@ -26,6 +26,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 
+from . import checks
 from .collectives import Pending, all_reduce_
 from .flat_param import FlatParamBucket
 from .group import Phase, ShardGroup
@@ -46,16 +47,20 @@ class ShardState:
         staging,
         *,
         tp_group: ProcessGroup | None = None,
+        replica_group: ProcessGroup | None = None,
         sync_comm: bool = False,
+        frozen: list[tuple[str, nn.Parameter]] = (),
     ):
         self._model = weakref.ref(model)  # the model holds this state: no strong cycle back
         self.level = level
         self.process_group = process_group
         self.tp_group = tp_group  # given at wrap time: ranks holding other slices of tp layers
+        self.replica_group = replica_group  # hybrid sharding: ranks holding the same shards
         self.groups = groups
         self.root_group = root_group
         self.staging = staging
         self.sync_comm = sync_comm
+        self._frozen = list(frozen)  # frozen at wrap time: must stay frozen
         self.sync_enabled = True  # False inside no_sync()
         self.in_backward = False
         self._graph_pending = False  # a forward with grad ran; its backward has not ended
@@ -91,11 +96,13 @@ class ShardState:
 
     @property
     def agree_groups(self) -> list[ProcessGroup]:
-        """Groups a per-step decision (the scaler's skip) must be agreed over."""
-        extra = [self.tp_group] if self.tp_group is not None and self.tp_group.size() > 1 else []
+        """Groups a per-step decision (the scaler's skip, which parameters hold a gradient)
+        must be agreed over: the shard group, its replicas, the tp group."""
+        extra = [g for g in (self.replica_group, self.tp_group) if g is not None and g.size() > 1]
         return [self.process_group, *extra]
 
     def check_ready_for_step(self) -> None:
+        checks.check_params_intact(self.buckets, self._frozen)
         if self.in_backward:
             raise RuntimeError("optimizer.step() was called while a backward was still running")
         if self._unsynced:
@@ -145,6 +152,8 @@ class ShardState:
 
     # -- forward (called by the hooks in hooks.py) ---------------------------------------------
     def root_pre_forward(self) -> None:
+        if not self.in_backward:
+            checks.check_params_intact(self.buckets, self._frozen)
         if not self.in_backward and not self._graph_pending:
             self.forward_order = []
         if self.root_group is not None:
@@ -192,7 +201,8 @@ class ShardState:
         digest = hashlib.sha256(repr(self.forward_order).encode()).digest()
         value = int.from_bytes(digest[:7], "little")  # < 2**56: -value fits an int64 too
         both = torch.tensor([value, -value], dtype=torch.int64, device=self.communication_device)
-        all_reduce_(both, self.process_group, op=dist.ReduceOp.MAX)
+        for group in self._data_groups():
+            all_reduce_(both, group, op=dist.ReduceOp.MAX)
         agreed = int(both[0]) == -int(both[1])
         if not agreed and self.level == "p_g_os":
             raise RuntimeError(
@@ -267,7 +277,8 @@ class ShardState:
             # Which parameters hold a gradient anywhere: one MAX all-reduce, one byte each.
             contributed = torch.cat([f for g in self.groups for f in g.contributed])
             contributed = contributed.to(device=self.communication_device, dtype=torch.uint8)
-            all_reduce_(contributed, self.process_group, op=dist.ReduceOp.MAX)
+            for group in self._data_groups():
+                all_reduce_(contributed, group, op=dist.ReduceOp.MAX)
             while self._in_flight:
                 for pending in self._in_flight.popleft():
                     pending.finish()
@@ -284,6 +295,10 @@ class ShardState:
         self.in_backward = False
         self._graph_pending = False
         self._prefetched = None
+
+    def _data_groups(self) -> list[ProcessGroup]:
+        """The ranks that split the batch: the shard group and its replicas."""
+        return [g for g in (self.process_group, self.replica_group) if g is not None]
 
     def _prefetch(self, group: ShardGroup | None, using: ShardGroup | None = None) -> None:
         """Gather ``group`` ahead of its use; free the previous guess if it was wrong (the

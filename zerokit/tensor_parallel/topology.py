@@ -1,8 +1,11 @@
-"""The dp x tp layout: which ranks split a layer (tensor parallel) and which ranks hold the
-same layer shards and split the batch (data parallel), plus the rule that splits a dimension.
+"""The dp x sharding x tp layout: which ranks split a layer (tensor parallel), which ranks
+shard the ZeRO state between them (sharding), and which ranks hold the same state and split
+the batch (data parallel replicas), plus the rule that splits a dimension.
 
-Ranks are tp-contiguous: ``rank = dp_rank * tp_degree + tp_rank``, so a tp group is a run of
-neighbouring ranks (on one node, where the frequent, latency-bound tp collectives belong).
+Paddle's hybrid order, dp outermost and tp innermost:
+``rank = (dp_rank * sharding_degree + sharding_rank) * tp_degree + tp_rank``, so a tp group is
+a run of neighbouring ranks and a sharding group the next run out (on one node, where the
+frequent collectives belong), and replicas are the farthest apart (across nodes).
 """
 
 from __future__ import annotations
@@ -16,52 +19,94 @@ from torch.distributed import ProcessGroup
 
 @dataclass(frozen=True)
 class HybridLayout:
-    """The process groups of a dp x tp run, built once by ``init_hybrid_parallel``."""
+    """The process groups of a dp x sharding x tp run, built once by ``init_hybrid_parallel``."""
 
     dp_degree: int
     tp_degree: int
     dp_rank: int
     tp_rank: int
     dp_group: ProcessGroup
-    """Ranks holding the same tensor-parallel shards; pass it to ``group_sharded_parallel``."""
+    """With ``sharding_degree == 1``: every rank holding the same tensor-parallel shards, which
+    is the group to shard ZeRO across (``group_sharded_parallel(..., group=layout.dp_group)``).
+    With ``sharding_degree > 1``: the replicas of one sharding rank (pass it as ``dp_group``)."""
     tp_group: ProcessGroup
     """Ranks that together hold one copy of every tensor-parallel layer."""
+    sharding_degree: int = 1
+    sharding_rank: int = 0
+    sharding_group: ProcessGroup | None = None
+    """The ranks ZeRO shards across (``group=``); the same as ``dp_group`` when
+    ``sharding_degree == 1``."""
+
+    @property
+    def zero_group(self) -> ProcessGroup:
+        """The group to pass as ``group=`` to ``group_sharded_parallel``."""
+        return self.sharding_group if self.sharding_group is not None else self.dp_group
+
+    @property
+    def replica_group(self) -> ProcessGroup | None:
+        """The group to pass as ``dp_group=`` (None without hybrid sharding)."""
+        return self.dp_group if self.sharding_degree > 1 else None
 
 
 _current: HybridLayout | None = None  # what tensor-parallel layers use when given no layout
 
 
-def init_hybrid_parallel(dp_degree: int, tp_degree: int) -> HybridLayout:
-    """Build the dp and tp process groups (collective: every rank calls it, after
+def init_hybrid_parallel(dp_degree: int, tp_degree: int, sharding_degree: int = 1) -> HybridLayout:
+    """Build the dp, sharding and tp process groups (collective: every rank calls it, after
     ``torch.distributed.init_process_group``) and make the layout the tensor-parallel layers'
-    default. Returns it; shard ZeRO along ``layout.dp_group``."""
+    default. Returns it.
+
+    ``sharding_degree == 1`` (the two-argument call): ZeRO shards across ``layout.dp_group``.
+    ``sharding_degree > 1``: hybrid sharding, ``group_sharded_parallel(..., group=
+    layout.sharding_group, dp_group=layout.dp_group)``: state sharded inside each sharding group
+    (one node) and replicated across the ``dp_degree`` replicas. At 4 ranks, dp 2 x sharding 2:
+    sharding groups {0,1},{2,3}; dp groups {0,2},{1,3}.
+    """
     if not dist.is_initialized():
         raise RuntimeError(
             "init_hybrid_parallel needs a process group: call "
             "torch.distributed.init_process_group (or launch with torchrun) first"
         )
     world = dist.get_world_size()
-    if tp_degree < 1 or dp_degree < 1:
-        raise ValueError(f"dp_degree and tp_degree must be >= 1, got {dp_degree} and {tp_degree}")
+    degrees = {"dp_degree": dp_degree, "tp_degree": tp_degree, "sharding_degree": sharding_degree}
+    bad = {k: v for k, v in degrees.items() if not isinstance(v, int) or v < 1}
+    if bad:
+        raise ValueError(f"degrees must be integers >= 1, got {bad}")
     if world % tp_degree:
         raise ValueError(f"tp_degree {tp_degree} does not divide the world size {world}")
-    if dp_degree * tp_degree != world:
+    if dp_degree * sharding_degree * tp_degree != world:
         raise ValueError(
-            f"dp_degree * tp_degree = {dp_degree} * {tp_degree} = {dp_degree * tp_degree}, but "
-            f"the world size is {world}; use dp_degree={world // tp_degree}"
+            f"dp_degree * sharding_degree * tp_degree = {dp_degree} * {sharding_degree} * "
+            f"{tp_degree} = {dp_degree * sharding_degree * tp_degree}, but the world size is "
+            f"{world}; use dp_degree={world // (tp_degree * sharding_degree)}"
         )
     rank = dist.get_rank()
-    dp_rank, tp_rank = divmod(rank, tp_degree)
+    outer, tp_rank = divmod(rank, tp_degree)
+    dp_rank, sharding_rank = divmod(outer, sharding_degree)
+
+    def rank_of(d: int, s: int, t: int) -> int:
+        return (d * sharding_degree + s) * tp_degree + t
+
+    D, S, T = range(dp_degree), range(sharding_degree), range(tp_degree)
     # new_group is collective over the whole world: every rank creates every group, in order.
-    tp_groups = [
-        dist.new_group([d * tp_degree + t for t in range(tp_degree)]) for d in range(dp_degree)
-    ]
-    dp_groups = [
-        dist.new_group([d * tp_degree + t for d in range(dp_degree)]) for t in range(tp_degree)
-    ]
+    tp_groups = {(d, s): dist.new_group([rank_of(d, s, t) for t in T]) for d in D for s in S}
+    sharding_groups = (
+        {(d, t): dist.new_group([rank_of(d, s, t) for s in S]) for d in D for t in T}
+        if sharding_degree > 1
+        else None
+    )
+    dp_groups = {(s, t): dist.new_group([rank_of(d, s, t) for d in D]) for s in S for t in T}
     global _current
     _current = HybridLayout(
-        dp_degree, tp_degree, dp_rank, tp_rank, dp_groups[tp_rank], tp_groups[dp_rank]
+        dp_degree,
+        tp_degree,
+        dp_rank,
+        tp_rank,
+        dp_groups[sharding_rank, tp_rank],
+        tp_groups[dp_rank, sharding_rank],
+        sharding_degree,
+        sharding_rank,
+        sharding_groups[dp_rank, tp_rank] if sharding_groups else None,
     )
     return _current
 

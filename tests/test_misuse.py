@@ -1,0 +1,170 @@
+"""Misuse is refused at the call (or at the next forward or step at the latest), on every
+rank, with a message that says what to do; never a hang, a gloo abort or a wrong loss."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import run_distributed
+from models import make_model, make_optimizer
+from torch import nn
+
+import zerokit
+
+
+def _wrap(level="os", model=None, opt=None, **kwargs):
+    model = model or make_model("awkward")
+    opt = opt or make_optimizer("adamw", model)
+    return zerokit.group_sharded_parallel(model, opt, level, **kwargs)
+
+
+def _step(model, opt, x=None):
+    x = torch.randint(0, 11, (2, 5)) if x is None else x
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _ranks_disagree(rank, world_size):
+    # One rank passes another level / bucket size: the same error on both ranks, at once.
+    for kwargs, field in (
+        ({"level": ("os", "os_g")[rank]}, "level"),
+        ({"level": "os", "buffer_max_size": 40 + rank}, "buffer_max_size"),
+    ):
+        with pytest.raises(ValueError, match=f"ranks called group_sharded_parallel differently.*{field}"):
+            _wrap(**kwargs)
+    # A model that differs between ranks (another width on rank 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4 + rank), nn.Linear(4 + rank, 1))
+    with pytest.raises(ValueError, match="parameters: ranks \\[1\\]"):
+        zerokit.group_sharded_parallel(model, torch.optim.SGD(model.parameters(), lr=0.1), "os")
+
+
+def _refused_at_the_call(rank, world_size):
+    model, opt, _ = _wrap("os_g")
+    with pytest.raises(RuntimeError, match="add_param_group after group_sharded_parallel"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+
+    lbfgs_model = make_model("awkward")
+    lbfgs = torch.optim.LBFGS([p for p in lbfgs_model.parameters() if p.requires_grad])
+    with pytest.raises(ValueError, match="LBFGS is not a known elementwise optimizer"):
+        zerokit.group_sharded_parallel(lbfgs_model, lbfgs, "os_g")
+    assert not hasattr(lbfgs_model, "_zerokit")
+
+    class MySGD(torch.optim.Optimizer):  # elementwise, but zerokit cannot know
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-group["lr"])
+
+    custom = make_model("awkward")
+    with pytest.raises(ValueError, match="elementwise_optimizer=True"):
+        zerokit.group_sharded_parallel(custom, MySGD(custom.parameters()), "os")
+    config = zerokit.ShardingConfig(elementwise_optimizer=True)
+    custom, custom_opt, _ = zerokit.group_sharded_parallel(
+        custom, MySGD([p for p in custom.parameters() if p.requires_grad]), "os", config=config
+    )
+    _step(custom, custom_opt)
+
+    # Wrapped twice: a submodule first, then the whole model; or the whole, then a part.
+    outer = make_model("awkward")
+    zerokit.group_sharded_parallel(outer.block, make_optimizer("sgd", outer.block), "os")
+    with pytest.raises(ValueError, match="submodule 'block' is already wrapped"):
+        zerokit.group_sharded_parallel(outer, make_optimizer("sgd", outer), "os")
+    whole, _, _ = _wrap("os")
+    with pytest.raises(ValueError, match="already belong to a model wrapped"):
+        zerokit.group_sharded_parallel(whole.block, make_optimizer("sgd", whole.block), "os")
+
+    sparse = nn.Sequential(nn.Embedding(11, 4, sparse=True), nn.Linear(4, 1))
+    with pytest.raises(ValueError, match="sparse gradients"):
+        zerokit.group_sharded_parallel(sparse, torch.optim.SGD(sparse.parameters(), lr=0.1), "os")
+
+
+def _refused_at_the_next_forward(rank, world_size):
+    for level in ("os", "os_g", "p_g_os"):
+        for cast in ("half", "double"):
+            model, opt, _ = _wrap(level)
+            _step(model, opt)
+            getattr(model, cast)()
+            with pytest.raises(RuntimeError, match="cast or moved after group_sharded_parallel"):
+                _step(model, opt)
+        model, opt, _ = _wrap(level)
+        model.frozen.weight.requires_grad_(True)  # frozen at wrap time: in no bucket
+        with pytest.raises(RuntimeError, match="frozen when group_sharded_parallel ran"):
+            _step(model, opt)
+        model, opt, _ = _wrap(level)
+        model.block[0].weight.requires_grad_(False)
+        with pytest.raises(RuntimeError, match="frozen after group_sharded_parallel"):
+            _step(model, opt)
+
+
+def _optimizer_state_from_another_layout(rank, world_size, path):
+    model, opt, _ = _wrap("os_g")
+    _step(model, opt)
+    saved = opt.state_dict()
+    same, same_opt, _ = _wrap("os_g")
+    same_opt.load_state_dict(saved)  # same rank, same layout: fine
+    other, other_opt, _ = _wrap("os")
+    with pytest.raises(ValueError, match="use zerokit.checkpoint.save/load"):
+        other_opt.load_state_dict(saved)
+    plain = make_model("awkward")
+    plain_opt = make_optimizer("adamw", plain)
+    plain_state = plain_opt.state_dict()
+    with pytest.raises(ValueError, match="an unwrapped optimizer"):
+        same_opt.load_state_dict(plain_state)
+    if rank == 0:
+        torch.save(saved, path)
+
+
+def _loads_at_another_world_size(rank, world_size, path):
+    model, opt, _ = _wrap("os_g")
+    with pytest.raises(ValueError, match="world_size': 2"):
+        opt.load_state_dict(torch.load(path, weights_only=False))
+
+
+class SameShapes(nn.Module):
+    """Two blocks of the same shape whose order depends on the rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        order = (0, 1) if dist.get_rank() == 0 else (1, 0)
+        for i in order:
+            x = self.blocks[i](x)
+        return x
+
+
+def _rank_dependent_order(rank, world_size):
+    torch.manual_seed(0)
+    model = SameShapes()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os")
+    with pytest.raises(RuntimeError, match="different orders"):
+        model(torch.randn(2, 4))
+    # at 'os_g' the same model trains (reductions fall back to one fixed order)
+    torch.manual_seed(0)
+    model = SameShapes()
+    model, opt, _ = zerokit.group_sharded_parallel(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "os_g"
+    )
+    _step(model, opt, torch.randn(2, 4))
+
+
+@pytest.mark.parametrize(
+    "fn", [_ranks_disagree, _refused_at_the_call, _refused_at_the_next_forward,
+           _rank_dependent_order]
+)
+def test_misuse_is_refused_on_every_rank(fn):
+    run_distributed(fn, 2)
+
+
+def test_an_optimizer_state_dict_loads_only_into_its_own_layout(tmp_path):
+    path = str(tmp_path / "opt.pt")
+    run_distributed(_optimizer_state_from_another_layout, 2, path)
+    run_distributed(_loads_at_another_world_size, 3, path)

@@ -1,0 +1,149 @@
+"""Misuse refused at the call: what ``group_sharded_parallel`` checks before building, the
+agreement of every rank on what it builds, and what a wrapped model checks before each forward
+and step. Each message says what to do instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils.weak import WeakIdKeyDictionary
+
+# Optimizers whose update of an element reads only that element's gradient and state (and
+# scalars): stepping a shard gives exactly the unsharded result. LBFGS (line search over the
+# whole flat parameter), SparseAdam (sparse gradients), Adafactor (row and column statistics)
+# and the like need whole parameters and are refused.
+ELEMENTWISE_OPTIMIZERS = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
+        "RMSprop", "Rprop",
+    )
+)
+
+# Parameters already inside a wrapped model (weak, by identity: a parameter freed with its
+# model leaves; tensors compare elementwise, so a plain WeakSet cannot hold them).
+_WRAPPED_PARAMS = WeakIdKeyDictionary()
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, elementwise: bool) -> None:
+    if elementwise or isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        return
+    raise ValueError(
+        f"{type(optimizer).__name__} is not a known elementwise optimizer: zerokit steps each "
+        "rank's shard of every parameter separately, which is exact only when an element's "
+        "update reads that element's gradient and state alone (SGD, Adam, AdamW, Adagrad, "
+        "RMSprop, ...). LBFGS, SparseAdam, Adafactor and optimizers that need whole "
+        "parameters cannot be sharded. If yours is elementwise, say so with "
+        "config=zerokit.ShardingConfig(elementwise_optimizer=True)."
+    )
+
+
+def check_not_wrapped(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if hasattr(optimizer, "_zerokit"):
+        raise ValueError("this optimizer is already wrapped by group_sharded_parallel")
+    for name, module in model.named_modules():
+        if hasattr(module, "_zerokit"):
+            where = f"its submodule {name!r}" if name else "this model"
+            raise ValueError(
+                f"{where} is already wrapped by group_sharded_parallel; wrap a model once, "
+                "as a whole (use ShardingConfig(wrap=...) to choose its units)"
+            )
+    inside = [n for n, p in model.named_parameters() if p in _WRAPPED_PARAMS]
+    if inside:
+        raise ValueError(
+            f"parameters {inside[:3]} already belong to a model wrapped by "
+            "group_sharded_parallel (is this a submodule of a wrapped model?); wrap a model "
+            "once, as a whole"
+        )
+
+
+def remember_wrapped(params) -> None:
+    for param in params:
+        _WRAPPED_PARAMS[param] = True
+
+
+def check_dense_gradients(model: nn.Module) -> None:
+    sparse = [
+        name for name, m in model.named_modules() if getattr(m, "sparse", False) is True
+    ]
+    if sparse:
+        raise ValueError(
+            f"modules {sparse[:3]} make sparse gradients (sparse=True), which zerokit cannot "
+            "reduce or shard; build them with sparse=False"
+        )
+
+
+def agree(what: dict[str, object], groups: list[ProcessGroup]) -> None:
+    """Every rank of ``groups`` must have the same ``what``; else raise, on every rank, naming
+    the fields and ranks that differ (one all-gather of 8 bytes per field)."""
+    keys = sorted(what)
+    digests = torch.tensor(
+        [
+            int.from_bytes(hashlib.sha256(repr(what[k]).encode()).digest()[:7], "little")
+            for k in keys
+        ],
+        dtype=torch.int64,
+    )
+    for group in groups:
+        if group.size() == 1:
+            continue
+        rows = [torch.empty_like(digests) for _ in range(group.size())]
+        dist.all_gather(rows, digests, group=group)
+        ranks = dist.get_process_group_ranks(group)
+        differ = {
+            keys[f]: [ranks[r] for r in range(len(rows)) if rows[r][f] != rows[0][f]]
+            for f in range(len(keys))
+            if any(row[f] != rows[0][f] for row in rows)
+        }
+        if differ:
+            listing = "; ".join(f"{k}: ranks {v} differ from rank {ranks[0]}" for k, v in differ.items())
+            raise ValueError(
+                f"ranks called group_sharded_parallel differently ({listing}); every rank "
+                "must wrap the same model with the same arguments. This rank's values: "
+                + ", ".join(f"{k}={what[k]!r}"[:120] for k in differ)
+            )
+
+
+def layout_summary(model: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool, str]]:
+    """(name, shape, dtype, requires_grad, device type) of every parameter, for ``agree``."""
+    return [
+        (n, tuple(p.shape), str(p.dtype), p.requires_grad, p.device.type)
+        for n, p in model.named_parameters()
+    ]
+
+
+def check_params_intact(buckets, frozen: list[tuple[str, nn.Parameter]]) -> None:
+    """Before a forward or step: the model was not cast, moved or refrozen after wrapping."""
+    for bucket in buckets:
+        data = bucket.data
+        for i, param in enumerate(bucket.params):
+            name = bucket.layout.slots[i].name
+            if param.dtype != data.dtype or param.device != data.device:
+                raise RuntimeError(
+                    f"parameter {name!r} is now {param.dtype} on {param.device}, but zerokit "
+                    f"holds it as {data.dtype} on {data.device}: the model was cast or moved "
+                    "after group_sharded_parallel (.to(), .half(), .double()). Cast or move it "
+                    "before wrapping; for low precision use mixed_precision=MixedPrecision(...)."
+                )
+            if param.numel() and param.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+                raise RuntimeError(
+                    f"parameter {name!r} no longer lives in zerokit's flat buffer (its .data "
+                    "was replaced after group_sharded_parallel); change parameters before "
+                    "wrapping, or load values with model.load_state_dict / zerokit.checkpoint"
+                )
+            if not param.requires_grad:
+                raise RuntimeError(
+                    f"parameter {name!r} was frozen after group_sharded_parallel; freeze "
+                    "parameters before wrapping (zerokit would keep reducing and stepping it)"
+                )
+    for name, param in frozen:
+        if param.requires_grad:
+            raise RuntimeError(
+                f"parameter {name!r} was frozen when group_sharded_parallel ran and now "
+                "requires grad: it is in no bucket and would never be trained. Unfreeze "
+                "parameters before wrapping (a frozen-at-wrap parameter cannot be unfrozen)"
+            )
