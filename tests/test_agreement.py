@@ -76,7 +76,7 @@ def _absent(rank, world_size):
     # a rank slow at work (inside alive) is waited for, however long past the timeout
     with alive(None):
         if rank == 1:
-            time.sleep(4)
+            time.sleep(8)  # longer than the timeout and the three heartbeats rank 0 watches
         assert gather("slow write", b"", None, timeout=1) == [b"", b""]
 
 

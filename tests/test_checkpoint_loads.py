@@ -264,3 +264,19 @@ def test_ranks_loading_different_checkpoints_are_refused(tmp_path):
     _saved(tmp_path, 1.0, "a")
     _saved(tmp_path, 2.0, "b")
     run_distributed(_different_checkpoints, 2, str(tmp_path))
+
+
+def test_param_names_in_a_param_group_save_and_load(tmp_path):
+    model = Tied(1.0)
+    named = list(model.named_parameters())
+    opt = torch.optim.AdamW(
+        [{"params": [p for _, p in named], "param_names": [n for n, _ in named]}]
+    )
+    checkpoint.save(tmp_path / "ckpt", model, opt)
+    model2 = Tied(2.0)
+    named2 = list(model2.named_parameters())
+    opt2 = torch.optim.AdamW(
+        [{"params": [p for _, p in named2], "param_names": [n for n, _ in named2]}]
+    )
+    checkpoint.load(tmp_path / "ckpt", model2, opt2)
+    assert torch.equal(model2.mid.weight, model.mid.weight)

@@ -281,13 +281,13 @@ def check_tensor_entry(name: str, entry: dict, files: dict, used: dict | None = 
 
 
 def check_hyperparameter(what: str, value) -> None:
-    """A saved hyperparameter: JSON scalars and lists of finite numbers only."""
+    """A saved hyperparameter: JSON scalars, lists of finite numbers or of strings."""
     if value is None or isinstance(value, (bool, str)):
         return
-    if isinstance(value, list):
+    if isinstance(value, list):  # betas; param_names
         _need(
-            len(value) <= 64 and all(is_finite_number(v) for v in value),
-            f"{what} must hold finite numbers, got {value!r}",
+            all(is_finite_number(v) for v in value) or all(isinstance(v, str) for v in value),
+            f"{what} must hold finite numbers or strings, got {value!r:.200}",
         )
         return
     _need(is_finite_number(value), f"{what} must be a finite number, got {value!r}")

@@ -178,7 +178,10 @@ def _check_hyperparameter(i: int, key: str, value, current) -> None:
         ok = is_finite_number(value) and (key not in _NON_NEGATIVE or value >= 0)
     elif isinstance(current, (tuple, list)):
         ok = isinstance(value, list) and len(value) == len(current)
-        ok = ok and all(is_finite_number(v) for v in value)
+        ok = ok and all(
+            isinstance(v, str) if isinstance(c, str) else is_finite_number(v)
+            for v, c in zip(value, current)
+        )
         if key == "betas":
             ok = ok and all(0 <= v < 1 for v in value)
     else:
