@@ -1,6 +1,10 @@
 """Misuse is refused at the call (or at the next forward or step at the latest), on every
 rank, with a message that says what to do; never a hang, a gloo abort or a wrong loss."""
 
+import os
+import sys
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,6 +13,7 @@ from models import make_model, make_optimizer
 from torch import nn
 
 import zerokit
+from zerokit.core.agreement import AgreementError, CollectiveTimeout
 
 
 def _wrap(level="os", model=None, opt=None, **kwargs):
@@ -30,12 +35,12 @@ def _ranks_disagree(rank, world_size):
         ({"level": ("os", "os_g")[rank]}, "level"),
         ({"level": "os", "buffer_max_size": 40 + rank}, "buffer_max_size"),
     ):
-        with pytest.raises(ValueError, match=f"ranks called group_sharded_parallel differently.*{field}"):
+        with pytest.raises(AgreementError, match=f"group_sharded_parallel: the ranks must agree, but {field} differs"):
             _wrap(**kwargs)
     # A model that differs between ranks (another width on rank 1)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4 + rank), nn.Linear(4 + rank, 1))
-    with pytest.raises(ValueError, match="parameters: ranks \\[1\\]"):
+    with pytest.raises(AgreementError, match="parameters differs"):
         zerokit.group_sharded_parallel(model, torch.optim.SGD(model.parameters(), lr=0.1), "os")
 
 
@@ -154,6 +159,39 @@ def _rank_dependent_order(rank, world_size):
         model, torch.optim.SGD(model.parameters(), lr=0.1), "os_g"
     )
     _step(model, opt, torch.randn(2, 4))
+
+
+def _a_rank_is_elsewhere(rank, world_size, case):
+    """A collective only some ranks call ends within the timeout (3 s here, not gloo's 30
+    minutes), naming the call and where the other rank is. After that the process group is
+    unusable (the abandoned collective is still queued), as after any collective error: the
+    rank leaves at once."""
+    os.environ["ZEROKIT_COLLECTIVE_TIMEOUT"] = "3"
+    level = {"clip": "os_g", "extra batch": "os", "state_dict": "p_g_os"}[case]
+    model, opt, _ = _wrap(level)
+    _step(model, opt)
+    start = time.monotonic()
+    if case == "clip":  # only rank 0 clips; rank 1 goes on to step and waits there
+        model(torch.randint(0, 11, (2, 5))).float().pow(2).mean().backward()
+        if rank == 0:
+            with pytest.raises(CollectiveTimeout, match=r"clip_grad_norm_.*rank 1 is at call #\d+ \(optimizer.step"):
+                zerokit.clip_grad_norm_(model, 1.0)
+        else:
+            with pytest.raises(CollectiveTimeout, match=r"optimizer.step.*rank 0 is at call #\d+ \(zerokit.clip_grad_norm_"):
+                opt.step()
+    elif rank == 0:  # one more batch, or a state dict on rank 0 only
+        with pytest.raises(CollectiveTimeout, match=r"(forward|state_dict).*rank 1 is at call"):
+            _step(model, opt) if case == "extra batch" else model.state_dict()
+    else:
+        time.sleep(8)  # alive, but not in the call
+    assert time.monotonic() - start < 30
+    sys.stdout.flush()
+    os._exit(0)  # skip destroy_process_group: the abandoned collective would wait on it
+
+
+@pytest.mark.parametrize("case", ["clip", "extra batch", "state_dict"])
+def test_a_rank_that_is_elsewhere_is_named_within_the_timeout(case):
+    run_distributed(_a_rank_is_elsewhere, 2, case)
 
 
 @pytest.mark.parametrize(

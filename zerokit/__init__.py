@@ -6,9 +6,9 @@
 """
 
 from . import checkpoint
-from .api import LEVELS, group_sharded_parallel
+from .api import LEVELS, group_sharded_parallel, num_params
 from .clip import clip_grad_norm_
-from .config import ShardingConfig
+from .config import ShardingConfig, load_config
 from .mixed_precision import MixedPrecision
 from .scaler import ShardedGradScaler
 from .tensor_parallel import init_hybrid_parallel
@@ -28,6 +28,8 @@ __all__ = [
     "clip_grad_norm_",
     "group_sharded_parallel",
     "init_hybrid_parallel",
+    "load_config",
+    "num_params",
     "save_group_sharded_model",
 ]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ Levels (PaddlePaddle's names; each means exactly what it says):
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import ShardingConfig
+from .config import ShardingConfig, resolve_level
+from .core.state import state_of
 from .core import checks
 from .core.build import CoreOptions, build
 from .core.units import plan_units
@@ -31,12 +33,13 @@ from .scaler import ShardedGradScaler
 from .tensor_parallel.layers import tp_group_of
 
 LEVELS = ("os", "os_g", "p_g_os")
+_log = logging.getLogger("zerokit")
 
 
 def group_sharded_parallel(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    level: str,
+    level: str | int | None = None,
     scaler: Any = None,
     group: dist.ProcessGroup | None = None,
     offload: bool = False,
@@ -60,8 +63,8 @@ def group_sharded_parallel(
         model: the model to train; its trainable parameters must all be on one device.
         optimizer: an elementwise torch optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...)
             over parameters of ``model``. Create LR schedulers from it before or after.
-        level: ``'os'`` (stage 1), ``'os_g'`` (stage 2) or ``'p_g_os'`` (stage 3); see the
-            module docstring.
+        level: ``'os'`` (stage 1), ``'os_g'`` (stage 2) or ``'p_g_os'`` (stage 3), or the
+            stage number 1, 2, 3; None reads ``$ZEROKIT_LEVEL``. See the module docstring.
         scaler: a loss scaler for fp16: a ``zerokit.ShardedGradScaler``, or a
             ``torch.amp.GradScaler`` (replaced by a ``ShardedGradScaler`` with its settings,
             which is returned), so the inf/nan check is agreed across ranks.
@@ -85,6 +88,7 @@ def group_sharded_parallel(
             gradients in ``reduce_dtype``, fp32 master weights only as the rank's shard.
         config: rarely used knobs (``ShardingConfig``), e.g. the stage-3 wrap policy.
     """
+    level = resolve_level(level)
     group = _resolve_group(group)
     _check_member(group, "group")
     if dp_group is not None:
@@ -101,7 +105,7 @@ def group_sharded_parallel(
             "buffer_max_size": buffer_max_size,
             "segment_size": segment_size,
             "sync_comm": sync_comm,
-            "dp_group": dist.get_process_group_ranks(dp_group) if dp_group else None,
+            "dp_group size": dp_group.size() if dp_group is not None else None,
             "exclude_layer": _describe_modules(model, exclude_layer or ()),
             "mixed_precision": repr(mixed_precision),
             "config": repr(config),
@@ -116,7 +120,7 @@ def group_sharded_parallel(
     if level not in LEVELS:
         raise ValueError(
             f"unknown level {level!r}; valid levels: 'os' (stage 1), 'os_g' (stage 2), "
-            "'p_g_os' (stage 3)"
+            "'p_g_os' (stage 3), or the stage numbers 1, 2, 3"
         )
     scaler = _sharded_scaler(scaler)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -143,6 +147,9 @@ def group_sharded_parallel(
         segment_size=segment_size,
         wrap=config.wrap,
         exclude=(exclude_layer or ()) if level == "p_g_os" else (),
+        full_precision=mixed_precision.full_precision_modules
+        if mixed_precision.param_dtype is not None
+        else (),
     )
     # Nothing is changed before this point: every check above can fail without side effects.
     options = CoreOptions(
@@ -156,8 +163,55 @@ def group_sharded_parallel(
         tp_group=tp_group_of(model),
         replica_group=dp_group if dp_group is not None and dp_group.size() > 1 else None,
     )
-    build(model, optimizer, plans, options)
+    state = build(model, optimizer, plans, options)
+    if group.rank() == 0 and (dp_group is None or dp_group.rank() == 0):
+        _log_wrap(state, optimizer, named, model)
     return model, optimizer, scaler
+
+
+def num_params(model: nn.Module) -> int:
+    """The model's parameter count, each tied parameter once, also at 'p_g_os' (where
+    ``sum(p.numel() for p in model.parameters())`` counts 0 between uses: the parameters are
+    empty there and live as shards)."""
+    state = state_of(model)
+    if state is None:
+        return sum(p.numel() for p in model.parameters())
+    in_buckets = {id(p) for b in state.buckets for p in b.params}
+    outside = sum(p.numel() for p in model.parameters() if id(p) not in in_buckets)
+    return outside + sum(s.numel for b in state.buckets for s in b.layout.slots)
+
+
+def _log_wrap(state, optimizer, named, model) -> None:
+    """One line at wrap time (DeepSpeed prints one too): what was built and what it holds.
+    Silence it with ``logging.getLogger("zerokit").setLevel(logging.WARNING)``."""
+    if not _log.handlers:  # a library's default: print to stderr unless told otherwise
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        _log.addHandler(handler)
+        _log.setLevel(logging.INFO)
+        _log.propagate = False
+    if not _log.isEnabledFor(logging.INFO):
+        return
+    held = state.held_tensors()
+    shard_bytes = sum(t.nbytes for t in held["params"])
+    state_bytes = sum(
+        v.nbytes for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    )
+    names = {"os": "stage 1", "os_g": "stage 2", "p_g_os": "stage 3"}
+    replicas = state.replica_group.size() if state.replica_group is not None else 1
+    _log.info(
+        "zerokit: level %r (%s) sharded over %d rank(s)%s: %d unit(s), %d bucket(s), "
+        "%.2fM trainable parameters; this rank holds %s of master shards and %s of optimizer "
+        "state so far",
+        state.level, names[state.level], state.process_group.size(),
+        f" x {replicas} replicas" if replicas > 1 else "",
+        len(state.groups), len(state.buckets), sum(p.numel() for _, p in named) / 1e6,
+        _mib(shard_bytes), _mib(state_bytes),
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def _sharded_scaler(scaler):

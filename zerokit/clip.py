@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .core.collectives import all_reduce_
+from .core import presence
 from .core.state import state_of
 from .tensor_parallel.layers import tensor_parallel_params, tp_group_of
 
@@ -22,6 +23,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     tp_group = state.tp_group if state is not None else tp_group_of(model)
     if state is not None:
         state.check_ready_for_step()
+        presence.mark(state.process_group, "zerokit.clip_grad_norm_()")
         owned = state.owned_grad_pieces()  # every element once across the ZeRO group
         groups = [state.process_group]
         to_scale = state.grads_to_scale()

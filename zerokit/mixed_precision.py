@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -22,8 +23,8 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class MixedPrecision:
     """A mixed-precision policy for ``group_sharded_parallel(..., mixed_precision=...)``.
 
-    >>> MixedPrecision(param_dtype=torch.bfloat16)
-    MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    >>> MixedPrecision(param_dtype=torch.bfloat16).reduce_dtype
+    torch.float32
     """
 
     param_dtype: torch.dtype | None = None
@@ -34,9 +35,21 @@ class MixedPrecision:
     reduce_dtype: torch.dtype = torch.float32
     """dtype gradients are averaged across ranks in. fp32 (the default) for accuracy; the
     ``param_dtype`` halves the gradient bytes sent."""
+    cast_forward_inputs: bool = True
+    """Cast the floating-point tensors passed to the model's forward to ``param_dtype`` (as
+    FSDP2 does), so a float32 batch meets bf16 weights. Integer inputs (token ids) are left
+    alone."""
+    output_dtype: torch.dtype | None = None
+    """Cast the floating-point tensors the model's forward returns to this dtype (e.g.
+    ``torch.float32`` for the loss); None leaves them in ``param_dtype``."""
+    full_precision_modules: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm,)
+    """Module classes kept in the parameters' own dtype (fp32): their parameters get no
+    low-precision copy, their floating inputs are cast up and their outputs back down to
+    ``param_dtype``. BatchNorm by default: its kernel needs its weight in the dtype of its
+    running statistics, which stay fp32."""
 
     def __post_init__(self):
-        for field in ("param_dtype", "reduce_dtype"):
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, field)
             if value is not None and value not in _FLOATS:
                 raise ValueError(

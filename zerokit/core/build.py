@@ -17,6 +17,7 @@ from .hooks import register_hooks
 from .master_state import MasterStateDict
 from .module import broadcast_module_state, convert_module_, register_buffer_sync
 from .optimizer import shard_optimizer_
+from .precision import register_precision_hooks
 from .reduction import AllReduce, ReduceScatter, ReduceScatterThenAllReduce
 from .staging import StagingPool
 from .state import ShardState
@@ -47,7 +48,14 @@ def build(
     if opts.replica_group is not None:
         broadcast_module_state(model, opts.replica_group, params=True)
     broadcast_module_state(model, group, params=True)
-    _cast_frozen_params(model, mp.param_dtype)
+    full_precision = [  # trainable ones are units of their own (plan.full_precision)
+        m
+        for m in model.modules()
+        if mp.param_dtype is not None
+        and isinstance(m, mp.full_precision_modules)
+        and any(True for _ in m.parameters())
+    ]
+    _cast_frozen_params(model, mp.param_dtype, keep=full_precision)
     # None (the parameters' own dtype) unless a policy changes the compute dtype
     reduce_dtype = mp.reduce_dtype if mp.param_dtype is not None else None
     replicas = opts.replica_group
@@ -64,7 +72,7 @@ def build(
                 layout,
                 [plan.params[s.param_index][1] for s in layout.slots],
                 group,
-                compute_dtype=mp.param_dtype,
+                compute_dtype=None if plan.full_precision else mp.param_dtype,
                 master_device=_CPU if opts.offload else None,
                 shard_params=opts.level == "p_g_os",
             )
@@ -91,15 +99,19 @@ def build(
         state.hook_handles += MasterStateDict(model, state.buckets, group).handles
     if opts.sync_buffers:
         register_buffer_sync(model, state)
+    state.hook_handles += register_precision_hooks(
+        model, mp, [(m, next(m.parameters()).dtype) for m in full_precision]
+    )
     if opts.level == "p_g_os":
         state.refresh_params()  # gathers the units kept whole
     shard_optimizer_(optimizer, state)
     return state
 
 
-def _cast_frozen_params(model: nn.Module, dtype: torch.dtype | None) -> None:
+def _cast_frozen_params(model: nn.Module, dtype: torch.dtype | None, keep) -> None:
     if dtype is None:
         return
+    kept = {id(p) for m in keep for p in m.parameters()}
     for p in model.parameters():
-        if not p.requires_grad and p.is_floating_point():
+        if not p.requires_grad and p.is_floating_point() and id(p) not in kept:
             p.data = p.data.to(dtype)

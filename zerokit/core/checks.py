@@ -5,12 +5,12 @@ and step. Each message says what to do instead.
 
 from __future__ import annotations
 
-import hashlib
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils.weak import WeakIdKeyDictionary
+
+from . import agreement
 
 # Optimizers whose update of an element reads only that element's gradient and state (and
 # scalars): stepping a shard gives exactly the unsharded result. LBFGS (line search over the
@@ -78,34 +78,12 @@ def check_dense_gradients(model: nn.Module) -> None:
 
 
 def agree(what: dict[str, object], groups: list[ProcessGroup]) -> None:
-    """Every rank of ``groups`` must have the same ``what``; else raise, on every rank, naming
-    the fields and ranks that differ (one all-gather of 8 bytes per field)."""
-    keys = sorted(what)
-    digests = torch.tensor(
-        [
-            int.from_bytes(hashlib.sha256(repr(what[k]).encode()).digest()[:7], "little")
-            for k in keys
-        ],
-        dtype=torch.int64,
-    )
+    """Every rank of ``groups`` must have the same ``what``; else raise ``AgreementError`` on
+    every rank, naming the fields and the ranks that differ (and ``CollectiveTimeout`` naming
+    the ranks that never call, after the collective timeout)."""
+    fields = {k: repr(v).encode() for k, v in what.items()}
     for group in groups:
-        if group.size() == 1:
-            continue
-        rows = [torch.empty_like(digests) for _ in range(group.size())]
-        dist.all_gather(rows, digests, group=group)
-        ranks = dist.get_process_group_ranks(group)
-        differ = {
-            keys[f]: [ranks[r] for r in range(len(rows)) if rows[r][f] != rows[0][f]]
-            for f in range(len(keys))
-            if any(row[f] != rows[0][f] for row in rows)
-        }
-        if differ:
-            listing = "; ".join(f"{k}: ranks {v} differ from rank {ranks[0]}" for k, v in differ.items())
-            raise ValueError(
-                f"ranks called group_sharded_parallel differently ({listing}); every rank "
-                "must wrap the same model with the same arguments. This rank's values: "
-                + ", ".join(f"{k}={what[k]!r}"[:120] for k in differ)
-            )
+        agreement.agree_all("group_sharded_parallel", fields, group)
 
 
 def layout_summary(model: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool, str]]:

@@ -20,17 +20,26 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from . import presence
+
 # torch 2.13 renamed the flat-tensor collectives and deprecated the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 class Pending:
-    """In-flight collective work; ``finish()`` waits for it and runs the local epilogue once."""
+    """In-flight collective work; ``finish()`` waits for it (bounded: ``presence.wait``) and
+    runs the local epilogue once."""
 
-    def __init__(self, works: list, epilogue: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        works: list,
+        epilogue: Callable[[], None] | None = None,
+        group: ProcessGroup | None = None,
+    ):
         self._works = works
         self._epilogue = epilogue
+        self._group = group
 
     def then(self, fn: Callable[[], None]) -> Pending:
         """Run ``fn`` after the epilogue, when the work is finished."""
@@ -46,7 +55,7 @@ class Pending:
 
     def finish(self) -> None:
         for work in self._works:
-            work.wait()
+            presence.wait(work, self._group)
         self._works = []
         if self._epilogue is not None:
             epilogue, self._epilogue = self._epilogue, None
@@ -63,7 +72,7 @@ def start_all_reduce_mean(tensor: torch.Tensor, group: ProcessGroup) -> Pending:
     if size == 1:
         return Pending([])
     work = dist.all_reduce(tensor, group=group, async_op=True)
-    return Pending([work], lambda: tensor.div_(size))
+    return Pending([work], lambda: tensor.div_(size), group)
 
 
 def start_reduce_scatter_mean(
@@ -95,7 +104,7 @@ def start_reduce_scatter_mean(
         reduced = reduced.to(shard.device)  # offload: the gradient shard is in CPU memory
         shard.add_(reduced) if accumulate else shard.copy_(reduced)
 
-    return Pending(works, epilogue)
+    return Pending(works, epilogue, group)
 
 
 def start_all_gather_(full: torch.Tensor, group: ProcessGroup) -> Pending:
@@ -111,20 +120,21 @@ def start_all_gather_(full: torch.Tensor, group: ProcessGroup) -> Pending:
     else:
         own = chunks[group.rank()]
         works = [_all_gather(full, own, group=group, async_op=True)]
-    return Pending(works)
+    return Pending(works, group=group)
 
 
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM):
-    """Blocking in-place all-reduce; a no-op at world size 1."""
+    """Blocking (bounded) in-place all-reduce; a no-op at world size 1."""
     if group.size() > 1:
-        dist.all_reduce(tensor, op=op, group=group)
+        presence.wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), group)
     return tensor
 
 
 def broadcast_(tensor: torch.Tensor, group: ProcessGroup, group_src: int = 0) -> torch.Tensor:
     """Blocking in-place broadcast from the group's rank ``group_src``; a no-op at world size 1."""
     if group.size() > 1:
-        dist.broadcast(tensor, group_src=group_src, group=group)
+        work = dist.broadcast(tensor, group_src=group_src, group=group, async_op=True)
+        presence.wait(work, group)
     return tensor
 
 

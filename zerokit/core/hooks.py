@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import presence
 from .group import ShardGroup
 from .state import ShardState
 
@@ -162,6 +163,7 @@ class _GatherForIO:
 
     def gather(self, *args, **kwargs) -> None:
         state = self._ref()
+        presence.mark(state.process_group, "model.state_dict() / load_state_dict()")
         self._was_sharded = [g for g in state.groups if g.gathered_numel() == 0]
         for g in state.groups:
             g.unshard()

@@ -15,6 +15,7 @@ import functools
 
 import torch
 
+from . import presence
 from .state import ShardState
 
 class ShardedOptimizer:
@@ -25,6 +26,7 @@ class ShardedOptimizer:
     def step(self, closure=None):
         state = self._zerokit.shard_state
         state.check_ready_for_step()
+        presence.mark(state.process_group, "optimizer.step()")
         if closure is not None:  # one evaluation of the closure: step everything at once
             loss = super().step(closure)  # type: ignore[misc]
         else:

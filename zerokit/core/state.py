@@ -26,7 +26,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 
-from . import checks
+from . import checks, presence
 from .collectives import Pending, all_reduce_
 from .flat_param import FlatParamBucket
 from .group import Phase, ShardGroup
@@ -154,6 +154,7 @@ class ShardState:
     def root_pre_forward(self) -> None:
         if not self.in_backward:
             checks.check_params_intact(self.buckets, self._frozen)
+            presence.mark(self.process_group, "the model's forward")
         if not self.in_backward and not self._graph_pending:
             self.forward_order = []
         if self.root_group is not None:

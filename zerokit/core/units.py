@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
@@ -26,6 +26,7 @@ class UnitPlan:
     module: nn.Module
     params: tuple[tuple[str, nn.Parameter], ...]
     keep_whole: bool = False  # an ``exclude_layer``: gathered once and never freed
+    full_precision: bool = False  # mixed precision leaves it in its own dtype (BatchNorm)
 
 
 def plan_units(
@@ -35,6 +36,7 @@ def plan_units(
     segment_size: int,
     wrap: tuple[type[nn.Module], ...] = (),
     exclude: Sequence[nn.Module | type[nn.Module]] = (),
+    full_precision: tuple[type[nn.Module], ...] = (),
 ) -> list[UnitPlan]:
     """Units in the order of their first parameter's registration; the root unit included.
 
@@ -72,7 +74,21 @@ def plan_units(
             "model is one unit (gathered whole for forward and backward)",
             stacklevel=3,
         )
-    return _assign_params(model, trainable, chosen)
+    if full_precision:
+        taken = {id(m) for _, m, _ in chosen}
+        chosen += [
+            (name, m, False)
+            for name, m in model.named_modules()
+            if name and isinstance(m, full_precision) and id(m) not in taken
+            and any(p.requires_grad for p in m.parameters())
+        ]
+    plans = _assign_params(model, trainable, chosen)
+    if not full_precision:
+        return plans
+    return [
+        replace(plan, full_precision=plan.module is not model and isinstance(plan.module, full_precision))
+        for plan in plans
+    ]
 
 
 def _own_numel(module: nn.Module) -> int:
@@ -88,11 +104,14 @@ def _assign_params(model, trainable, chosen) -> list[UnitPlan]:
     outside = _params_outside_units(model, {id(m) for _, m, _ in chosen})
     owned: list[list[tuple[str, nn.Parameter]]] = [[] for _ in chosen]
     root: list[tuple[str, nn.Parameter]] = []
+    inside = {u: {id(m) for m in chosen[u][1].modules()} for u in range(len(chosen))}
     for name, p in trainable:
         units = holders.get(id(p), set())
-        if len(units) == 1 and id(p) not in outside:
-            owned[next(iter(units))].append((name, p))
-        else:  # outside every unit, or shared: the root unit
+        # the innermost unit: one that every other holder contains (nested units)
+        innermost = [u for u in units if all(id(chosen[u][1]) in inside[v] for v in units)]
+        if len(innermost) == 1 and id(p) not in outside:
+            owned[innermost[0]].append((name, p))
+        else:  # outside every unit, or shared between units: the root unit
             root.append((name, p))
     plans = [
         UnitPlan(name, module, tuple(params), keep)

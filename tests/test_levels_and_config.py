@@ -1,0 +1,74 @@
+"""Choosing the level by name, stage number, environment or config file; counting parameters
+at every level; the line printed at wrap time."""
+
+import json
+import logging
+
+import pytest
+import torch
+from dist_helpers import run_distributed
+from models import make_model, make_optimizer
+
+import zerokit
+from zerokit.core.state import state_of
+
+
+def _levels(rank, world_size, toml_path, json_path):
+    import os
+
+    plain = make_model("gpt")
+    expected = sum(p.numel() for p in plain.parameters())
+    for given, level in ((1, "os"), ("2", "os_g"), (3, "p_g_os"), ("os_g", "os_g")):
+        model = make_model("gpt")
+        model, opt, _ = zerokit.group_sharded_parallel(model, make_optimizer("sgd", model), given)
+        assert state_of(model).level == level
+        assert zerokit.num_params(model) == expected, level  # 0 at p_g_os by p.numel()
+    os.environ["ZEROKIT_LEVEL"] = "3"
+    model = make_model("gpt")
+    model, _, _ = zerokit.group_sharded_parallel(model, make_optimizer("sgd", model))
+    assert state_of(model).level == "p_g_os"
+    del os.environ["ZEROKIT_LEVEL"]
+    with pytest.raises(ValueError, match="ZEROKIT_LEVEL is not set"):
+        model = make_model("gpt")
+        zerokit.group_sharded_parallel(model, make_optimizer("sgd", model))
+    for path in (toml_path, json_path):
+        options = zerokit.load_config(path)
+        model = make_model("gpt")
+        model, _, _ = zerokit.group_sharded_parallel(model, make_optimizer("sgd", model), **options)
+        state = state_of(model)
+        assert state.level == "os_g" and all(b.data.dtype == torch.bfloat16 for b in state.buckets)
+
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("zerokit")
+    logger.addHandler(Keep())
+    logger.setLevel(logging.INFO)
+    model = make_model("gpt")
+    zerokit.group_sharded_parallel(model, make_optimizer("adamw", model), "p_g_os")
+    if rank == 0:  # one line, from rank 0 only
+        (line,) = records
+        assert "level 'p_g_os' (stage 3) sharded over 2 rank(s)" in line and "unit(s)" in line
+    else:
+        assert records == []
+
+
+def test_level_by_number_environment_and_config(tmp_path):
+    toml_path = tmp_path / "zerokit.toml"
+    toml_path.write_text('level = 2\nmixed_precision = "bf16"\nbuffer_max_size = 4096\n')
+    json_path = tmp_path / "zerokit.json"
+    json_path.write_text(json.dumps({"level": "os_g", "mixed_precision": "bf16"}))
+    run_distributed(_levels, 2, str(toml_path), str(json_path))
+
+
+def test_a_config_with_an_unknown_key_is_refused(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"level": 2, "stage": 3}))
+    with pytest.raises(ValueError, match=r"unknown keys \['stage'\]; valid keys: level"):
+        zerokit.load_config(path)
+    path.write_text(json.dumps({"mixed_precision": "int8"}))
+    with pytest.raises(ValueError, match="'bf16' or 'fp16'"):
+        zerokit.load_config(path)
