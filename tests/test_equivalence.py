@@ -67,7 +67,10 @@ def _other_optimizers(rank, world_size):
             assert_same_params(model, ref_model, ATOL, what)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "world_size",
+    [1, 2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)],
+)
 def test_matches_single_process_training(world_size):
     run_distributed(_equivalence_matrix, world_size)
 

@@ -62,6 +62,7 @@ def test_compare_measures_what_it_estimates_and_losses_agree(tmp_path):
     assert max(losses) - min(losses) < 1e-5  # the same training at every level
 
 
+@pytest.mark.slow  # the fast subset writes JSON and a chart in test_first_day's user run
 def test_cli_writes_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "report.json", tmp_path / "memory.png"
     argv = ["compare", "--model", "models:tiny_gpt", "--nproc", "1", "--steps", "2", "--batch", "2"]
@@ -105,6 +106,7 @@ def test_estimate_matches_a_float32_adam_step():
     assert estimate(1001, "p_g_os", 4).params == 4 * 251  # padded to 1004 elements
 
 
+@pytest.mark.slow
 def test_compare_with_bf16_measures_what_it_estimates():
     report = run_compare(
         CompareConfig(model="models:tiny_gpt", nproc=2, steps=2, batch=4, mixed_precision="bf16"),

@@ -178,12 +178,20 @@ def _equivalence(rank, world_size, dtype_name):
             assert got.optimizer <= want.optimizer + 4 * len(opt.state), f"{what}: {got} {want}"
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "world_size",
+    [
+        pytest.param(1, marks=pytest.mark.slow),
+        2,
+        pytest.param(3, marks=pytest.mark.slow),
+        pytest.param(4, marks=pytest.mark.slow),
+    ],
+)
 def test_bf16_every_level_tracks_one_process(world_size):
     run_distributed(_equivalence, world_size, "bfloat16")
 
 
-@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("world_size", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_fp16_with_scaler_every_level_tracks_one_process(world_size):
     run_distributed(_equivalence, world_size, "float16")
 
@@ -273,5 +281,6 @@ def _checkpoint_keeps_fp32_masters(rank, world_size, path):
     assert runs[0] == runs[1], f"resumed from fp32 masters: {runs[1]} != {runs[0]}"
 
 
+@pytest.mark.slow  # checkpoints: test_checkpoint; masters: the state_dict test above
 def test_a_checkpoint_keeps_the_fp32_masters(tmp_path):
     run_distributed(_checkpoint_keeps_fp32_masters, 2, str(tmp_path / "ckpt"))

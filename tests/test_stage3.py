@@ -152,6 +152,6 @@ def _checks(rank, world_size):
     assert_same_params(model, ref, ATOL, "exclude_layer")
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_stage3_gathers_frees_and_matches_single_process(world_size):
     run_distributed(_checks, world_size)

@@ -228,7 +228,7 @@ def _tensor_parallel_only(rank, world_size):
         _check_training(layout, "gpt", "p_g_os")
 
 
-@pytest.mark.parametrize("tp_degree", [2, 3])
+@pytest.mark.parametrize("tp_degree", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_tensor_parallel_matches_one_process(tp_degree):
     run_distributed(_tensor_parallel_only, tp_degree)
 

@@ -224,7 +224,10 @@ def _buffers_and_eval(rank, world_size):
     assert not model.training and not model.bn.training
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize(
+    "world_size",
+    [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)],
+)
 def test_training_loop_semantics_match_single_process(world_size):
     run_distributed(_loop_semantics, world_size)
 
@@ -233,6 +236,6 @@ def test_process_subgroups_shard_independently():
     run_distributed(_subgroups, 4)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sync_buffers_and_eval(world_size):
     run_distributed(_buffers_and_eval, world_size)
