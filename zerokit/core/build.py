@@ -80,7 +80,7 @@ def build(
         ]
         shard_group = ShardGroup(
             plan.name, buckets, reduction, staging, reduce_dtype=reduce_dtype,
-            keep_whole=plan.keep_whole,
+            keep_whole=plan.keep_whole, tp_group=opts.tp_group,
         )
         if plan.module is model:
             root = shard_group

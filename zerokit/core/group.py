@@ -19,7 +19,7 @@ import enum
 import torch
 from torch import nn
 
-from .collectives import Pending
+from .collectives import Pending, all_reduce_
 from .flat_param import FlatParamBucket
 from .reduction import AllReduce, ReduceScatter
 from .staging import StagingPool
@@ -46,6 +46,7 @@ class ShardGroup:
         *,
         reduce_dtype: torch.dtype | None = None,
         keep_whole: bool = False,
+        tp_group=None,
     ):
         self.name = name
         self.buckets = buckets
@@ -68,6 +69,16 @@ class ShardGroup:
         self._missing_total = sum(len(b.params) for b in buckets)
         self.post_backward_signalled = False  # its inputs' gradients are done (module units)
         self.forward_calls = 0  # calls of its module since the last backward
+        # Sequence parallelism: parameters replicated across the tp group whose gradient is a
+        # partial sum on each tp rank (Megatron marks them ``param.sequence_parallel = True``);
+        # each one's new gradient is summed over ``tp_group`` once, as it is taken.
+        self._tp_group = tp_group
+        self._tp_summed = {
+            (b, i)
+            for b, bucket in enumerate(buckets)
+            for i, p in enumerate(bucket.params)
+            if getattr(p, "sequence_parallel", False) is True
+        } if tp_group is not None and tp_group.size() > 1 else set()
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -128,6 +139,8 @@ class ShardGroup:
                 f"unit {self.name!r}: a parameter got a sparse gradient, which zerokit cannot "
                 "reduce or shard; use dense gradients (e.g. nn.Embedding(sparse=False))"
             )
+        if (b, i) in self._tp_summed and param.grad is not None:
+            all_reduce_(param.grad, self._tp_group)  # a fresh tensor: never the bucket's slot
         if self._is_taken(b, i):
             self.contributed[b][i] |= self._add_grad(b, i, param)
             return
@@ -142,7 +155,7 @@ class ShardGroup:
         slot = self.buckets[b].slot_view(target, i)
         if param.grad.data_ptr() != slot.data_ptr():  # else autograd added into the slot itself
             slot.add_(param.grad)
-        alias = self.reduction.keeps_full_grad and self._aliases_param(b)
+        alias = self.reduction.keeps_full_grad and self._aliases_param(b, i)
         param.grad = slot if alias else None
         return True
 
@@ -215,15 +228,17 @@ class ShardGroup:
             )
         return self.grads[b]
 
-    def _aliases_param(self, b: int) -> bool:
-        """Can ``param.grad`` be a view of the full gradient (same dtype: no mixed precision)?"""
-        return (self._reduce_dtype or self.buckets[b].data.dtype) == self.buckets[b].data.dtype
+    def _aliases_param(self, b: int, i: int) -> bool:
+        """Can ``param.grad`` be a view of the full gradient? Not under mixed precision (another
+        dtype), nor for a tp-summed parameter (its new gradient must arrive apart)."""
+        dtype = self.buckets[b].data.dtype
+        return (self._reduce_dtype or dtype) == dtype and (b, i) not in self._tp_summed
 
     def _take_into_full(self, b: int, i: int, param: nn.Parameter) -> bool:
         slot = self.buckets[b].slot_view(self._full_grad(b), i)
         grad = param.grad
         accumulated = bool(self.has_grad[b][i])  # the slot holds reduced gradients since zero_grad
-        alias = self._aliases_param(b)
+        alias = self._aliases_param(b, i)
         if grad is None:
             if not (accumulated and not alias):
                 slot.zero_()
@@ -272,9 +287,9 @@ class ShardGroup:
         flags = self.has_grad[b]
         grad = self.grads[b]
         if self.reduction.keeps_full_grad:
-            alias = self._aliases_param(b)
             for i, param in enumerate(bucket.params):
-                param.grad = bucket.slot_view(grad, i) if flags[i] and alias else None
+                alias = flags[i] and self._aliases_param(b, i)
+                param.grad = bucket.slot_view(grad, i) if alias else None
             shard = self._piece_grad_shard(b)
         else:
             shard = grad
