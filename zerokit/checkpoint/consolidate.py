@@ -220,6 +220,7 @@ def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
         f"saved by {layout['world_size']} rank(s), level {level}, ZeRO group of "
         f"{layout['zero_group_size']}, tp degree {layout['tp_degree']}"
         + (f", dp degree {layout['dp_degree']}" if layout["dp_degree"] else "")
+        + (f", {layout['replicas']} replicas" if layout.get("replicas", 1) != 1 else "")
     )
     model = {n: e for n, e in index["tensors"].items() if not n.startswith(OPTIM_PREFIX + ".")}
     split = sum(1 for e in model.values() if e["tp"])
