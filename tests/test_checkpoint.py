@@ -146,7 +146,15 @@ def _with(state: dict) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize(
+    "world_size",
+    [
+        pytest.param(1, marks=pytest.mark.slow),
+        2,
+        pytest.param(3, marks=pytest.mark.slow),
+        pytest.param(4, marks=pytest.mark.slow),
+    ],
+)
 def test_resume_at_any_world_size_and_level_equals_uninterrupted_training(saved, world_size):
     run_distributed(_load_all, world_size, saved)
 
