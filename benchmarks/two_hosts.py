@@ -266,7 +266,7 @@ def main() -> int:
         default="traffic,restart,shrink",
         help="comma-separated: traffic, restart, shrink (shrink needs restart)",
     )
-    p.add_argument("--levels", default="os_g,p_g_os", help="levels whose traffic is measured")
+    p.add_argument("--levels", default="os,os_g,p_g_os", help="levels whose traffic is measured")
     p.add_argument("--steps", type=int, default=4, help="timed steps per traffic measurement")
     p.add_argument("--train-level", default="p_g_os", help="level of the restart/shrink job")
     p.add_argument("--json", default="", help="write the measurements and results here")

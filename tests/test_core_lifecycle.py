@@ -256,8 +256,9 @@ def test_a_rank_that_finished_exits_zero_twenty_times(tmp_path):
         script = tmp_path / f"train_{level}.py"
         script.write_text(_EXIT_SCRIPT.format(level=level))
         done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             "--master-port", str(29600 + run), str(script)],
+            # --standalone: a free port of its own, so concurrent runs never collide
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", str(script)],
             env=env, capture_output=True, text=True, timeout=120,
         )
         assert done.returncode == 0, (run, level, done.stderr[-2000:])

@@ -84,18 +84,7 @@ def test_full_and_hybrid_sharding_across_hosts_match_one_process(run):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "level",
-    [
-        pytest.param(
-            "os",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="stage 1 all-reduces the whole gradient across replicas (P bytes, not "
-                "P/S): 0.73 of full sharding's bytes",
-            ),
-        ),
-        "os_g",
-        "p_g_os",
-    ],
+    ["os", "os_g", "p_g_os"],
 )
 def test_hybrid_sends_at_most_half_of_full_shardings_bytes_across_hosts(run, level):
     report, output, _ = run

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 
-from .collectives import Pending, start_all_reduce_mean, start_reduce_scatter_mean
+from .collectives import (
+    Pending,
+    start_all_gather_,
+    start_all_reduce_mean,
+    start_reduce_scatter_mean,
+)
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,12 @@ class AllReduce:
         pending = start_all_reduce_mean(full, self.group)
         if self.replicas is None or self.replicas.size() == 1:
             return pending
-        return pending.then(lambda: start_all_reduce_mean(full, self.replicas).finish())
+        # Across replicas only this rank's shard travels (P/N bytes, not P), then the shards
+        # are gathered inside the group again: the slow link carries what 'os_g' sends.
+        own = full.view(self.group.size(), -1)[self.group.rank()]
+        return pending.then(lambda: start_all_reduce_mean(own, self.replicas).finish()).then(
+            lambda: start_all_gather_(full, self.group).finish()
+        )
 
 
 @dataclass(frozen=True)
