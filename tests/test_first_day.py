@@ -169,7 +169,8 @@ def test_version():
 
 @pytest.mark.slow
 def test_compare_a_float_input_model_in_bf16():
-    """zerokit levels get float inputs cast to the compute dtype; DDP's autocast casts itself."""
+    """Float inputs under bf16: MixedPrecision casts them for the zerokit levels, autocast for
+    DDP; compare passes them as make_batch returns them."""
     report = run_compare(
         CompareConfig(
             model="compare_models:mlp", nproc=2, steps=3, batch=8, mixed_precision="bf16"

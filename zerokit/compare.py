@@ -207,8 +207,6 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
     times, measured, loss = [], None, torch.zeros(())
     for step in range(cfg.steps):
         x, y = (t[mine].to(device) for t in work.make_batch(step, cfg.batch))
-        if x.is_floating_point() and low is not None and level != "ddp":
-            x = x.to(low)  # zerokit's compute copy is in `low`; DDP's autocast casts itself
         start = time.perf_counter()
         with autocast:
             output = model(x)
