@@ -62,8 +62,22 @@ class Pending:
             epilogue()
 
 
-def _is_gloo(group: ProcessGroup) -> bool:
-    return dist.get_backend(group) == "gloo"
+def _is_gloo(group: ProcessGroup, device: torch.device | str = "cpu") -> bool:
+    """Does ``group`` run collectives on ``device`` tensors with gloo?
+
+    Decided from the backend the group really holds for the device, not from its name:
+    ``init_process_group()`` without a backend makes a group named 'undefined' that runs CPU
+    tensors on gloo and CUDA tensors on NCCL.
+    """
+    try:
+        return group._get_backend(torch.device(device)).name() == "gloo"
+    except (RuntimeError, AttributeError):  # no backend for that device (or an older torch)
+        return dist.get_backend(group) == "gloo"
+
+
+def communication_device(group: ProcessGroup) -> torch.device:
+    """A device whose tensors ``group`` can reduce: the CPU where it has gloo, else CUDA."""
+    return torch.device("cpu") if _is_gloo(group, "cpu") else torch.device("cuda")
 
 
 def start_all_reduce_mean(tensor: torch.Tensor, group: ProcessGroup) -> Pending:
@@ -91,7 +105,7 @@ def start_reduce_scatter_mean(
     chunks_in: torch.Tensor  # [size, shard_numel]: chunk i of every rank, or a view of full
     if size == 1:
         works, chunks_in = [], full.view(1, -1)
-    elif _is_gloo(group):
+    elif _is_gloo(group, full.device):
         chunks_in = (torch.empty_like(full) if scratch is None else scratch).view(size, -1)
         works = [dist.all_to_all_single(chunks_in, full, group=group, async_op=True)]
     else:
@@ -113,7 +127,7 @@ def start_all_gather_(full: torch.Tensor, group: ProcessGroup) -> Pending:
     if size == 1:
         return Pending([])
     chunks = full.view(size, -1)
-    if _is_gloo(group):
+    if _is_gloo(group, full.device):
         works = [
             dist.broadcast(chunks[r], group_src=r, group=group, async_op=True) for r in range(size)
         ]
@@ -142,7 +156,7 @@ def all_gather_bytes(data: bytes, group: ProcessGroup | None) -> list[bytes]:
     """Every rank's ``data``, in rank order (no pickle: raw bytes in uint8 tensors)."""
     if group is None or group.size() == 1:
         return [data]
-    device = torch.device("cpu") if _is_gloo(group) else torch.device("cuda")
+    device = communication_device(group)
     length = torch.tensor([len(data)], dtype=torch.long, device=device)
     lengths = [torch.empty_like(length) for _ in range(group.size())]
     dist.all_gather(lengths, length, group=group)
