@@ -97,6 +97,45 @@ def test_hybrid_composes_with_clipping_and_accumulation():
     run_distributed(_loop_features, 4)
 
 
+def _precision_and_scaler(rank, world_size):
+    """bf16 at dp 2 x sharding 2 tracks full sharding over 4 ranks (the same math, summed in
+    another order: bf16 tolerance); an inf on one replica's rank makes every rank skip."""
+    batches = global_batches(STEPS, batch=2 * world_size)
+    policy = zerokit.MixedPrecision(param_dtype=torch.bfloat16)
+    runs = {}
+    for name, (group, replicas) in (("full", (dist.group.WORLD, None)), ("hybrid", _groups(2, 2))):
+        (_, _), (model, opt) = reference_pair("gpt", "adamw")
+        model, opt, _ = zerokit.group_sharded_parallel(
+            model, opt, "p_g_os", group=group, dp_group=replicas, mixed_precision=policy
+        )
+        train_sharded(model, opt, batches, rank, world_size)
+        runs[name] = model.state_dict()
+    for key, value in runs["full"].items():
+        torch.testing.assert_close(runs["hybrid"][key], value, atol=2e-2, rtol=0, msg=key)
+
+    group, replicas = _groups(2, 2)
+    (_, _), (model, opt) = reference_pair("gpt", "sgd")
+    scaler = zerokit.ShardedGradScaler(init_scale=1024.0)
+    model, opt, scaler = zerokit.group_sharded_parallel(
+        model, opt, "os_g", group=group, dp_group=replicas, scaler=scaler
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = batches[0]
+    xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+    scaler.scale(loss_fn(model(xs), ys)).backward()
+    if rank == 3:  # one rank of the second replica sees an overflow in its shard
+        state_of(opt).owned_grad_pieces()[0][1].fill_(float("inf"))
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 512.0
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), f"rank {rank} stepped {key}"
+
+
+def test_hybrid_with_bf16_and_an_agreed_loss_scaler():
+    run_distributed(_precision_and_scaler, 4)
+
+
 def _with_tp(rank, world_size):
     """dp 2 x sharding 1 x tp 2, the replicas given as dp_group."""
     layout = zerokit.init_hybrid_parallel(2, 2)
