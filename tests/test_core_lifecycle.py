@@ -81,7 +81,9 @@ def _run(rank, world_size, level, order_kind, reentrant=None, **wrap):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
     model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **wrap)
     state = state_of(model)
-    block_groups = [state.groups[k] for k, g in enumerate(state.groups) if g.name.startswith("blocks.")]
+    block_groups = [
+        state.groups[k] for k, g in enumerate(state.groups) if g.name.startswith("blocks.")
+    ]
     root = sum(b.layout.padded_numel for b in state.root_group.buckets)
     unit = max(sum(b.layout.padded_numel for b in g.buckets) for g in block_groups)
     held = []  # (block, gathered elements, staging bytes) at each block's backward
@@ -97,7 +99,7 @@ def _run(rank, world_size, level, order_kind, reentrant=None, **wrap):
         xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
         loss_fn(model(xs), ys).backward()
         if level == "os":  # full averaged gradients on every rank, as one process has them
-            for (name, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+            for name, p in model.named_parameters():
                 assert p.grad is not None and p.grad.shape == p.shape, name
         opt.step()
         opt.zero_grad()
@@ -257,8 +259,18 @@ def test_a_rank_that_finished_exits_zero_twenty_times(tmp_path):
         script.write_text(_EXIT_SCRIPT.format(level=level))
         done = subprocess.run(
             # --standalone: a free port of its own, so concurrent runs never collide
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-             "2", str(script)],
-            env=env, capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                str(script),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert done.returncode == 0, (run, level, done.stderr[-2000:])

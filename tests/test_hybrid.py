@@ -5,7 +5,6 @@ fp32): dp 2 x sharding 2 at every level, the edge layouts 1 x 4 and 4 x 1, dp 2 
 tp 2, with clipping (each element counted once), no_sync accumulation and bf16; a replicated
 layout's checkpoint is written once and loads into other layouts."""
 
-import copy
 import os
 
 import pytest
@@ -42,8 +41,11 @@ def _groups(dp, sharding):
 
 def _layouts(rank, world_size):
     batches = global_batches(STEPS, batch=2 * world_size)
-    for dp, sharding, levels in ((2, 2, ("os", "os_g", "p_g_os")), (1, 4, ("os_g",)),
-                                 (4, 1, ("p_g_os",))):
+    for dp, sharding, levels in (
+        (2, 2, ("os", "os_g", "p_g_os")),
+        (1, 4, ("os_g",)),
+        (4, 1, ("p_g_os",)),
+    ):
         group, replicas = _groups(dp, sharding)
         for level in levels:
             for model_kind in ("awkward", "gpt"):
@@ -173,7 +175,7 @@ def _checkpoint_once(rank, world_size, path):
     """A dp 2 x sharding 2 checkpoint: written by replica 0 only, loaded at 1 x 4."""
     batches = global_batches(3, batch=2 * world_size)
     group, replicas = _groups(2, 2)
-    (ref, ref_opt), (model, opt) = reference_pair("gpt", "adamw")
+    _, (model, opt) = reference_pair("gpt", "adamw")
     model, opt, _ = zerokit.group_sharded_parallel(
         model, opt, "p_g_os", group=group, dp_group=replicas
     )

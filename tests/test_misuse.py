@@ -35,7 +35,10 @@ def _ranks_disagree(rank, world_size):
         ({"level": ("os", "os_g")[rank]}, "level"),
         ({"level": "os", "buffer_max_size": 40 + rank}, "buffer_max_size"),
     ):
-        with pytest.raises(AgreementError, match=f"group_sharded_parallel: the ranks must agree, but {field} differs"):
+        with pytest.raises(
+            AgreementError,
+            match=f"group_sharded_parallel: the ranks must agree, but {field} differs",
+        ):
             _wrap(**kwargs)
     # A model that differs between ranks (another width on rank 1)
     torch.manual_seed(0)
@@ -45,7 +48,7 @@ def _ranks_disagree(rank, world_size):
 
 
 def _refused_at_the_call(rank, world_size):
-    model, opt, _ = _wrap("os_g")
+    _, opt, _ = _wrap("os_g")
     with pytest.raises(RuntimeError, match="add_param_group after group_sharded_parallel"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
 
@@ -111,10 +114,10 @@ def _optimizer_state_from_another_layout(rank, world_size, path):
     model, opt, _ = _wrap("os_g")
     _step(model, opt)
     saved = opt.state_dict()
-    same, same_opt, _ = _wrap("os_g")
+    _, same_opt, _ = _wrap("os_g")
     same_opt.load_state_dict(saved)  # same rank, same layout: fine
-    other, other_opt, _ = _wrap("os")
-    with pytest.raises(ValueError, match="use zerokit.checkpoint.save/load"):
+    _, other_opt, _ = _wrap("os")
+    with pytest.raises(ValueError, match=r"use zerokit\.checkpoint\.save/load"):
         other_opt.load_state_dict(saved)
     plain = make_model("awkward")
     plain_opt = make_optimizer("adamw", plain)
@@ -126,7 +129,7 @@ def _optimizer_state_from_another_layout(rank, world_size, path):
 
 
 def _loads_at_another_world_size(rank, world_size, path):
-    model, opt, _ = _wrap("os_g")
+    _, opt, _ = _wrap("os_g")
     with pytest.raises(ValueError, match="world_size': 2"):
         opt.load_state_dict(torch.load(path, weights_only=False))
 
@@ -174,10 +177,15 @@ def _a_rank_is_elsewhere(rank, world_size, case):
     if case == "clip":  # only rank 0 clips; rank 1 goes on to step and waits there
         model(torch.randint(0, 11, (2, 5))).float().pow(2).mean().backward()
         if rank == 0:
-            with pytest.raises(CollectiveTimeout, match=r"clip_grad_norm_.*rank 1 is at call #\d+ \(optimizer.step"):
+            with pytest.raises(
+                CollectiveTimeout, match=r"clip_grad_norm_.*rank 1 is at call #\d+ \(optimizer.step"
+            ):
                 zerokit.clip_grad_norm_(model, 1.0)
         else:
-            with pytest.raises(CollectiveTimeout, match=r"optimizer.step.*rank 0 is at call #\d+ \(zerokit.clip_grad_norm_"):
+            with pytest.raises(
+                CollectiveTimeout,
+                match=r"optimizer.step.*rank 0 is at call #\d+ \(zerokit.clip_grad_norm_",
+            ):
                 opt.step()
     elif rank == 0:  # one more batch, or a state dict on rank 0 only
         with pytest.raises(CollectiveTimeout, match=r"(forward|state_dict).*rank 1 is at call"):
@@ -195,8 +203,8 @@ def test_a_rank_that_is_elsewhere_is_named_within_the_timeout(case):
 
 
 @pytest.mark.parametrize(
-    "fn", [_ranks_disagree, _refused_at_the_call, _refused_at_the_next_forward,
-           _rank_dependent_order]
+    "fn",
+    [_ranks_disagree, _refused_at_the_call, _refused_at_the_next_forward, _rank_dependent_order],
 )
 def test_misuse_is_refused_on_every_rank(fn):
     run_distributed(fn, 2)

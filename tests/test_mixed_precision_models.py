@@ -18,8 +18,12 @@ TOL = 3e-2
 def _cnn():
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(2),
-        nn.Flatten(), nn.Linear(32, 10),
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(32, 10),
     )
 
 
@@ -31,8 +35,10 @@ def _mlp():
 def _batches(kind, rank, steps=4):
     gen = torch.Generator().manual_seed(100 + rank)
     shape = (4, 3, 6, 6) if kind == "cnn" else (4, 12)
-    return [(torch.randn(shape, generator=gen), torch.randint(0, 10, (4,), generator=gen))
-            for _ in range(steps)]
+    return [
+        (torch.randn(shape, generator=gen), torch.randint(0, 10, (4,), generator=gen))
+        for _ in range(steps)
+    ]
 
 
 def _train(kind, level, policy, scaler, rank):

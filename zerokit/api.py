@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import ShardingConfig, resolve_level
-from .core.state import state_of
 from .core import checks
 from .core.build import CoreOptions, build
+from .core.state import state_of
 from .core.units import plan_units
 from .mixed_precision import MixedPrecision
 from .scaler import ShardedGradScaler
@@ -203,10 +203,15 @@ def _log_wrap(state, optimizer, named, model) -> None:
         "zerokit: level %r (%s) sharded over %d rank(s)%s: %d unit(s), %d bucket(s), "
         "%.2fM trainable parameters; this rank holds %s of master shards and %s of optimizer "
         "state so far",
-        state.level, names[state.level], state.process_group.size(),
+        state.level,
+        names[state.level],
+        state.process_group.size(),
         f" x {replicas} replicas" if replicas > 1 else "",
-        len(state.groups), len(state.buckets), sum(p.numel() for _, p in named) / 1e6,
-        _mib(shard_bytes), _mib(state_bytes),
+        len(state.groups),
+        len(state.buckets),
+        sum(p.numel() for _, p in named) / 1e6,
+        _mib(shard_bytes),
+        _mib(state_bytes),
     )
 
 

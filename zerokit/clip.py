@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .core.collectives import all_reduce_
 from .core import presence
+from .core.collectives import all_reduce_
 from .core.state import state_of
 from .tensor_parallel.layers import tensor_parallel_params, tp_group_of
 

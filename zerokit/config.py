@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from torch import nn
 
 
@@ -30,7 +29,12 @@ class ShardingConfig:
 LEVEL_ALIASES = {1: "os", 2: "os_g", 3: "p_g_os", "1": "os", "2": "os_g", "3": "p_g_os"}
 LEVEL_ENV = "ZEROKIT_LEVEL"
 CONFIG_KEYS = (
-    "level", "offload", "sync_buffers", "buffer_max_size", "segment_size", "sync_comm",
+    "level",
+    "offload",
+    "sync_buffers",
+    "buffer_max_size",
+    "segment_size",
+    "sync_comm",
     "mixed_precision",
 )
 

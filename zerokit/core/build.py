@@ -62,7 +62,9 @@ def build(
     if opts.level == "os":
         reduction = AllReduce(group, replicas)
     else:
-        reduction = ReduceScatterThenAllReduce(group, replicas) if replicas else ReduceScatter(group)
+        reduction = (
+            ReduceScatterThenAllReduce(group, replicas) if replicas else ReduceScatter(group)
+        )
     device = next((p.device for plan in plans for _, p in plan.params), _CPU)
     staging = StagingPool(device)
     groups, root, units = [], None, []
@@ -79,8 +81,13 @@ def build(
             for layout in layouts
         ]
         shard_group = ShardGroup(
-            plan.name, buckets, reduction, staging, reduce_dtype=reduce_dtype,
-            keep_whole=plan.keep_whole, tp_group=opts.tp_group,
+            plan.name,
+            buckets,
+            reduction,
+            staging,
+            reduce_dtype=reduce_dtype,
+            keep_whole=plan.keep_whole,
+            tp_group=opts.tp_group,
         )
         if plan.module is model:
             root = shard_group
@@ -89,8 +96,15 @@ def build(
         groups.append(shard_group)
     checks.remember_wrapped(model.parameters())
     state = ShardState(
-        model, opts.level, group, groups, root, staging, tp_group=opts.tp_group,
-        replica_group=replicas, sync_comm=opts.sync_comm,
+        model,
+        opts.level,
+        group,
+        groups,
+        root,
+        staging,
+        tp_group=opts.tp_group,
+        replica_group=replicas,
+        sync_comm=opts.sync_comm,
         frozen=[(n, p) for n, p in model.named_parameters() if not p.requires_grad],
     )
     convert_module_(model, state)

@@ -19,8 +19,17 @@ from . import agreement
 ELEMENTWISE_OPTIMIZERS = tuple(
     getattr(torch.optim, name)
     for name in (
-        "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
-        "RMSprop", "Rprop",
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adagrad",
+        "Adadelta",
+        "Adamax",
+        "ASGD",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "Rprop",
     )
 )
 
@@ -67,9 +76,7 @@ def remember_wrapped(params) -> None:
 
 
 def check_dense_gradients(model: nn.Module) -> None:
-    sparse = [
-        name for name, m in model.named_modules() if getattr(m, "sparse", False) is True
-    ]
+    sparse = [name for name, m in model.named_modules() if getattr(m, "sparse", False) is True]
     if sparse:
         raise ValueError(
             f"modules {sparse[:3]} make sparse gradients (sparse=True), which zerokit cannot "
@@ -107,7 +114,10 @@ def check_params_intact(buckets, frozen: list[tuple[str, nn.Parameter]]) -> None
                     "after group_sharded_parallel (.to(), .half(), .double()). Cast or move it "
                     "before wrapping; for low precision use mixed_precision=MixedPrecision(...)."
                 )
-            if param.numel() and param.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+            if (
+                param.numel()
+                and param.untyped_storage().data_ptr() != data.untyped_storage().data_ptr()
+            ):
                 raise RuntimeError(
                     f"parameter {name!r} no longer lives in zerokit's flat buffer (its .data "
                     "was replaced after group_sharded_parallel); change parameters before "

@@ -73,12 +73,16 @@ class ShardGroup:
         # partial sum on each tp rank (Megatron marks them ``param.sequence_parallel = True``);
         # each one's new gradient is summed over ``tp_group`` once, as it is taken.
         self._tp_group = tp_group
-        self._tp_summed = {
-            (b, i)
-            for b, bucket in enumerate(buckets)
-            for i, p in enumerate(bucket.params)
-            if getattr(p, "sequence_parallel", False) is True
-        } if tp_group is not None and tp_group.size() > 1 else set()
+        self._tp_summed = (
+            {
+                (b, i)
+                for b, bucket in enumerate(buckets)
+                for i, p in enumerate(bucket.params)
+                if getattr(p, "sequence_parallel", False) is True
+            }
+            if tp_group is not None and tp_group.size() > 1
+            else set()
+        )
 
     @property
     def params(self) -> list[nn.Parameter]:

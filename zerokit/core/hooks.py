@@ -126,7 +126,9 @@ def _unit_pre_forward(ref, k: int, module, args, kwargs):
         return None
     passed = iter(_PostBackward.apply(ref, k, *needs))
     swap = {id(t): next(passed) for t in needs}
-    return tree_map(lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs))
+    return tree_map(
+        lambda t: swap.get(id(t), t) if isinstance(t, torch.Tensor) else t, (args, kwargs)
+    )
 
 
 def _unit_post_forward(ref, k: int, module, args, output):
@@ -148,9 +150,7 @@ def _unit_pre_backward(ref, k: int, grad: torch.Tensor) -> None:
 
 
 def _grad_outputs(output) -> list[torch.Tensor]:
-    return [
-        t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-    ]
+    return [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 class _GatherForIO:

@@ -10,13 +10,14 @@ original elementwise algorithm on that slice, so the result equals the unsharded
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import functools
+import hashlib
 
 import torch
 
 from . import presence
 from .state import ShardState
+
 
 class ShardedOptimizer:
     """Mixed in front of the user's optimizer class."""
@@ -97,11 +98,17 @@ class OptimizerShardState:
     def layout_tag(self) -> dict:
         """What a per-rank optimizer state dict fits: rank, world, level, and its pieces."""
         state = self.shard_state
-        pieces = [(b.layout.slots[p.slot].name, p.start, p.end) for b in state.buckets for p in b.pieces]
+        pieces = [
+            (b.layout.slots[p.slot].name, p.start, p.end) for b in state.buckets for p in b.pieces
+        ]
         digest = hashlib.sha256(repr(pieces).encode()).hexdigest()[:16]
         group = state.process_group
-        return {"rank": group.rank(), "world_size": group.size(), "level": state.level,
-                "pieces": digest}
+        return {
+            "rank": group.rank(),
+            "world_size": group.size(),
+            "level": state.level,
+            "pieces": digest,
+        }
 
 
 def shard_optimizer_(optimizer: torch.optim.Optimizer, shard_state: ShardState):

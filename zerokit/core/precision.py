@@ -44,9 +44,7 @@ def register_precision_hooks(
         )
     for module, dtype in full_precision:
         handles.append(
-            module.register_forward_pre_hook(
-                functools.partial(_cast_args, dtype), with_kwargs=True
-            )
+            module.register_forward_pre_hook(functools.partial(_cast_args, dtype), with_kwargs=True)
         )
         handles.append(
             module.register_forward_hook(functools.partial(_cast_output, policy.param_dtype))

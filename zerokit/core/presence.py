@@ -70,7 +70,9 @@ def _timed_out(group: ProcessGroup, timeout: float):
     if elsewhere:
         detail = "; ".join(text for _, text in elsewhere)
     else:
-        detail = "every rank reached it, but the collective did not complete (a rank-dependent branch?)"
+        detail = (
+            "every rank reached it, but the collective did not complete (a rank-dependent branch?)"
+        )
     message = (
         f"{call} (zerokit call #{count} on this group): waited {timeout:g} s for the other "
         f"ranks; {detail}. Every rank must make the same calls in the same order. A rank busy "

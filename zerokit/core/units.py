@@ -79,14 +79,19 @@ def plan_units(
         chosen += [
             (name, m, False)
             for name, m in model.named_modules()
-            if name and isinstance(m, full_precision) and id(m) not in taken
+            if name
+            and isinstance(m, full_precision)
+            and id(m) not in taken
             and any(p.requires_grad for p in m.parameters())
         ]
     plans = _assign_params(model, trainable, chosen)
     if not full_precision:
         return plans
     return [
-        replace(plan, full_precision=plan.module is not model and isinstance(plan.module, full_precision))
+        replace(
+            plan,
+            full_precision=plan.module is not model and isinstance(plan.module, full_precision),
+        )
         for plan in plans
     ]
 
