@@ -297,19 +297,20 @@ def test_compare_help_shows_every_default(capsys):
         assert "default" in entry, entry
 
 
-SCRIPTS = [
-    "benchmarks/step_time.py",
-    "benchmarks/checkpoint.py",
-    "benchmarks/collectives.py",
-    "examples/train_gpt.py",
-    "examples/gpt_tensor_parallel.py",
-]
+# every script a user runs; a *_worker.py is started by its script, not by a user
+SCRIPTS = sorted(
+    str(path.relative_to(ROOT))
+    for folder in ("benchmarks", "examples")
+    for path in (ROOT / folder).glob("*.py")
+    if not path.name.endswith("_worker.py")
+)
 # prints each script's --help after a line "== <script>"; one interpreter for all of them
 HELP_DRIVER = """
-import contextlib, runpy, sys
+import contextlib, os, runpy, sys
 for script in sys.argv[1:]:
     print("== " + script, flush=True)
     sys.argv = [script, "--help"]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python script` has it
     with contextlib.suppress(SystemExit):
         runpy.run_path(script, run_name="__main__")
 """
