@@ -5,7 +5,7 @@
 ('os', 'os_g', 'p_g_os')
 """
 
-from . import checkpoint
+from . import checkpoint, pipeline
 from .api import LEVELS, group_sharded_parallel, num_params
 from .clip import clip_grad_norm_
 from .config import ShardingConfig, load_config
@@ -30,6 +30,7 @@ __all__ = [
     "init_hybrid_parallel",
     "load_config",
     "num_params",
+    "pipeline",
     "save_group_sharded_model",
 ]
 __version__ = "0.1.0"

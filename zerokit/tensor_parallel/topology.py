@@ -1,11 +1,13 @@
-"""The dp x sharding x tp layout: which ranks split a layer (tensor parallel), which ranks
-shard the ZeRO state between them (sharding), and which ranks hold the same state and split
-the batch (data parallel replicas), plus the rule that splits a dimension.
+"""The pp x dp x sharding x tp layout: which ranks hold which pipeline stage (pipeline
+parallel), which ranks split a layer (tensor parallel), which ranks shard the ZeRO state between
+them (sharding), and which ranks hold the same state and split the batch (data parallel
+replicas), plus the rule that splits a dimension.
 
-Paddle's hybrid order, dp outermost and tp innermost:
-``rank = (dp_rank * sharding_degree + sharding_rank) * tp_degree + tp_rank``, so a tp group is
-a run of neighbouring ranks and a sharding group the next run out (on one node, where the
-frequent collectives belong), and replicas are the farthest apart (across nodes).
+Paddle's hybrid order, pp outermost and tp innermost:
+``rank = pp_rank * (dp * sharding * tp) + (dp_rank * sharding_degree + sharding_rank) *
+tp_degree + tp_rank``, so a tp group is a run of neighbouring ranks and a sharding group the
+next run out (on one node, where the frequent collectives belong), replicas are farther apart,
+and the stages of a pipeline farthest (only point-to-point traffic crosses them).
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class HybridLayout:
     sharding_group: ProcessGroup | None = None
     """The ranks ZeRO shards across (``group=``); the same as ``dp_group`` when
     ``sharding_degree == 1``."""
+    pp_degree: int = 1
+    pp_rank: int = 0
+    """This rank's pipeline stage."""
+    pp_group: ProcessGroup | None = None
+    """The stages of this rank's pipeline, in stage order (None when ``pp_degree == 1``)."""
 
     @property
     def zero_group(self) -> ProcessGroup:
@@ -51,8 +58,10 @@ class HybridLayout:
 _current: HybridLayout | None = None  # what tensor-parallel layers use when given no layout
 
 
-def init_hybrid_parallel(dp_degree: int, tp_degree: int, sharding_degree: int = 1) -> HybridLayout:
-    """Build the dp, sharding and tp process groups (collective: every rank calls it, after
+def init_hybrid_parallel(
+    dp_degree: int, tp_degree: int, sharding_degree: int = 1, pp_degree: int = 1
+) -> HybridLayout:
+    """Build the pp, dp, sharding and tp process groups (collective: every rank calls it, after
     ``torch.distributed.init_process_group``) and make the layout the tensor-parallel layers'
     default. Returns it.
 
@@ -61,6 +70,11 @@ def init_hybrid_parallel(dp_degree: int, tp_degree: int, sharding_degree: int = 
     layout.sharding_group, dp_group=layout.dp_group)``: state sharded inside each sharding group
     (one node) and replicated across the ``dp_degree`` replicas. At 4 ranks, dp 2 x sharding 2:
     sharding groups {0,1},{2,3}; dp groups {0,2},{1,3}.
+
+    ``pp_degree > 1``: pipeline parallelism, outermost: every dp, sharding and tp group lies
+    inside one stage, and ``layout.pp_group`` holds the stages of one pipeline. At 4 ranks,
+    pp 2 x dp 2: stage 0 is ranks {0,1}, stage 1 {2,3}; dp groups {0,1},{2,3}; pp groups
+    {0,2},{1,3}.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -68,34 +82,54 @@ def init_hybrid_parallel(dp_degree: int, tp_degree: int, sharding_degree: int = 
             "torch.distributed.init_process_group (or launch with torchrun) first"
         )
     world = dist.get_world_size()
-    degrees = {"dp_degree": dp_degree, "tp_degree": tp_degree, "sharding_degree": sharding_degree}
+    degrees = {
+        "dp_degree": dp_degree,
+        "tp_degree": tp_degree,
+        "sharding_degree": sharding_degree,
+        "pp_degree": pp_degree,
+    }
     bad = {k: v for k, v in degrees.items() if not isinstance(v, int) or v < 1}
     if bad:
         raise ValueError(f"degrees must be integers >= 1, got {bad}")
     if world % tp_degree:
         raise ValueError(f"tp_degree {tp_degree} does not divide the world size {world}")
-    if dp_degree * sharding_degree * tp_degree != world:
+    if world % (tp_degree * pp_degree):
         raise ValueError(
-            f"dp_degree * sharding_degree * tp_degree = {dp_degree} * {sharding_degree} * "
-            f"{tp_degree} = {dp_degree * sharding_degree * tp_degree}, but the world size is "
-            f"{world}; use dp_degree={world // (tp_degree * sharding_degree)}"
+            f"tp_degree * pp_degree = {tp_degree * pp_degree} does not divide the world size "
+            f"{world}"
         )
-    rank = dist.get_rank()
-    outer, tp_rank = divmod(rank, tp_degree)
+    if pp_degree * dp_degree * sharding_degree * tp_degree != world:
+        raise ValueError(
+            f"pp_degree * dp_degree * sharding_degree * tp_degree = {pp_degree} * {dp_degree} * "
+            f"{sharding_degree} * {tp_degree} = "
+            f"{pp_degree * dp_degree * sharding_degree * tp_degree}, but the world size is "
+            f"{world}; use dp_degree={world // (tp_degree * sharding_degree * pp_degree)}"
+        )
+    stage_size = dp_degree * sharding_degree * tp_degree
+    pp_rank, in_stage = divmod(dist.get_rank(), stage_size)
+    outer, tp_rank = divmod(in_stage, tp_degree)
     dp_rank, sharding_rank = divmod(outer, sharding_degree)
 
-    def rank_of(d: int, s: int, t: int) -> int:
-        return (d * sharding_degree + s) * tp_degree + t
+    def rank_of(d: int, s: int, t: int, p: int = pp_rank) -> int:
+        return p * stage_size + (d * sharding_degree + s) * tp_degree + t
 
     D, S, T = range(dp_degree), range(sharding_degree), range(tp_degree)
-    # new_group is collective over the whole world: every rank creates every group, in order.
-    tp_groups = {(d, s): dist.new_group([rank_of(d, s, t) for t in T]) for d in D for s in S}
-    sharding_groups = (
-        {(d, t): dist.new_group([rank_of(d, s, t) for s in S]) for d in D for t in T}
-        if sharding_degree > 1
+    # new_group is collective over the whole world: every rank creates every group of every
+    # stage, in the same order, and keeps those of its own stage.
+    for p in range(pp_degree):
+        groups = _stage_groups(rank_of, p, D, S, T, sharding_degree > 1)
+        if p == pp_rank:
+            tp_groups, sharding_groups, dp_groups = groups
+    pp_groups = (
+        {
+            (d, s, t): dist.new_group([rank_of(d, s, t, p) for p in range(pp_degree)])
+            for d in D
+            for s in S
+            for t in T
+        }
+        if pp_degree > 1
         else None
     )
-    dp_groups = {(s, t): dist.new_group([rank_of(d, s, t) for d in D]) for s in S for t in T}
     global _current
     _current = HybridLayout(
         dp_degree,
@@ -107,8 +141,23 @@ def init_hybrid_parallel(dp_degree: int, tp_degree: int, sharding_degree: int = 
         sharding_degree,
         sharding_rank,
         sharding_groups[dp_rank, tp_rank] if sharding_groups else None,
+        pp_degree,
+        pp_rank,
+        pp_groups[dp_rank, sharding_rank, tp_rank] if pp_groups else None,
     )
     return _current
+
+
+def _stage_groups(rank_of, p: int, D: range, S: range, T: range, sharded: bool):
+    """Stage ``p``'s tp, sharding and dp groups (collective: every rank builds every stage's)."""
+    tp = {(d, s): dist.new_group([rank_of(d, s, t, p) for t in T]) for d in D for s in S}
+    sharding = (
+        {(d, t): dist.new_group([rank_of(d, s, t, p) for s in S]) for d in D for t in T}
+        if sharded
+        else None
+    )
+    dp = {(s, t): dist.new_group([rank_of(d, s, t, p) for d in D]) for s in S for t in T}
+    return tp, sharding, dp
 
 
 def current_layout() -> HybridLayout:

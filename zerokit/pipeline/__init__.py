@@ -1,0 +1,26 @@
+"""Pipeline parallelism: layers split by depth across ranks, activations and their gradients
+passed between neighbouring stages, micro-batches scheduled naive, F-then-B or 1F1B.
+
+describe (what to build) -> partition (pure: which stage holds what) -> p2p (transfers) ->
+schedules (pure action lists, executor) -> module (``PipelineModule``).
+"""
+
+from .describe import LayerDesc, SharedLayerDesc
+from .module import PipelineModule, PipelineStage
+from .partition import count_params, partition_balanced, partition_uniform
+from .schedules import Action, f_then_b, naive, one_f_one_b, schedule
+
+__all__ = [
+    "Action",
+    "LayerDesc",
+    "PipelineModule",
+    "PipelineStage",
+    "SharedLayerDesc",
+    "count_params",
+    "f_then_b",
+    "naive",
+    "one_f_one_b",
+    "partition_balanced",
+    "partition_uniform",
+    "schedule",
+]

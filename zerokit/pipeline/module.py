@@ -1,0 +1,322 @@
+"""``PipelineModule``: a model given as a list of layer descriptions, split by depth across the
+stages of a pipeline; this rank builds and runs only its own stage.
+
+>>> import torch
+>>> from torch import nn
+>>> pipe = PipelineModule([LayerDesc(nn.Linear, 4, 8), nn.Tanh(), LayerDesc(nn.Linear, 8, 1)],
+...                       loss_fn=nn.functional.mse_loss)  # one stage: no process group needed
+>>> opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+>>> x, y = torch.randn(6, 4), torch.randn(6, 1)
+>>> loss = pipe.train_batch((x, y), opt, schedule="1f1b", micro_batches=3)
+>>> loss.shape
+torch.Size([])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..core.state import state_of
+from ..tensor_parallel import topology
+from .describe import LayerDesc, SharedLayerDesc
+from .p2p import Mailbox
+from .partition import partition as split_layers
+from .schedules import execute, peak_in_flight
+from .schedules import schedule as make_schedule
+
+
+class PipelineStage(nn.Module):
+    """One stage's layers, run in order. Layers are named by their index in the whole model
+    (``layers.<i>``), shared ones by key (``shared.<key>``), so names do not depend on the
+    split. This is the module to wrap with ``group_sharded_parallel``."""
+
+    def __init__(self, items: Sequence[object], first_index: int):
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        self.shared = nn.ModuleDict()
+        self._runs: list[tuple[str, str, Callable | None]] = []  # (where, name, forward_func)
+        for offset, item in enumerate(items):
+            name = str(first_index + offset)
+            if isinstance(item, SharedLayerDesc):
+                if item.key not in self.shared:
+                    self.shared[item.key] = item.build()
+                self._runs.append(("shared", item.key, item.forward_func))
+            elif isinstance(item, LayerDesc):
+                self.layers[name] = item.build()
+                self._runs.append(("layers", name, None))
+            elif isinstance(item, nn.Module):
+                self.layers[name] = item
+                self._runs.append(("layers", name, None))
+            elif callable(item):
+                self._runs.append(("function", name, item))
+            else:
+                raise TypeError(
+                    f"layer {name}: expected a LayerDesc, module or function, got {item!r}"
+                )
+
+    def forward(self, x):
+        for where, name, func in self._runs:
+            if where == "function":
+                x = func(x)
+            else:
+                layer = getattr(self, where)[name]
+                x = func(layer, x) if func is not None else layer(x)
+        return x
+
+
+class PipelineModule(nn.Module):
+    """``layers`` (``LayerDesc``, ``SharedLayerDesc``, plain functions or modules) split into
+    ``num_stages`` contiguous stages, by ``partition``: ``"parameters"`` (balanced parameter
+    counts, counted on the meta device), ``"uniform"`` (layer counts) or boundaries
+    ``[0, b1, ..., len(layers)]``. The stages are ``layout.pp_group`` (default: the layout of
+    ``init_hybrid_parallel``, else the whole world, one stage per rank).
+
+    ``loss_fn(output, labels)`` runs on the last stage and must be a mean over the micro-batch.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[object],
+        loss_fn: Callable,
+        num_stages: int | None = None,
+        layout: topology.HybridLayout | None = None,
+        partition: str | Sequence[int] = "parameters",
+    ):
+        super().__init__()
+        layers = list(layers)
+        self.loss_fn = loss_fn
+        self.layout = layout if layout is not None else topology._current
+        self.group, self.stage_id, self.num_stages = self._place(num_stages)
+        self.bounds = split_layers(layers, self.num_stages, partition)
+        start, end = self.bounds[self.stage_id], self.bounds[self.stage_id + 1]
+        self.stage = PipelineStage(layers[start:end], start)
+        self.mailbox = Mailbox(self.group, self.stage_id, self.num_stages)
+        self.shared_groups = self._tie(layers)
+        self._tied = {  # key -> this stage's copy of the tied weight
+            k: getattr(self.stage.shared[k], self._shared_attr(layers, k))
+            for k in self.shared_groups
+        }
+
+    # -- building ------------------------------------------------------------------------------
+    def _place(self, num_stages: int | None):
+        layout = self.layout
+        if layout is not None and layout.pp_degree > 1:
+            if num_stages not in (None, layout.pp_degree):
+                raise ValueError(
+                    f"num_stages={num_stages} but the layout has pp_degree={layout.pp_degree}"
+                )
+            return layout.pp_group, layout.pp_rank, layout.pp_degree
+        if num_stages in (None, 1):
+            return None, 0, 1
+        if not dist.is_initialized() or dist.get_world_size() != num_stages:
+            raise ValueError(
+                f"num_stages={num_stages} needs a process group of {num_stages} ranks, or a layout "
+                f"from zerokit.init_hybrid_parallel(..., pp_degree={num_stages})"
+            )
+        return dist.group.WORLD, dist.get_rank(), num_stages
+
+    def _stage_of(self, index: int) -> int:
+        return next(s for s in range(self.num_stages) if index < self.bounds[s + 1])
+
+    def _tie(self, layers: list[object]) -> dict[str, tuple[dist.ProcessGroup, bool]]:
+        """For each shared key on several stages, the group of this pipeline position's ranks
+        on those stages (every rank creates every such group, in order), and whether this rank
+        holds the first copy. Starts the copies equal: broadcast from the first stage."""
+        stages: dict[str, list[int]] = {}
+        for i, item in enumerate(layers):
+            if isinstance(item, SharedLayerDesc):
+                s = self._stage_of(i)
+                if s not in stages.setdefault(item.key, []):
+                    stages[item.key].append(s)
+        tied = {k: v for k, v in sorted(stages.items()) if len(v) > 1}
+        if not tied:
+            return {}
+        stage_size = dist.get_world_size() // self.num_stages
+        position = dist.get_rank() % stage_size
+        mine = {}
+        for key, where in tied.items():
+            for c in range(stage_size):
+                ranks = [s * stage_size + c for s in where]
+                group = dist.new_group(ranks)
+                if c == position and self.stage_id in where:
+                    mine[key] = (group, self.stage_id == where[0])
+                    weight = getattr(self.stage.shared[key], self._shared_attr(layers, key))
+                    with torch.no_grad():
+                        dist.broadcast(weight.data, ranks[0], group=group)
+        return mine
+
+    @staticmethod
+    def _shared_attr(layers: list[object], key: str) -> str:
+        return next(
+            d.shared_weight_attr for d in layers if isinstance(d, SharedLayerDesc) and d.key == key
+        )
+
+    # -- running -------------------------------------------------------------------------------
+    @property
+    def is_first(self) -> bool:
+        return self.stage_id == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def forward(self, x):
+        raise RuntimeError(
+            "a PipelineModule runs through train_batch() or eval_batch(); "
+            "self.stage(x) runs this rank's stage alone"
+        )
+
+    def train_batch(
+        self,
+        batch: tuple[torch.Tensor, torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        schedule: str = "1f1b",
+        micro_batches: int = 1,
+        clip_norm: float | None = None,
+    ) -> torch.Tensor:
+        """One whole step on this rank's ``(inputs, labels)``: forward and backward of every
+        micro-batch in the schedule's order, tied gradients summed across stages, optional
+        clipping to a global norm ``clip_norm``, ``optimizer.step()``, ``optimizer.zero_grad()``.
+        Returns the mean loss over the global batch (every data-parallel rank's), on every rank.
+        Collective over every rank of the layout."""
+        state = state_of(self.stage)
+        if state is None and self._data_size() > 1:
+            raise RuntimeError(
+                "the layout has data-parallel ranks: wrap the stage first, "
+                "zerokit.group_sharded_parallel(pipe.stage, opt, level, group=layout.dp_group)"
+            )
+        inputs, labels = batch
+        actions = make_schedule(schedule, self.num_stages, self.stage_id, micro_batches)
+        first_stage = make_schedule(schedule, self.num_stages, 0, micro_batches)  # holds most
+        if state is not None and state.level == "p_g_os" and peak_in_flight(first_stage) > 1:
+            # Note: stage 3 reshards every unit at the end of each backward under no_sync(),
+            # while another micro-batch's graph still needs its gathered parameters. Every
+            # stage refuses (decided from stage 0's schedule), so none waits on a refused one.
+            raise NotImplementedError(
+                "level 'p_g_os' runs one micro-batch in flight per stage for now: use "
+                "micro_batches=1 (or the 'naive' schedule), or level 'os' / 'os_g'"
+            )
+        xs, ys = inputs.tensor_split(micro_batches), labels.tensor_split(micro_batches)
+        weights = [len(y) / len(labels) for y in ys]  # mean over the batch from micro-batch means
+        held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        losses: list[torch.Tensor] = []
+
+        def forward(i: int) -> None:
+            x = xs[i] if self.is_first else self._receive_activation()
+            out = self.stage(x)
+            if self.is_last:
+                out = self.loss_fn(out, ys[i]) * weights[i]
+                losses.append(out.detach())
+            else:
+                self.mailbox.send(out, self.stage_id + 1)
+            held[i] = (x, out)
+
+        def backward(i: int, last: bool) -> None:
+            x, out = held.pop(i)
+            quiet = state is not None and not last
+            with self.stage.no_sync() if quiet else contextlib.nullcontext():
+                grad = None if self.is_last else self.mailbox.recv(self.stage_id + 1)
+                torch.autograd.backward(out, grad)
+            if not self.is_first:
+                grad_in = x.grad if x.grad is not None else torch.zeros_like(x)
+                self.mailbox.send(grad_in, self.stage_id - 1)
+
+        execute(actions, forward, backward)
+        self.mailbox.finish()
+        self._sum_tied_grads(state)
+        if clip_norm is not None:
+            self._clip(clip_norm, state)
+        optimizer.step()
+        optimizer.zero_grad()
+        return self._global_loss(losses)
+
+    @torch.no_grad()
+    def eval_batch(
+        self, batch: tuple[torch.Tensor, torch.Tensor], micro_batches: int = 1
+    ) -> torch.Tensor:
+        """The mean loss over the global batch, on every rank; no gradients, no step."""
+        inputs, labels = batch
+        xs, ys = inputs.tensor_split(micro_batches), labels.tensor_split(micro_batches)
+        losses = []
+        for x, y in zip(xs, ys):
+            out = self.stage(x if self.is_first else self.mailbox.recv(self.stage_id - 1))
+            if self.is_last:
+                losses.append(self.loss_fn(out, y) * (len(y) / len(labels)))
+            else:
+                self.mailbox.send(out, self.stage_id + 1)
+        self.mailbox.finish()
+        return self._global_loss(losses)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _receive_activation(self) -> torch.Tensor:
+        x = self.mailbox.recv(self.stage_id - 1)
+        return x.requires_grad_() if x.is_floating_point() else x
+
+    def _data_groups(self) -> list[dist.ProcessGroup]:
+        """The ranks that split the batch inside this stage (ZeRO's group and its replicas)."""
+        if self.layout is None:
+            return []
+        groups = (self.layout.zero_group, self.layout.replica_group)
+        return [g for g in groups if g is not None and g.size() > 1]
+
+    def _data_size(self) -> int:
+        return math.prod(g.size() for g in self._data_groups())
+
+    def _global_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        total = torch.stack(losses).sum() if losses else torch.zeros(())
+        total = total.detach().float()
+        if self.num_stages > 1:
+            dist.broadcast(
+                total, dist.get_global_rank(self.group, self.num_stages - 1), group=self.group
+            )
+        for group in self._data_groups():
+            dist.all_reduce(total, group=group)
+        return total / self._data_size()
+
+    def _sum_tied_grads(self, state) -> None:
+        """Note: the copies of a tied weight are separate parameters on separate stages, each
+        given the gradient of its own uses; one process's gradient is their sum."""
+        if not self.shared_groups:
+            return
+        if state is not None:
+            raise NotImplementedError(
+                "tied weights across stages (SharedLayerDesc) under group_sharded_parallel: "
+                "ZeRO reduces gradients during the last backward, before they could be summed "
+                "across stages; run tied pipelines without ZeRO for now"
+            )
+        for key, (group, _) in self.shared_groups.items():
+            weight = self._tied[key]
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            dist.all_reduce(weight.grad, group=group)
+
+    def _clip(self, max_norm: float, state) -> None:
+        """Clip to the norm of the whole model's gradient: each stage's squared norm (across its
+        shards, via ``zerokit.clip_grad_norm_``) summed over the pipeline; a tied weight is
+        counted on its first stage only."""
+        if state is not None:
+            from ..clip import clip_grad_norm_
+
+            square = clip_grad_norm_(self.stage, float("inf")).double() ** 2  # scales by 1
+            to_scale = state.grads_to_scale()
+        else:
+            skip = {id(self._tied[k]) for k, (_, first) in self.shared_groups.items() if not first}
+            grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+            counted = [
+                p.grad for p in self.stage.parameters() if p.grad is not None and id(p) not in skip
+            ]
+            square = sum(
+                (g.double().pow(2).sum() for g in counted), torch.zeros((), dtype=torch.float64)
+            )
+            to_scale = grads
+        if self.num_stages > 1:
+            dist.all_reduce(square, group=self.group)
+        coef = (max_norm / (square.sqrt() + 1e-6)).clamp(max=1.0)
+        for g in to_scale:
+            g.mul_(coef.to(g.dtype))
