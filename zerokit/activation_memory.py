@@ -81,8 +81,8 @@ def estimate_activations(
     bytes_per_value: int = 2,
 ) -> ActivationEstimate:
     """The paper's activation memory per rank (see the module docstring for the terms)."""
-    sizes = dict(seq_len=seq_len, micro_batch=micro_batch, hidden=hidden, heads=heads,
-                 layers=layers, tp=tp, bytes_per_value=bytes_per_value)  # fmt: skip
+    sizes = {"seq_len": seq_len, "micro_batch": micro_batch, "hidden": hidden, "heads": heads,
+             "layers": layers, "tp": tp, "bytes_per_value": bytes_per_value}  # fmt: skip
     for name, value in sizes.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .. import tensor_parallel as tp
 
@@ -30,6 +32,54 @@ class GPTConfig:
     """Split attention heads, the MLP and the vocabulary across the tp group of
     ``zerokit.init_hybrid_parallel``'s layout (Megatron style). The model then returns this
     rank's vocabulary slice of the logits: use ``tensor_parallel.ParallelCrossEntropy``."""
+    sequence_parallel: bool = False
+    """With ``tensor_parallel``: the blocks run sequence-first, each tp rank holding its
+    ``[T/tp, B, C]`` block of positions outside the column -> row pairs (LayerNorms, residuals,
+    dropouts); the sequence length must be divisible by the tp degree. The LayerNorm parameters
+    are marked ``sequence_parallel`` (see ``tensor_parallel.allreduce_sequence_parallel_grads``)."""
+    recompute: str | None = None
+    """``"selective"``: the attention core (scores, softmax, its dropout, the weighted values)
+    is recomputed in backward instead of stored; ``"full"``: each block is (only its input
+    is stored). Both by ``torch.utils.checkpoint`` (non-reentrant)."""
+    explicit_attention: bool = False
+    """The paper's layer (Korthikanti et al.): attention written out (the softmax stored, then
+    dropout), so measured activations can be compared with ``memory.estimate_activations``."""
+    dropout: float = 0.0
+    """The paper's three dropouts (attention probabilities, after the projection, after the
+    MLP); only with ``explicit_attention``. Under tp, split activations draw from the tracker's
+    ``LOCAL_SEED`` and replicated ones from ``GLOBAL_SEED`` (``model_parallel_random_seed``)."""
+
+    def __post_init__(self):
+        if self.sequence_parallel and not self.tensor_parallel:
+            raise ValueError("sequence_parallel=True needs tensor_parallel=True")
+        if self.recompute not in (None, "selective", "full"):
+            raise ValueError(
+                f"recompute must be None, 'selective' or 'full', not {self.recompute!r}"
+            )
+        if self.dropout and not self.explicit_attention:
+            raise ValueError(
+                "dropout > 0 needs explicit_attention=True (the default block has none)"
+            )
+
+
+@contextlib.contextmanager
+def _tracker_rewound(states: dict):
+    """Run a recomputation with the RNG tracker's streams as they were in forward, then put
+    back their current states (torch's checkpoint rewinds only the default generator)."""
+    tracker = tp.get_rng_state_tracker()
+    current, tracker._states = tracker._states, dict(states)
+    try:
+        yield
+    finally:
+        tracker._states = current
+
+
+def _recompute_contexts():
+    return contextlib.nullcontext(), _tracker_rewound(dict(tp.get_rng_state_tracker()._states))
+
+
+def _checkpointed(fn, *args):
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=_recompute_contexts)
 
 
 class Block(nn.Module):
@@ -40,16 +90,21 @@ class Block(nn.Module):
         super().__init__()
         C = cfg.n_embd
         self.head_dim = C // cfg.n_head
+        self.cfg = cfg
         self.ln_1 = nn.LayerNorm(C)
         self.ln_2 = nn.LayerNorm(C)
         if cfg.tensor_parallel:  # each tp rank: its heads, its quarter of the MLP
             tp_degree = tp.current_layout().tp_degree
             if cfg.n_head % tp_degree:
                 raise ValueError(f"n_head {cfg.n_head} must be divisible by tp degree {tp_degree}")
-            self.qkv = tp.ColumnParallelLinear(C, 3 * C, False, gather_output=False, stride=3)
-            self.proj = tp.RowParallelLinear(C, C, False, input_is_parallel=True)
-            self.fc = tp.ColumnParallelLinear(C, 4 * C, False, gather_output=False)
-            self.fc_out = tp.RowParallelLinear(4 * C, C, False, input_is_parallel=True)
+            sp = {"sequence_parallel": cfg.sequence_parallel}
+            self.qkv = tp.ColumnParallelLinear(C, 3 * C, False, gather_output=False, stride=3, **sp)
+            self.proj = tp.RowParallelLinear(C, C, False, input_is_parallel=True, **sp)
+            self.fc = tp.ColumnParallelLinear(C, 4 * C, False, gather_output=False, **sp)
+            self.fc_out = tp.RowParallelLinear(4 * C, C, False, input_is_parallel=True, **sp)
+            for p in (*self.ln_1.parameters(), *self.ln_2.parameters()):
+                if cfg.sequence_parallel:  # used on this rank's positions only
+                    p.sequence_parallel = True
         else:
             self.qkv = nn.Linear(C, 3 * C, bias=False)
             self.proj = nn.Linear(C, C, bias=False)
@@ -57,6 +112,22 @@ class Block(nn.Module):
             self.fc_out = nn.Linear(4 * C, C, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.cfg.sequence_parallel or self.cfg.explicit_attention or self.cfg.recompute):
+            return self._default_forward(x)
+        # x: [B, T, C], or [T/tp, B, C] with sequence_parallel (this rank's positions)
+        q, k, v = self.qkv(self.ln_1(x)).chunk(3, dim=-1)  # each [.., .., C/tp], T whole
+        q, k, v = (self._heads(t) for t in (q, k, v))  # each [B, nh/tp, T, hs]
+        core = self._explicit_core if self.cfg.explicit_attention else self._sdpa_core
+        if self.cfg.recompute == "selective":
+            y = _checkpointed(core, q, k, v)
+        else:
+            y = core(q, k, v)
+        y = y.permute(2, 0, 1, 3) if self.cfg.sequence_parallel else y.transpose(1, 2)
+        x = x + self._dropout(self.proj(y.reshape(*y.shape[:2], -1)), self._split_residual)
+        h = self.fc_out(F.gelu(self.fc(self.ln_2(x))))
+        return x + self._dropout(h, self._split_residual)
+
+    def _default_forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv(self.ln_1(x)).chunk(3, dim=2)  # each [B, T, C] (C/tp split)
         heads = q.shape[-1] // self.head_dim
@@ -65,13 +136,47 @@ class Block(nn.Module):
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, -1))
         return x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
 
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, T, nh*hs] (or [T, B, nh*hs] sequence-first) -> [B, nh, T, hs], a view."""
+        a, b, _ = t.shape
+        t = t.view(a, b, -1, self.head_dim)
+        return t.permute(1, 2, 0, 3) if self.cfg.sequence_parallel else t.transpose(1, 2)
+
+    @property
+    def _split_residual(self) -> bool:
+        return self.cfg.sequence_parallel  # else the residual stream is replicated across tp
+
+    def _sdpa_core(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, T, hs]
+
+    def _explicit_core(self, q, k, v):
+        B, nh, T, hs = q.shape
+        q = (q * hs**-0.5).reshape(B * nh, T, hs)  # copies: bmm keeps q, k, v
+        k, v = k.reshape(B * nh, T, hs), v.reshape(B * nh, T, hs)
+        causal = torch.full((T, T), float("-inf"), device=q.device, dtype=q.dtype).triu(1)
+        att = torch.softmax(torch.bmm(q, k.transpose(1, 2)) + causal, dim=-1)  # [B*nh, T, T]
+        att = self._dropout(att, split=True)  # the heads are split across tp
+        return torch.bmm(att, v).view(B, nh, T, hs)
+
+    def _dropout(self, x: torch.Tensor, split: bool) -> torch.Tensor:
+        if not self.training or not self.cfg.dropout:
+            return x
+        # native_dropout keeps a 1-byte mask for backward, as the paper counts (F.dropout on
+        # CPU keeps a mask of x's dtype)
+        if not self.cfg.tensor_parallel:
+            return torch.native_dropout(x, self.cfg.dropout, True)[0]
+        with tp.get_rng_state_tracker().rng_state(tp.LOCAL_SEED if split else tp.GLOBAL_SEED):
+            return torch.native_dropout(x, self.cfg.dropout, True)[0]
+
 
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig = GPTConfig()):
         super().__init__()
         self.cfg = cfg
         # A tp model holds its slices of the plain model drawn from the same random state.
-        plain = GPT(replace(cfg, tensor_parallel=False)) if cfg.tensor_parallel else None
+        plain = None
+        if cfg.tensor_parallel:
+            plain = GPT(replace(cfg, tensor_parallel=False, sequence_parallel=False))
         if cfg.tensor_parallel:
             self.wte = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd)
         else:
@@ -81,8 +186,12 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         if cfg.tensor_parallel:  # vocabulary split like the embedding's
             self.lm_head = tp.ColumnParallelLinear(
-                cfg.n_embd, cfg.vocab_size, False, gather_output=False
-            )
+                cfg.n_embd, cfg.vocab_size, False, gather_output=False,
+                sequence_parallel=cfg.sequence_parallel,
+            )  # fmt: skip
+            if cfg.sequence_parallel:
+                for p in self.ln_f.parameters():
+                    p.sequence_parallel = True
         else:
             self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
@@ -100,11 +209,24 @@ class GPT(nn.Module):
                 nn.init.normal_(p, std=std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        T = idx.shape[1]  # idx: [B, T] token ids
+        return self.head(self.run_blocks(self.embed(idx)))
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> [B, T, C]; with sequence_parallel this rank's [T/tp, B, C]."""
+        T = idx.shape[1]
         x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # [B, T, C]
+        if self.cfg.sequence_parallel:
+            x = tp.scatter_to_sequence_parallel_region(x.transpose(0, 1), self.lm_head.tp_group)
+        return x
+
+    def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))  # [B, T, vocab] (vocab/tp with tensor_parallel)
+            x = _checkpointed(block, x) if self.cfg.recompute == "full" else block(x)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.ln_f(x))  # [B, T, vocab] (vocab/tp with tensor_parallel)
+        return logits.transpose(0, 1) if self.cfg.sequence_parallel else logits  # from [T, B, ..]
 
 
 def synthetic_batch(

@@ -11,11 +11,15 @@ from .layers import (
     RowParallelLinear,
     TensorParallelLayer,
     VocabParallelEmbedding,
+    allreduce_sequence_parallel_grads,
 )
 from .mappings import (
     copy_to_tp_region,
+    gather_from_sequence_parallel_region,
     gather_from_tp_region,
     reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
 from .random import (
@@ -39,8 +43,10 @@ __all__ = [
     "TPSplit",
     "TensorParallelLayer",
     "VocabParallelEmbedding",
+    "allreduce_sequence_parallel_grads",
     "copy_to_tp_region",
     "current_layout",
+    "gather_from_sequence_parallel_region",
     "gather_from_tp_region",
     "gather_full_state_dict",
     "get_rng_state_tracker",
@@ -48,5 +54,7 @@ __all__ = [
     "load_full_state_dict",
     "model_parallel_random_seed",
     "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
     "scatter_to_tp_region",
 ]

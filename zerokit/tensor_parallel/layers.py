@@ -7,6 +7,15 @@ keeps only this tp rank's part. A layer says which of its parameters are split, 
 ranks. That declaration is what ZeRO, ``clip_grad_norm_`` and the full state dict read.
 
 Note: building the plain layer first costs one full-size temporary per layer at construction.
+
+With ``sequence_parallel=True`` the activations outside the column -> row pair are
+sequence-first ``[s, b, h]`` split along the sequence (each tp rank ``[s/t, b, h]``): a column
+layer all-gathers the sequence before its matmul (and keeps only its own block for backward,
+gathering again there), a row layer reduce-scatters its output instead of all-reducing it. A
+parameter replicated across tp but used inside that region (a LayerNorm's, the row bias) then
+gets a different partial gradient on each tp rank; it is marked ``param.sequence_parallel =
+True`` (Megatron's mark, read by ZeRO, which sums it over the tp group) and, for a model not
+wrapped by ZeRO, ``allreduce_sequence_parallel_grads(model)`` sums it after backward.
 """
 
 from __future__ import annotations
@@ -16,9 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mappings import (
+    _gather_first,
+    _reduce_scatter_first,
     copy_to_tp_region,
     gather_from_tp_region,
     reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
 from .topology import HybridLayout, TPSplit, current_layout
@@ -60,6 +72,8 @@ class ColumnParallelLinear(TensorParallelLayer):
     (needs ``out_features`` divisible by the tp degree); with ``False`` each rank keeps its own
     output features, ready for a ``RowParallelLinear(input_is_parallel=True)``. ``stride`` > 1
     declares ``stride`` fused projections side by side (q, k, v: 3), each split on its own.
+    ``sequence_parallel=True`` takes this rank's sequence block ``[s/t, b, in]``, gathers the
+    sequence for the matmul and returns ``[s, b, out/tp]`` (needs ``gather_output=False``).
     """
 
     def __init__(
@@ -70,6 +84,7 @@ class ColumnParallelLinear(TensorParallelLayer):
         gather_output: bool = True,
         *,
         stride: int = 1,
+        sequence_parallel: bool = False,
         layout: HybridLayout | None = None,
         device=None,
         dtype=None,
@@ -77,6 +92,9 @@ class ColumnParallelLinear(TensorParallelLayer):
         super().__init__(layout)
         if gather_output and stride > 1:
             raise ValueError("gather_output=True would interleave the fused blocks; use stride=1")
+        if gather_output and sequence_parallel:
+            raise ValueError("sequence_parallel=True needs gather_output=False (a row layer next)")
+        self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features, self.gather_output = (
             in_features,
             out_features,
@@ -91,6 +109,8 @@ class ColumnParallelLinear(TensorParallelLayer):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:  # x: [s/t, b, in] -> [s, b, out/tp]
+            return _SequenceGatheredLinear.apply(x, self.weight, self.bias, self.tp_group)
         y = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)  # [..., out/tp]
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
@@ -101,7 +121,9 @@ class RowParallelLinear(TensorParallelLayer):
 
     ``input_is_parallel=True`` takes this rank's slice of the input features (the output of a
     ``ColumnParallelLinear(gather_output=False)``); otherwise the full input is split here,
-    which needs ``in_features`` divisible by the tp degree.
+    which needs ``in_features`` divisible by the tp degree. ``sequence_parallel=True``
+    reduce-scatters the output along the sequence, ``[s, b, in/tp] -> [s/t, b, out]``, and adds
+    the bias (marked ``bias.sequence_parallel = True``) after, inside the region.
     """
 
     def __init__(
@@ -111,11 +133,13 @@ class RowParallelLinear(TensorParallelLayer):
         bias: bool = True,
         input_is_parallel: bool = False,
         *,
+        sequence_parallel: bool = False,
         layout: HybridLayout | None = None,
         device=None,
         dtype=None,
     ):
         super().__init__(layout)
+        self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features, self.input_is_parallel = (
             in_features,
             out_features,
@@ -127,14 +151,41 @@ class RowParallelLinear(TensorParallelLayer):
         self._keep_local("weight", plain.weight, split)
         if bias:
             self._keep_local("bias", plain.bias, None)
+            if sequence_parallel:  # added per sequence block: a partial gradient per tp rank
+                self.bias.sequence_parallel = True
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)  # [..., in/tp]
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_group)  # [..., out]
+        if self.sequence_parallel:  # [s, b, in/tp] -> [s/t, b, out]
+            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.tp_group)
+        else:
+            y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_group)  # [..., out]
         return y if self.bias is None else y + self.bias
+
+
+class _SequenceGatheredLinear(torch.autograd.Function):
+    """``F.linear(all_gather_seq(x), w, b)`` keeping only this rank's block ``x`` for backward
+    (the paper's count: the gathered input is not stored), gathered again there; the input
+    gradient, a partial sum per rank, is reduce-scattered back to ``[s/t, b, in]``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather_first(x, group), weight, bias)  # [s, b, out/tp]
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        total = _gather_first(x, ctx.group)  # [s, b, in]
+        grad_x = _reduce_scatter_first(grad.matmul(weight), ctx.group)  # [s/t, b, in]
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_w = grad_2d.t().matmul(total.reshape(-1, total.shape[-1]))
+        grad_b = grad_2d.sum(dim=0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
 
 
 class VocabParallelEmbedding(TensorParallelLayer):
@@ -184,3 +235,32 @@ def tp_group_of(model: nn.Module):
     if len(groups) > 1:
         raise ValueError("the model's tensor-parallel layers use more than one tp group")
     return next(iter(groups.values()), None)
+
+
+def allreduce_sequence_parallel_grads(model: nn.Module) -> None:
+    """Sum the gradient of every parameter marked ``sequence_parallel`` over the tp group, once,
+    after backward (Megatron's ``finalize_model_grads`` role) for a model not wrapped by
+    ``group_sharded_parallel``; a wrapped model's marked gradients are summed by ZeRO itself.
+
+    Collective over the tp group: every tp rank calls it, before clipping and the step.
+    """
+    from ..core.state import state_of  # the core imports this package: resolve at call time
+
+    if state_of(model) is not None:
+        raise RuntimeError(
+            "this model is wrapped by group_sharded_parallel, which already sums the marked "
+            "gradients over the tp group; calling allreduce_sequence_parallel_grads would "
+            "double them"
+        )
+    group = tp_group_of(model)
+    grads = [
+        p.grad
+        for p in model.parameters()
+        if getattr(p, "sequence_parallel", False) is True and p.grad is not None
+    ]
+    if group is None or group.size() == 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce for all of them
+    torch.distributed.all_reduce(flat, group=group)
+    for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(summed.view_as(g))

@@ -3,6 +3,14 @@
 Each is an identity at tp degree 1. ``copy_to`` and ``reduce_from`` are conjugates (identity
 forward / all-reduce backward, and the reverse), as are ``scatter_to`` and ``gather_from``
 (keep this rank's slice of the last dimension / concatenate every rank's slice).
+
+Sequence parallelism adds three more over the sequence dimension, dim 0 of sequence-first
+activations ``[s, b, h]``; inside a sequence-parallel region each tp rank holds ``[s/t, b, h]``,
+its own consecutive block of positions. ``scatter_to_sequence_parallel_region`` and
+``gather_from_sequence_parallel_region`` are conjugates (split / all-gather forward, all-gather /
+reduce-scatter backward), and ``reduce_scatter_to_sequence_parallel_region`` replaces a row
+layer's all-reduce (reduce-scatter forward, all-gather backward). A sequence length not
+divisible by the tp degree is refused.
 """
 
 from __future__ import annotations
@@ -36,6 +44,42 @@ def _gather_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(group.size())]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
+
+
+def _check_sequence(x: torch.Tensor, size: int) -> None:
+    if x.shape[0] % size:
+        raise ValueError(
+            f"sequence parallelism needs the sequence length (dim 0 of [s, b, h]) divisible by "
+            f"the tp degree: {x.shape[0]} is not divisible by {size}; pad the sequence"
+        )
+
+
+def _split_first(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    size = group.size()
+    _check_sequence(x, size)
+    return x.chunk(size, dim=0)[group.rank()].contiguous()
+
+
+def _gather_first(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    if group.size() == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=0)  # [s, ...] from every rank's [s/t, ...]
+
+
+def _reduce_scatter_first(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sum over the group, keep this rank's block of dim 0. An all-to-all of the blocks and a
+    local sum: on gloo that is faster than its reduce_scatter (see core/collectives.py)."""
+    size = group.size()
+    if size == 1:
+        return x
+    _check_sequence(x, size)
+    x = x.contiguous()
+    received = torch.empty_like(x)  # block r of every rank, in rank order
+    dist.all_to_all_single(received, x, group=group)
+    return received.view(size, x.shape[0] // size, *x.shape[1:]).sum(dim=0)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -81,6 +125,39 @@ class _GatherFromTP(torch.autograd.Function):
         return _split_last(grad, ctx.group), None
 
 
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.group), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_first(grad, ctx.group), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_first(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first(grad, ctx.group), None
+
+
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Forward: identity. Backward: sum the gradient over the tp group (each rank's branch
     used the same input)."""
@@ -100,3 +177,23 @@ def scatter_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Forward: concatenate every rank's slice along the last dimension. Backward: split."""
     return _GatherFromTP.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward: this rank's block of the sequence, ``[s, b, h] -> [s/t, b, h]`` (the input is
+    the same on every rank). Backward: all-gather the blocks' gradients."""
+    return _ScatterToSP.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Forward: all-gather ``[s/t, b, h] -> [s, b, h]``. Backward: reduce-scatter, as the
+    gathered tensor feeds a tensor-parallel op whose gradient on each rank is a partial sum."""
+    return _GatherFromSP.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup
+) -> torch.Tensor:
+    """Forward: sum the partial ``[s, b, h]`` over the tp group and keep this rank's block
+    ``[s/t, b, h]``. Backward: all-gather."""
+    return _ReduceScatterToSP.apply(x, group)
