@@ -274,3 +274,41 @@ def test_a_rank_that_finished_exits_zero_twenty_times(tmp_path):
             timeout=120,
         )
         assert done.returncode == 0, (run, level, done.stderr[-2000:])
+
+
+def _graphs_in_flight(rank, world_size):
+    """F-then-B (a pipeline's schedule): two micro-batches' forwards, then their backwards
+    (the first under no_sync); and accumulation reduced by reduce_gradients() instead of a
+    last synchronised backward. Both equal one process on the whole batch."""
+    batches = global_batches(3, batch=4 * world_size)
+    for level in ("os", "os_g", "p_g_os"):
+        for mode in ("two graphs", "reduce_gradients"):
+            torch.manual_seed(0)
+            ref = Ordered()
+            model = copy.deepcopy(ref)
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            model, opt, _ = zerokit.group_sharded_parallel(model, opt, level)
+            for x, y in batches:
+                loss_fn(ref(x), y).backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+                (x1, x2), (y1, y2) = xs.chunk(2), ys.chunk(2)
+                if mode == "two graphs":
+                    loss1, loss2 = loss_fn(model(x1), y1) / 2, loss_fn(model(x2), y2) / 2
+                    with model.no_sync():
+                        loss1.backward()
+                    loss2.backward()
+                else:
+                    for xm, ym in ((x1, y1), (x2, y2)):
+                        with model.no_sync():
+                            (loss_fn(model(xm), ym) / 2).backward()
+                    model.reduce_gradients()
+                opt.step()
+                opt.zero_grad()
+            assert_same_params(model, ref, ATOL, f"{level} {mode}")
+
+
+def test_several_graphs_in_flight_and_reduce_gradients():
+    run_distributed(_graphs_in_flight, 2)

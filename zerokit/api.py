@@ -94,6 +94,8 @@ def group_sharded_parallel(
     if dp_group is not None:
         _check_member(dp_group, "dp_group")
     checks.check_not_wrapped(model, optimizer)
+    # tp ranks hold different slices (shapes): refuse a group spanning them before comparing
+    _check_group_spans_no_tp_pair(model, group)
     # Every rank compares what it was given before anything else: a rank whose arguments or
     # model differ makes the same error on every rank, never a hang or an abort inside gloo.
     checks.agree(
@@ -134,7 +136,6 @@ def group_sharded_parallel(
         )
     checks.check_optimizer(optimizer, config.elementwise_optimizer)
     checks.check_dense_gradients(model)
-    _check_group_spans_no_tp_pair(model, group)
     if dp_group is not None:
         _check_group_spans_no_tp_pair(model, dp_group)
         _check_orthogonal(group, dp_group)

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .core.state import state_of
-from .mixed_precision import MixedPrecision
-from .core.units import plan_groups, plan_units
 from .activation_memory import ActivationEstimate, estimate_activations  # noqa: F401
+from .core.state import state_of
+from .core.units import plan_groups, plan_units
+from .mixed_precision import MixedPrecision
 
 #: optimizer state tensors per parameter element (fp32), by optimizer name
 STATE_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1, "none": 0}

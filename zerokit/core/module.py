@@ -39,6 +39,11 @@ class ShardedModule:
         finally:
             state.sync_enabled = previous
 
+    def reduce_gradients(self) -> None:
+        """Reduce the gradients accumulated under ``no_sync()`` without another backward
+        (collective: every rank calls it). Then ``optimizer.step()`` as usual."""
+        self._zerokit.reduce_unsynced()
+
 
 def convert_module_(model: nn.Module, state: ShardState) -> nn.Module:
     cls = type(model)

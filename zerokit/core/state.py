@@ -123,6 +123,21 @@ class ShardState:
         for g in self.groups:
             g.zero_grad(set_to_none)
 
+    def reduce_unsynced(self) -> None:
+        """Reduce the gradients accumulated under ``no_sync()`` now, as the end of a
+        synchronised backward would (collective). For schedules whose last backward cannot be
+        the synchronised one (a pipeline that must sum tied weights across stages first)."""
+        if self.in_backward:
+            raise RuntimeError("reduce_gradients() was called inside a backward")
+        if not self.sync_enabled:
+            raise RuntimeError("reduce_gradients() was called inside no_sync()")
+        if not self._unsynced:
+            return
+        presence.mark(self.process_group, "model.reduce_gradients()")
+        self.in_backward = True
+        self._launch_order, self._next_launch = self._static_order, 0
+        self._end_of_backward()
+
     def refresh_params(self) -> None:
         """The shards changed (a step, a load): make the parameters the model sees match."""
         if self.level == "p_g_os":
@@ -221,6 +236,8 @@ class ShardState:
             return
         self.in_backward = True
         Variable._execution_engine.queue_callback(self._end_of_backward)
+        if self.root_group is not None:  # resharded by an earlier backward of another graph
+            self.root_group.wait_for_unshard()
         if self._order_agreed:
             called = list(reversed(self.forward_order))
             self._launch_order = called + [k for k in self._static_order if k not in called]
