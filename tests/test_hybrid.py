@@ -208,3 +208,21 @@ def test_estimate_shows_what_hybrid_sharding_holds(level):
     # sharded over 2 ranks instead of 4: twice the optimizer state and gradient shards
     assert hybrid.optimizer == 2 * full.optimizer and hybrid.grads == 2 * full.grads
     assert hybrid.params == full.params
+
+
+@pytest.mark.slow
+def test_compare_shows_what_hybrid_sharding_holds():
+    from zerokit.compare import CompareConfig, run_compare
+
+    cfg = dict(model="models:tiny_gpt", nproc=4, steps=2, batch=4)
+    full = run_compare(CompareConfig(**cfg), progress=lambda _: None)
+    hybrid = run_compare(CompareConfig(**cfg, sharding_degree=2), progress=lambda _: None)
+    assert hybrid["sharding_degree"] == 2
+    for f, h in zip(full["rows"], hybrid["rows"]):
+        if f["level"] == "ddp":
+            continue
+        # sharded over 2 ranks instead of 4: twice the optimizer state per rank, as estimated
+        opt_f, opt_h = f["measured"]["optimizer"], h["measured"]["optimizer"]
+        assert abs(opt_h - 2 * opt_f) <= 0.05 * opt_h, (f["level"], opt_f, opt_h)
+        assert h["measured"]["optimizer"] == pytest.approx(h["estimated"]["optimizer"], rel=0.05)
+        assert abs(h["final_loss"] - f["final_loss"]) < 1e-4  # the same training

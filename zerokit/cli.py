@@ -74,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         "(default: fp32)",
     )
     compare.add_argument(
+        "--sharding-degree",
+        type=int,
+        default=CompareConfig.sharding_degree,
+        help="hybrid sharding: zerokit levels shard over groups of this many ranks and "
+        "replicate across the groups (default %(default)s: shard over every rank)",
+    )
+    compare.add_argument(
         "--json", metavar="PATH", help="also write the report as JSON (default: none)"
     )
     compare.add_argument(
@@ -98,6 +105,7 @@ def _compare(args) -> int:
         batch=args.batch,
         seq=args.seq,
         mixed_precision=args.mixed_precision,
+        sharding_degree=args.sharding_degree,
     )
 
     def progress(line: str) -> None:

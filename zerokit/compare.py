@@ -45,6 +45,7 @@ from .memory import PeakMemory, estimate, measure
 from .mixed_precision import MixedPrecision
 from .models.gpt import synthetic_batch
 from .scaler import ShardedGradScaler
+from .tensor_parallel.topology import init_hybrid_parallel
 
 LEVELS = ("ddp", "os", "os_g", "p_g_os")
 PRECISION = {None: "fp32", "bf16": "bf16", "fp16": "fp16"}
@@ -66,6 +67,9 @@ class CompareConfig:
     mixed_precision: str | None = None
     """'bf16' or 'fp16': zerokit levels compute in it with fp32 master shards (fp16 with a
     ``ShardedGradScaler``); DDP runs under ``torch.autocast`` with fp32 parameters."""
+    sharding_degree: int = 1
+    """Hybrid sharding: the zerokit levels shard over groups of this many ranks and replicate
+    across ``nproc / sharding_degree`` of them (``init_hybrid_parallel``); 1: across all."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +193,14 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
     model = work.model.to(device)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[cfg.mixed_precision]
     policy = MixedPrecision(param_dtype=low) if level != "ddp" else MixedPrecision()
-    estimated = estimate(model, level, world_size, mixed_precision=policy)
+    shards = cfg.sharding_degree
+    estimated = estimate(
+        model,
+        level,
+        world_size,
+        mixed_precision=policy,
+        sharding_degree=shards if level != "ddp" and shards > 1 else None,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = None
     if level == "ddp":
@@ -199,8 +210,12 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
             scaler = torch.amp.GradScaler(device.type)
     else:
         scaler = ShardedGradScaler() if low == torch.float16 else None
+        groups = {}
+        if shards > 1:  # shard inside groups of `shards` ranks, replicate across them
+            layout = init_hybrid_parallel(world_size // shards, 1, sharding_degree=shards)
+            groups = {"group": layout.sharding_group, "dp_group": layout.dp_group}
         model, optimizer, scaler = group_sharded_parallel(
-            model, optimizer, level, scaler=scaler, mixed_precision=policy
+            model, optimizer, level, scaler=scaler, mixed_precision=policy, **groups
         )
     autocast = torch.autocast(device.type, dtype=low, enabled=level == "ddp" and low is not None)
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -257,12 +272,18 @@ def check_config(cfg: CompareConfig) -> None:
         raise ValueError(f"--steps must be at least 1, got {cfg.steps}")
     if cfg.batch % cfg.nproc:
         raise ValueError(f"--batch {cfg.batch} must divide evenly across {cfg.nproc} ranks")
+    if cfg.sharding_degree < 1 or cfg.nproc % cfg.sharding_degree:
+        raise ValueError(
+            f"--sharding-degree {cfg.sharding_degree} must be at least 1 and divide --nproc "
+            f"{cfg.nproc}"
+        )
     build_workload(load_factory(cfg.model), cfg, cfg.batch // cfg.nproc)
 
 
 def _report(cfg: CompareConfig, backend: str, rows: list[dict]) -> dict:
     return {
         "world_size": cfg.nproc,
+        "sharding_degree": cfg.sharding_degree,
         "backend": backend,
         "model": cfg.model or "built-in GPT",
         "precision": PRECISION[cfg.mixed_precision],

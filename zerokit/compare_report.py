@@ -33,12 +33,23 @@ def describe_precision(report: dict) -> str:
     )
 
 
+def _hybrid(report: dict) -> str:
+    shards = report.get("sharding_degree", 1)
+    if shards <= 1:
+        return ""
+    return (
+        f"; zerokit levels sharded over {shards} ranks, replicated "
+        f"{report['world_size'] // shards}x (hybrid sharding)"
+    )
+
+
 def format_table(report: dict) -> str:
     """The report as a fixed-width table: measured / estimated bytes per rank."""
     head = f"{'level':<8}{'params':>24}{'grads':>24}{'optimizer':>24}{'total':>24}{'peak':>12}{'step s':>9}{'final loss':>12}"
     lines = [
         f"bytes per rank (largest over {_ranks(report['world_size'])}), measured / estimated; "
-        f"{describe_precision(report)}; {report['steps']} steps, global batch {report['batch']}",
+        f"{describe_precision(report)}; {report['steps']} steps, global batch {report['batch']}"
+        + _hybrid(report),
         head,
     ]
     for row in report["rows"]:

@@ -27,7 +27,7 @@ from ..tensor_parallel import topology
 from .describe import LayerDesc, SharedLayerDesc
 from .p2p import Mailbox
 from .partition import partition as split_layers
-from .schedules import execute, peak_in_flight
+from .schedules import execute
 from .schedules import schedule as make_schedule
 
 
@@ -193,15 +193,9 @@ class PipelineModule(nn.Module):
             )
         inputs, labels = batch
         actions = make_schedule(schedule, self.num_stages, self.stage_id, micro_batches)
-        first_stage = make_schedule(schedule, self.num_stages, 0, micro_batches)  # holds most
-        if state is not None and state.level == "p_g_os" and peak_in_flight(first_stage) > 1:
-            # Note: stage 3 reshards every unit at the end of each backward under no_sync(),
-            # while another micro-batch's graph still needs its gathered parameters. Every
-            # stage refuses (decided from stage 0's schedule), so none waits on a refused one.
-            raise NotImplementedError(
-                "level 'p_g_os' runs one micro-batch in flight per stage for now: use "
-                "micro_batches=1 (or the 'naive' schedule), or level 'os' / 'os_g'"
-            )
+        # Under ZeRO every backward but the stage's last runs in no_sync(); with tied weights
+        # all of them do, and the stage is reduced after their copies' gradients are summed.
+        reduce_after = state is not None and bool(self.shared_groups)
         xs, ys = inputs.tensor_split(micro_batches), labels.tensor_split(micro_batches)
         weights = [len(y) / len(labels) for y in ys]  # mean over the batch from micro-batch means
         held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -219,7 +213,7 @@ class PipelineModule(nn.Module):
 
         def backward(i: int, last: bool) -> None:
             x, out = held.pop(i)
-            quiet = state is not None and not last
+            quiet = state is not None and (not last or reduce_after)
             with self.stage.no_sync() if quiet else contextlib.nullcontext():
                 grad = None if self.is_last else self.mailbox.recv(self.stage_id + 1)
                 torch.autograd.backward(out, grad)
@@ -230,6 +224,8 @@ class PipelineModule(nn.Module):
         execute(actions, forward, backward)
         self.mailbox.finish()
         self._sum_tied_grads(state)
+        if reduce_after:
+            self.stage.reduce_gradients()
         if clip_norm is not None:
             self._clip(clip_norm, state)
         optimizer.step()
@@ -284,29 +280,36 @@ class PipelineModule(nn.Module):
         given the gradient of its own uses; one process's gradient is their sum."""
         if not self.shared_groups:
             return
-        if state is not None:
-            raise NotImplementedError(
-                "tied weights across stages (SharedLayerDesc) under group_sharded_parallel: "
-                "ZeRO reduces gradients during the last backward, before they could be summed "
-                "across stages; run tied pipelines without ZeRO for now"
-            )
+        # Under ZeRO the gradients are still autograd's full tensors (every backward ran in
+        # no_sync()); the stage reduces them across its data-parallel ranks afterwards.
+        buckets = state.buckets if state is not None else []
+        shapes = {id(p): s.shape for b in buckets for p, s in zip(b.params, b.layout.slots)}
         for key, (group, _) in self.shared_groups.items():
             weight = self._tied[key]
-            if weight.grad is None:
-                weight.grad = torch.zeros_like(weight)
+            if weight.grad is None:  # full shape even where ZeRO left the parameter empty
+                shape = shapes.get(id(weight), weight.shape)
+                weight.grad = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
             dist.all_reduce(weight.grad, group=group)
 
     def _clip(self, max_norm: float, state) -> None:
         """Clip to the norm of the whole model's gradient: each stage's squared norm (across its
         shards, via ``zerokit.clip_grad_norm_``) summed over the pipeline; a tied weight is
         counted on its first stage only."""
+        skip = {id(self._tied[k]) for k, (_, first) in self.shared_groups.items() if not first}
         if state is not None:
             from ..clip import clip_grad_norm_
 
             square = clip_grad_norm_(self.stage, float("inf")).double() ** 2  # scales by 1
+            # a tied copy on a later stage was counted by the stage's norm: take it out
+            copy = torch.zeros((), dtype=torch.float64)
+            for param, grad in state.owned_grad_pieces():
+                if id(param) in skip:
+                    copy += grad.double().pow(2).sum()
+            if skip:
+                dist.all_reduce(copy, group=state.process_group)
+            square = square - copy
             to_scale = state.grads_to_scale()
         else:
-            skip = {id(self._tied[k]) for k, (_, first) in self.shared_groups.items() if not first}
             grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
             counted = [
                 p.grad for p in self.stage.parameters() if p.grad is not None and id(p) not in skip
