@@ -291,8 +291,17 @@ def test_compare_help_shows_every_default(capsys):
     with pytest.raises(SystemExit):
         cli.main(["compare", "--help"])
     entries = _option_entries(capsys.readouterr().out)
-    # --model --nproc --steps --batch --seq --mixed-precision --json --plot
-    assert len(entries) == 8
+    flags = {entry.split()[0] for entry in entries}
+    assert {
+        "--model",
+        "--nproc",
+        "--steps",
+        "--batch",
+        "--seq",
+        "--mixed-precision",
+        "--json",
+        "--plot",
+    } <= flags, flags  # and whatever compare gains later, checked below too
     for entry in entries:
         assert "default" in entry, entry
 
