@@ -312,3 +312,36 @@ def _graphs_in_flight(rank, world_size):
 
 def test_several_graphs_in_flight_and_reduce_gradients():
     run_distributed(_graphs_in_flight, 2)
+
+
+def _freed_by_reference_counting(rank, world_size):
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()  # nothing zerokit builds may need the collector to be freed
+    try:
+        for level in ("os", "os_g", "p_g_os"):
+            for policy in (None, zerokit.MixedPrecision(param_dtype=torch.bfloat16)):
+                torch.manual_seed(0)
+                model = Ordered()
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+                model, opt, _ = zerokit.group_sharded_parallel(
+                    model, opt, level, mixed_precision=policy
+                )
+                x, y = global_batches(1, batch=2)[0]
+                loss_fn(model(x).float(), y).backward()
+                zerokit.clip_grad_norm_(model, 1.0)
+                opt.step()
+                opt.zero_grad()
+                model.state_dict()
+                state, group = weakref.ref(state_of(model)), weakref.ref(model)
+                del model, opt, x, y
+                assert state() is None and group() is None, (level, policy)
+    finally:
+        gc.enable()
+
+
+def test_a_wrapped_model_is_freed_by_reference_counting():
+    # A planted cycle (a hook holding the state strongly) keeps the state alive here.
+    run_distributed(_freed_by_reference_counting, 2)

@@ -114,9 +114,9 @@ def _optimizer_state_from_another_layout(rank, world_size, path):
     model, opt, _ = _wrap("os_g")
     _step(model, opt)
     saved = opt.state_dict()
-    _, same_opt, _ = _wrap("os_g")
+    _same, same_opt, _ = _wrap("os_g")  # the model must stay alive with its optimizer
     same_opt.load_state_dict(saved)  # same rank, same layout: fine
-    _, other_opt, _ = _wrap("os")
+    _other, other_opt, _ = _wrap("os")
     with pytest.raises(ValueError, match=r"use zerokit\.checkpoint\.save/load"):
         other_opt.load_state_dict(saved)
     plain = make_model("awkward")
@@ -129,7 +129,7 @@ def _optimizer_state_from_another_layout(rank, world_size, path):
 
 
 def _loads_at_another_world_size(rank, world_size, path):
-    _, opt, _ = _wrap("os_g")
+    _model, opt, _ = _wrap("os_g")
     with pytest.raises(ValueError, match="world_size': 2"):
         opt.load_state_dict(torch.load(path, weights_only=False))
 

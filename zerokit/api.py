@@ -28,6 +28,7 @@ from .core import checks
 from .core.build import CoreOptions, build
 from .core.state import state_of
 from .core.units import plan_units
+from .memory import format_bytes
 from .mixed_precision import MixedPrecision
 from .scaler import ShardedGradScaler
 from .tensor_parallel.layers import tp_group_of
@@ -202,7 +203,7 @@ def _log_wrap(state, optimizer, named, model) -> None:
     replicas = state.replica_group.size() if state.replica_group is not None else 1
     _log.info(
         "zerokit: level %r (%s) sharded over %d rank(s)%s: %d unit(s), %d bucket(s), "
-        "%.2fM trainable parameters; this rank holds %s of master shards and %s of optimizer "
+        "%s trainable parameters; this rank holds %s of master shards and %s of optimizer "
         "state so far",
         state.level,
         names[state.level],
@@ -210,14 +211,10 @@ def _log_wrap(state, optimizer, named, model) -> None:
         f" x {replicas} replicas" if replicas > 1 else "",
         len(state.groups),
         len(state.buckets),
-        sum(p.numel() for _, p in named) / 1e6,
-        _mib(shard_bytes),
-        _mib(state_bytes),
+        f"{sum(p.numel() for _, p in named):,}",
+        format_bytes(shard_bytes),
+        format_bytes(state_bytes),
     )
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def _sharded_scaler(scaler):

@@ -9,15 +9,9 @@ row per level with ``measured`` (params, grads, optimizer, total, peak) and ``es
 
 from __future__ import annotations
 
+from .memory import format_bytes
+
 CATEGORIES = ("params", "grads", "optimizer")
-
-
-def format_bytes(n: int) -> str:
-    """Bytes with a unit that keeps small models readable: B, KiB, MiB or GiB."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _ranks(n: int) -> str:

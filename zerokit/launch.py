@@ -6,6 +6,7 @@ Used by the examples, benchmarks and tests; under torchrun, call your function d
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import tempfile
 from collections.abc import Callable
@@ -43,4 +44,8 @@ def _entry(rank: int, world_size: int, init_file: str, backend: str, fn, args) -
     try:
         fn(rank, world_size, *args)
     finally:
+        # zerokit makes no reference cycle (tests/test_core_lifecycle.py frees a wrapped model
+        # by reference counting alone), but ``fn`` can: a caught exception's traceback holds
+        # its frames and their models. Collect those while the group they hold still works.
+        gc.collect()
         dist.destroy_process_group()

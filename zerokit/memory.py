@@ -264,5 +264,8 @@ def _proc_status_bytes(key: str) -> int:
 
 
 def format_bytes(n: int) -> str:
-    """Bytes as MiB or GiB with one decimal, for tables."""
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    """Bytes with a unit that keeps small models readable: B, KiB, MiB or GiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"

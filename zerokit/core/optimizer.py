@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import weakref
 
 import torch
 
@@ -85,8 +86,13 @@ def _stepping_only(optimizer, chunk: set[int]):
 
 
 class OptimizerShardState:
+    """Note: the optimizer holds the model's ``ShardState`` weakly. The model owns it; an
+    optimizer can outlive its model in a reference cycle torch makes (the frames of a lazy
+    import during the first optimizer's ``__init__``), and a strong reference would keep the
+    process group alive until interpreter shutdown, where gloo aborts the process."""
+
     def __init__(self, shard_state: ShardState, group_params: list[list[torch.Tensor]]):
-        self.shard_state = shard_state
+        self._shard_state = weakref.ref(shard_state)
         self.group_params = group_params  # each param group's whole parameters, as given
         # the pieces of each shard group: the optimizer steps one chunk at a time
         self.chunks = [
@@ -94,6 +100,16 @@ class OptimizerShardState:
             for g in shard_state.groups
         ]
         self.chunks = [c for c in self.chunks if c]
+
+    @property
+    def shard_state(self) -> ShardState:
+        state = self._shard_state()
+        if state is None:
+            raise RuntimeError(
+                "the model this optimizer was wrapped with by group_sharded_parallel no longer "
+                "exists; keep the model alive as long as its optimizer is used"
+            )
+        return state
 
     def layout_tag(self) -> dict:
         """What a per-rank optimizer state dict fits: rank, world, level, and its pieces."""
