@@ -148,12 +148,33 @@ class SameShapes(nn.Module):
         return x
 
 
+class DifferentShapes(nn.Module):
+    """Rank 0 runs one block, rank 1 two others of other shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 16), nn.Linear(16, 4)])
+
+    def forward(self, x):
+        if dist.get_rank() == 0:
+            return self.blocks[0](x)
+        return self.blocks[2](self.blocks[1](x))
+
+
 def _rank_dependent_order(rank, world_size):
     torch.manual_seed(0)
     model = SameShapes()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os")
-    with pytest.raises(RuntimeError, match="different orders"):
+    with pytest.raises(RuntimeError, match="gathering different units"):
+        model(torch.randn(2, 4))
+    # units of different shapes: refused before the gather (it used to abort inside gloo)
+    torch.manual_seed(0)
+    model = DifferentShapes()
+    model, opt, _ = zerokit.group_sharded_parallel(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "p_g_os"
+    )
+    with pytest.raises(RuntimeError, match="gathering different units"):
         model(torch.randn(2, 4))
     # at 'os_g' the same model trains (reductions fall back to one fixed order)
     torch.manual_seed(0)

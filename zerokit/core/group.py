@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .collectives import Pending, all_reduce_
-from .flat_param import FlatParamBucket
+from .flat_param import FlatParamBucket, Storage
 from .reduction import AllReduce, ReduceScatter
 from .staging import StagingPool
 
@@ -69,6 +69,7 @@ class ShardGroup:
         self._missing_total = sum(len(b.params) for b in buckets)
         self.post_backward_signalled = False  # its inputs' gradients are done (module units)
         self.forward_calls = 0  # calls of its module since the last backward
+        self.before_gather = None  # 'p_g_os': ShardState's check that every rank gathers it
         # Sequence parallelism: parameters replicated across the tp group whose gradient is a
         # partial sum on each tp rank (Megatron marks them ``param.sequence_parallel = True``);
         # each one's new gradient is summed over ``tp_group`` once, as it is taken.
@@ -90,10 +91,15 @@ class ShardGroup:
 
     # -- storage ---------------------------------------------------------------------------------
     def unshard(self) -> None:
+        if not any(b.storage is Storage.SHARDED for b in self.buckets):
+            return  # gathered, or on its way
+        if self.before_gather is not None:
+            self.before_gather(self)
         for bucket in self.buckets:
             bucket.start_unshard()
 
     def wait_for_unshard(self) -> None:
+        self.unshard()
         for bucket in self.buckets:
             bucket.wait_for_unshard()
 

@@ -17,6 +17,7 @@ the end of backward the rest are launched in order.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import weakref
 
@@ -81,6 +82,10 @@ class ShardState:
         self._in_flight: collections.deque[list[Pending]] = collections.deque()
         self._unsynced = False  # no_sync() gradients are waiting for a synchronised backward
         self._prefetched: ShardGroup | None = None  # 'p_g_os': gathered ahead of its use
+        if level == "p_g_os":
+            check = functools.partial(_check_same_gather, weakref.ref(self))  # no cycle
+            for g in groups:
+                g.before_gather = check
         self.hook_handles: list = []
 
     # -- the public protocol -----------------------------------------------------------------
@@ -314,6 +319,24 @@ class ShardState:
         self._graph_pending = False
         self._prefetched = None
 
+    def _check_same_gather(self, group: ShardGroup) -> None:
+        """Every rank must gather the same unit now: one all-reduce of its index (MAX of
+        ``[k, -k]``) before the gather. Without it a rank-dependent branch pairs one rank's
+        gather with another unit's on another rank: mixed parameters for units of one shape,
+        an abort inside gloo for units of different shapes."""
+        k = self._index[id(group)]
+        both = torch.tensor([k, -k], dtype=torch.int64, device=self.communication_device)
+        all_reduce_(both, self.process_group, op=dist.ReduceOp.MAX)
+        if int(both[0]) != -int(both[1]):
+            names = sorted({self.groups[int(both[0])].name, self.groups[-int(both[1])].name})
+            raise RuntimeError(
+                f"ranks are gathering different units of the model at the same time (this rank "
+                f"{group.name!r}; the ranks' units range over {names}): a module runs on some "
+                "ranks and not others (a branch that depends on the rank or its data). At "
+                "level 'p_g_os' every rank must run the same modules in the same order; use "
+                "'os' / 'os_g' for rank-dependent models"
+            )
+
     def _data_groups(self) -> list[ProcessGroup]:
         """The ranks that split the batch: the shard group and its replicas."""
         return [g for g in (self.process_group, self.replica_group) if g is not None]
@@ -336,6 +359,12 @@ class ShardState:
         if 0 <= j < len(order) and self.groups[order[j]] is not self.root_group:
             return self.groups[order[j]]
         return None
+
+
+def _check_same_gather(state_ref, group: ShardGroup) -> None:
+    state = state_ref()
+    if state is not None:
+        state._check_same_gather(group)
 
 
 def state_of(obj) -> ShardState | None:
