@@ -378,6 +378,10 @@ def _level_process(rank, world_size, level, cfg, out_dir, host, port, backend) -
         _train_level(rank, world_size, level, cfg, out_dir)
     finally:
         dist.destroy_process_group()
+    # as in launch.spawn_local: torch 2.13's gloo teardown can abort a finished process
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _exit_with_parent() -> None:
