@@ -306,6 +306,42 @@ def test_compare_help_shows_every_default(capsys):
         assert "default" in entry, entry
 
 
+def _positional_entries(help_text: str) -> list[str]:
+    """Each positional argument's entry in argparse's help."""
+    if "positional arguments:" not in help_text:
+        return []
+    section = help_text.split("positional arguments:", 1)[1].split("\n\n", 1)[0]
+    return re.split(r"\n  (?=\S)", section)[1:]
+
+
+@pytest.mark.parametrize(
+    "command, flags, positionals",
+    [
+        (["inspect"], {"--tensors"}, ["checkpoint"]),
+        (["consolidate"], {"--max-shard-size", "--optimizer"}, ["checkpoint", "output"]),
+    ],
+)
+def test_ckpt_help_shows_every_default(command, flags, positionals):
+    """`zerokit ckpt inspect|consolidate --help`, run as a user runs it (the console script):
+    every option says its default and every positional argument says what it is."""
+    done = subprocess.run(
+        [_zerokit_script(), "ckpt", *command, "--help"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    entries = _option_entries(done.stdout)
+    assert {entry.split()[0] for entry in entries} == flags, done.stdout
+    for entry in entries:
+        assert "(default" in entry, entry
+    described = _positional_entries(done.stdout)
+    assert [entry.split()[0] for entry in described] == positionals, done.stdout
+    for entry in described:
+        assert len(entry.split()) > 1, entry  # a help text after the name
+
+
 # every script a user runs; a *_worker.py is started by its script, not by a user
 SCRIPTS = sorted(
     str(path.relative_to(ROOT))

@@ -10,6 +10,9 @@ from .consolidate import consolidate, describe, parse_size
 from .index import CheckpointError
 
 
+_CHECKPOINT_HELP = "the checkpoint directory zerokit.checkpoint.save wrote"
+
+
 def add_parser(commands) -> None:
     """Add ``ckpt`` to the ``zerokit`` command's subparsers."""
     ckpt = commands.add_parser("ckpt", help="inspect or consolidate a zerokit checkpoint")
@@ -17,8 +20,10 @@ def add_parser(commands) -> None:
     inspect = ckpt_commands.add_parser(
         "inspect", help="layout, sizes, and whether it is complete and verified"
     )
-    inspect.add_argument("checkpoint")
-    inspect.add_argument("--tensors", action="store_true", help="also list every tensor")
+    inspect.add_argument("checkpoint", help=_CHECKPOINT_HELP)
+    inspect.add_argument(
+        "--tensors", action="store_true", help="also list every tensor (default: off)"
+    )
     consolidate_cmd = ckpt_commands.add_parser(
         "consolidate",
         help="write the full model as one safetensors file (or a Hugging Face style set)",
@@ -27,15 +32,21 @@ def add_parser(commands) -> None:
             "zerokit.checkpoint.load_consolidated(path, model) loads it, tied names included."
         ),
     )
-    consolidate_cmd.add_argument("checkpoint")
+    consolidate_cmd.add_argument("checkpoint", help=_CHECKPOINT_HELP)
     consolidate_cmd.add_argument(
         "output", help="a .safetensors file, or a directory with --max-shard-size"
     )
     consolidate_cmd.add_argument(
-        "--max-shard-size", help="e.g. 5GB: write model-0000i-of-0000n.safetensors + index"
+        "--max-shard-size",
+        metavar="SIZE",
+        help="e.g. 5GB: write model-0000i-of-0000n.safetensors + index into the directory "
+        "OUTPUT (default: none, one file)",
     )
     consolidate_cmd.add_argument(
-        "--optimizer", metavar="PATH", help="also write the optimizer state (a .safetensors file)"
+        "--optimizer",
+        metavar="PATH",
+        help="also write the optimizer state (a .safetensors file) (default: none, the model "
+        "only)",
     )
 
 
