@@ -1,7 +1,8 @@
 """Sequence parallelism and selective / full recomputation (Korthikanti et al.): the three
 sequence mappings against the plain ops, the GPT against one process training the plain model
 (losses, clipped gradient norms and parameters within 2e-5, fp32, dropout off, 10 steps), and
-the activation bytes saved for backward against ``memory.estimate_activations``.
+the activation bytes saved for backward (``memory.measure_activations``) against
+``memory.estimate_activations``.
 """
 
 import pytest
@@ -12,7 +13,7 @@ from torch import nn
 
 import zerokit
 from zerokit import tensor_parallel as tp
-from zerokit.memory import estimate_activations
+from zerokit.memory import estimate_activations, measure_activations
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss
 
 STEPS = 10
@@ -221,32 +222,15 @@ SETTINGS = {  # name -> (GPT options, estimate options)
 }
 
 
-def saved_activation_bytes(model: GPT, idx: torch.Tensor) -> int:
-    """Bytes autograd keeps for backward from the blocks, each storage once, parameters left
-    out (they are not activations)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    x = model.embed(idx)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        x = model.run_blocks(x)
-    model.head(x).float().sum().backward()  # the saved tensors serve backward
-    return sum(seen.values())
-
-
 def _measure(rank, world_size):
     layout = zerokit.init_hybrid_parallel(1, 2)
     tp.model_parallel_random_seed(7, layout)
     for name, (options, estimate_options) in SETTINGS.items():
         cfg = GPTConfig(vocab_size=16, block_size=S, n_layer=LAYERS, n_head=A, n_embd=H,
                         explicit_attention=True, dropout=0.1, **options)  # fmt: skip
-        measured = saved_activation_bytes(GPT(cfg), torch.randint(0, 16, (B, S))) / LAYERS
+        got = measure_activations(GPT(cfg), torch.randint(0, 16, (B, S)))
+        assert got.layers == LAYERS
+        measured = got.per_layer_bytes
         want = estimate_activations(S, B, H, A, LAYERS, bytes_per_value=4, **estimate_options)
         ratio = measured / want.per_layer_bytes
         if rank == 0:

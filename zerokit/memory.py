@@ -14,7 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .activation_memory import ActivationEstimate, estimate_activations  # noqa: F401
+from .activation_memory import (  # noqa: F401
+    ActivationEstimate,
+    ActivationMeasurement,
+    estimate_activations,
+    measure_activations,
+)
 from .core.state import state_of
 from .core.units import plan_groups, plan_units
 from .mixed_precision import MixedPrecision
