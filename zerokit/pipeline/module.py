@@ -323,3 +323,24 @@ class PipelineModule(nn.Module):
         coef = (max_norm / (square.sqrt() + 1e-6)).clamp(max=1.0)
         for g in to_scale:
             g.mul_(coef.to(g.dtype))
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def checkpoint_names(self) -> dict[str, tuple[str, bool]]:
+        """For ``zerokit.checkpoint``: each parameter and buffer of this stage, by its name in
+        ``self.stage``, -> (its name in the whole model's checkpoint, whether this stage writes
+        it).
+
+        The whole model's names are those of a one-stage ``PipelineModule``'s stage, that is of
+        ``PipelineStage(layers, 0)``: ``layers.<i>.<param>`` by the layer's index in the whole
+        list and ``shared.<key>.<param>`` for a ``SharedLayerDesc``, so they do not depend on
+        the split. A shared layer on several stages is one layer of the whole model: the first
+        of those stages writes it, every stage holding it loads it."""
+        copies = {f"shared.{k}." for k, (_, first) in self.shared_groups.items() if not first}
+        named = [
+            *self.stage.named_parameters(remove_duplicate=False),
+            *self.stage.named_buffers(remove_duplicate=False),
+        ]
+        return {
+            name: (name, not any(name.startswith(prefix) for prefix in copies))
+            for name, _ in named
+        }
