@@ -6,6 +6,7 @@
 """
 
 from .cross_entropy import ParallelCrossEntropy
+from .gather_batch import BatchGatherLinear, distributed_params, is_distributed
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -35,6 +36,7 @@ from .topology import HybridLayout, TPSplit, current_layout, init_hybrid_paralle
 __all__ = [
     "GLOBAL_SEED",
     "LOCAL_SEED",
+    "BatchGatherLinear",
     "ColumnParallelLinear",
     "HybridLayout",
     "ParallelCrossEntropy",
@@ -46,11 +48,13 @@ __all__ = [
     "allreduce_sequence_parallel_grads",
     "copy_to_tp_region",
     "current_layout",
+    "distributed_params",
     "gather_from_sequence_parallel_region",
     "gather_from_tp_region",
     "gather_full_state_dict",
     "get_rng_state_tracker",
     "init_hybrid_parallel",
+    "is_distributed",
     "load_full_state_dict",
     "model_parallel_random_seed",
     "reduce_from_tp_region",
