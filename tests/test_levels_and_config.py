@@ -11,18 +11,33 @@ from models import make_model, make_optimizer
 
 import zerokit
 from zerokit.core.state import state_of
+from zerokit.memory import format_bytes
 
 
 def _levels(rank, world_size, toml_path, json_path):
+    import io
     import os
+    import sys
 
     plain = make_model("gpt")
     expected = sum(p.numel() for p in plain.parameters())
-    for given, level in ((1, "os"), ("2", "os_g"), (3, "p_g_os"), ("os_g", "os_g")):
-        model = make_model("gpt")
-        model, _, _ = zerokit.group_sharded_parallel(model, make_optimizer("sgd", model), given)
-        assert state_of(model).level == level
-        assert zerokit.num_params(model) == expected, level  # 0 at p_g_os by p.numel()
+    # silenced before the first wrap (README's line), with no handler of the user's: the
+    # stderr handler zerokit adds then must not bring the level back to INFO
+    logger = logging.getLogger("zerokit")
+    assert not logger.handlers and logger.level == logging.NOTSET  # a fresh process
+    logger.setLevel(logging.WARNING)
+    stderr, sys.stderr = sys.stderr, io.StringIO()  # zerokit's handler writes to this one
+    try:
+        for given, level in ((1, "os"), ("2", "os_g"), (3, "p_g_os"), ("os_g", "os_g")):
+            model = make_model("gpt")
+            model, _, _ = zerokit.group_sharded_parallel(model, make_optimizer("sgd", model), given)
+            assert state_of(model).level == level
+            assert zerokit.num_params(model) == expected, level  # 0 at p_g_os by p.numel()
+        printed = sys.stderr.getvalue()
+    finally:
+        sys.stderr = stderr
+    assert "zerokit: level" not in printed, printed
+    assert logger.level == logging.WARNING
     os.environ["ZEROKIT_LEVEL"] = "3"
     model = make_model("gpt")
     model, _, _ = zerokit.group_sharded_parallel(model, make_optimizer("sgd", model))
@@ -44,7 +59,6 @@ def _levels(rank, world_size, toml_path, json_path):
         def emit(self, record):
             records.append(record.getMessage())
 
-    logger = logging.getLogger("zerokit")
     logger.addHandler(Keep())
     logger.setLevel(logging.INFO)
     model = make_model("gpt")
@@ -52,8 +66,25 @@ def _levels(rank, world_size, toml_path, json_path):
     if rank == 0:  # one line, from rank 0 only
         (line,) = records
         assert "level 'p_g_os' (stage 3) sharded over 2 rank(s)" in line and "unit(s)" in line
+        # the parameters are empty at 'p_g_os' after the wrap: the count is still the model's
+        assert f"bucket(s), {expected:,} trainable parameters;" in line, (line, expected)
     else:
         assert records == []
+    # the bytes are what the rank holds: at 'os' fp32 every rank holds the whole parameters
+    # (P, not the P/N of its master shard), and no gradients or optimizer state yet
+    records.clear()
+    model = make_model("gpt")
+    model, _, _ = zerokit.group_sharded_parallel(model, make_optimizer("sgd", model), "os")
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage() for p in model.parameters()}
+    held = sum(storage.nbytes() for storage in storages.values())
+    assert held >= 4 * expected  # the whole model, padding included
+    if rank == 0:
+        (line,) = records
+        assert f"this rank holds {format_bytes(held)} of parameters, 0 B of gradients" in line, (
+            line,
+            format_bytes(held),
+        )
+        assert "0 B of optimizer state so far" in line, line
 
 
 def test_level_by_number_environment_and_config(tmp_path):

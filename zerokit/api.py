@@ -28,7 +28,7 @@ from .core import checks
 from .core.build import CoreOptions, build
 from .core.state import state_of
 from .core.units import plan_units
-from .memory import format_bytes
+from .memory import format_bytes, measure
 from .mixed_precision import MixedPrecision
 from .scaler import ShardedGradScaler
 from .tensor_parallel.layers import tp_group_of
@@ -185,35 +185,40 @@ def num_params(model: nn.Module) -> int:
 
 def _log_wrap(state, optimizer, named, model) -> None:
     """One line at wrap time (DeepSpeed prints one too): what was built and what it holds.
-    Silence it with ``logging.getLogger("zerokit").setLevel(logging.WARNING)``."""
+    Silence it with ``logging.getLogger("zerokit").setLevel(logging.WARNING)``, before or
+    after the first wrap: a level the user set is kept."""
     if not _log.handlers:  # a library's default: print to stderr unless told otherwise
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         _log.addHandler(handler)
-        _log.setLevel(logging.INFO)
         _log.propagate = False
+    if _log.level == logging.NOTSET:  # only when nobody chose a level
+        _log.setLevel(logging.INFO)
     if not _log.isEnabledFor(logging.INFO):
         return
-    held = state.held_tensors()
-    shard_bytes = sum(t.nbytes for t in held["params"])
-    state_bytes = sum(
-        v.nbytes for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+    # at 'p_g_os' the parameters are empty now: count the bucket slots (each tied parameter
+    # once) and, whole, the trainable parameters outside the buckets
+    in_buckets = {id(p) for b in state.buckets for p in b.params}
+    trainable = sum(s.numel for b in state.buckets for s in b.layout.slots) + sum(
+        p.numel() for _, p in named if id(p) not in in_buckets
     )
+    held = measure(model, optimizer)  # what this rank holds, each storage once
     names = {"os": "stage 1", "os_g": "stage 2", "p_g_os": "stage 3"}
     replicas = state.replica_group.size() if state.replica_group is not None else 1
     _log.info(
         "zerokit: level %r (%s) sharded over %d rank(s)%s: %d unit(s), %d bucket(s), "
-        "%s trainable parameters; this rank holds %s of master shards and %s of optimizer "
-        "state so far",
+        "%s trainable parameters; this rank holds %s of parameters, %s of gradients and %s "
+        "of optimizer state so far",
         state.level,
         names[state.level],
         state.process_group.size(),
         f" x {replicas} replicas" if replicas > 1 else "",
         len(state.groups),
         len(state.buckets),
-        f"{sum(p.numel() for _, p in named):,}",
-        format_bytes(shard_bytes),
-        format_bytes(state_bytes),
+        f"{trainable:,}",
+        format_bytes(held.params),
+        format_bytes(held.grads),
+        format_bytes(held.optimizer),
     )
 
 
@@ -232,8 +237,9 @@ def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         return group
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend)  # launched by torchrun: its environment says how
+            # launched by torchrun: its environment says how. No backend named: torch picks
+            # gloo for CPU tensors and, where CUDA is available, nccl for CUDA tensors
+            dist.init_process_group()
         else:
             raise RuntimeError(
                 "no torch.distributed process group is initialized. Launch with torchrun "
