@@ -21,17 +21,17 @@ from torch.utils.checkpoint import checkpoint
 
 import zerokit
 from zerokit.core.group import Phase, ShardGroup, TransitionError
-from zerokit.core.state import MAX_GROUPS_IN_FLIGHT, state_of
+from zerokit.core.state import state_of
 
 ATOL = 2e-5
 VOCAB, DIM, BLOCKS = 11, 8, 4
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, hidden=4 * DIM):
         super().__init__()
-        self.up = nn.Linear(DIM, 4 * DIM)
-        self.down = nn.Linear(4 * DIM, DIM)
+        self.up = nn.Linear(DIM, hidden)
+        self.down = nn.Linear(hidden, DIM)
 
     def forward(self, x):
         return x + self.down(torch.tanh(self.up(x)))
@@ -42,10 +42,11 @@ class Ordered(nn.Module):
     output gets a gradient hook that records what zerokit holds as that block's backward
     starts (after zerokit's own hooks, registered first)."""
 
-    def __init__(self, reentrant=None):
+    def __init__(self, reentrant=None, widths=None):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        widths = widths or [4 * DIM] * BLOCKS  # hidden width of each block's MLP
+        self.blocks = nn.ModuleList(Block(w) for w in widths)
         self.head = nn.Linear(DIM, VOCAB)
         self.reentrant = reentrant  # None: no activation checkpointing
         self.order = list(reversed(range(BLOCKS)))
@@ -70,12 +71,12 @@ def _orders(steps, seed=3):
     return [torch.randperm(BLOCKS, generator=gen).tolist() for _ in range(steps)]
 
 
-def _run(rank, world_size, level, order_kind, reentrant=None, **wrap):
+def _run(rank, world_size, level, order_kind, reentrant=None, widths=None, **wrap):
     steps = 5
     batches = global_batches(steps, batch=2 * world_size)
     orders = _orders(steps) if order_kind == "input" else [list(reversed(range(BLOCKS)))] * steps
     torch.manual_seed(0)
-    ref = Ordered(reentrant)
+    ref = Ordered(reentrant, widths)
     model = copy.deepcopy(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
@@ -98,25 +99,26 @@ def _run(rank, world_size, level, order_kind, reentrant=None, **wrap):
         held.clear()
         xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
         loss_fn(model(xs), ys).backward()
+        bound = 4 * (root + (1 + 2 * 2) * unit)  # staging, derived below
+        assert state.staging.peak_bytes <= bound, (level, step, state.staging.peak_bytes, bound)
         if level == "os":  # full averaged gradients on every rank, as one process has them
             for name, p in model.named_parameters():
                 assert p.grad is not None and p.grad.shape == p.shape, name
         opt.step()
         opt.zero_grad()
         assert len(held) == BLOCKS
-        if step == 0:
-            continue  # the first backward may not know the order yet ('os', 'os_g')
         for block, gathered, staging in held:
             # 'p_g_os': the root unit (gathered from forward to the end of backward), the
             # block running and the one prefetched next; every later block in backward order
             # was freed when its reduction was launched.
             assert gathered <= root + 2 * unit, (step, block, gathered, root, unit)
             # Staging (fp32): the root's bucket (filling from the first gradient of backward
-            # to the last), one block filling, and at most MAX_GROUPS_IN_FLIGHT groups in
-            # flight, each with its gradients and its receive buffer.
-            bound = 4 * (root + (1 + 2 * MAX_GROUPS_IN_FLIGHT) * unit)
+            # to the last), one block filling, and at most 2 groups in flight (the documented
+            # MAX_GROUPS_IN_FLIGHT, written out so that raising it fails here), each with its
+            # gradients and its receive buffer; released buffers never add to that.
+            bound = 4 * (root + (1 + 2 * 2) * unit)
             assert staging <= bound, (level, step, block, staging, bound)
-        assert state.peak_groups_in_flight <= MAX_GROUPS_IN_FLIGHT
+        assert state.peak_groups_in_flight <= 2
         assert state.staging.live_bytes == 0 and state.gathered_numel() == 0
     assert_same_params(model, ref, ATOL, f"{level} {order_kind} reentrant={reentrant}")
 
@@ -132,6 +134,13 @@ def _layer_order_cases(rank, world_size):
         _run(rank, world_size, "os_g", "reverse", reentrant=reentrant)
     # buffer_max_size splits a unit into several buckets at 'p_g_os'
     _run(rank, world_size, "p_g_os", "input", buffer_max_size=100)
+    # Units of different sizes: released staging buffers of one size must not pile up while
+    # other sizes are requested (a pool that kept every released buffer to the end of backward
+    # held all the model's gradients here).
+    widths = [4 * DIM + 3 * DIM * i for i in range(BLOCKS)]
+    for level in ("os_g", "p_g_os"):
+        _run(rank, world_size, level, "reverse", widths=widths)
+        _run(rank, world_size, level, "input", widths=widths)
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
