@@ -188,8 +188,8 @@ def report(rows: list[dict], cfg: dict, p: int, json_path: str | None) -> None:
     per_block = cfg["width"] * 8 * cfg["width"] + 5 * cfg["width"]
     print(
         f"{cfg['layers']} MLP blocks of width {cfg['width']} "
-        f"({per_block * cfg['layers'] / 1e6:.1f}M params), batch {cfg['batch']}, {p} stages (gloo CPU ranks), m = {m} micro-batches, "
-        f"median of {cfg['steps']} steps"
+        f"({per_block * cfg['layers'] / 1e6:.1f}M params), batch {cfg['batch']}, {p} stages "
+        f"(gloo CPU ranks), m = {m} micro-batches, median of {cfg['steps']} steps"
     )
     print(
         f"{'schedule':<9}{'m':>3}{'stage':>6}{'in flight':>10}{'peak MiB':>10}{'theory MiB':>11}"
