@@ -9,8 +9,21 @@ import sys
 from . import __version__
 from .checkpoint.cli import add_parser as add_ckpt_parser
 from .checkpoint.cli import run as run_ckpt
-from .compare import CompareConfig, in_torchrun, run_compare, run_under_torchrun
-from .compare_report import format_table, require_matplotlib, write_plot
+from .compare import (
+    ActivationsConfig,
+    CompareConfig,
+    in_torchrun,
+    run_activations,
+    run_compare,
+    run_under_torchrun,
+)
+from .compare_report import (
+    format_activations_table,
+    format_table,
+    require_matplotlib,
+    write_activations_plot,
+    write_plot,
+)
 
 COMPARE_DESCRIPTION = """\
 Train a model under torch DDP and each zerokit level, each level in fresh processes (local
@@ -23,6 +36,13 @@ nn.Module mapping token ids [batch, seq] to logits [batch, seq, vocab], or a tup
 (model, make_batch) or (model, make_batch, loss_fn) for any other model, where
 make_batch(step, batch) returns that step's global (inputs, targets), tensors of `batch` rows,
 and loss_fn(output, targets) defaults to MSE for float targets, cross-entropy for integer ones.
+
+--activations instead prints activation bytes per transformer layer per rank for the built-in
+GPT in the five settings of Korthikanti et al. (none, tp, tp+sp, tp+sp+selective, full
+recompute): estimated (zerokit.memory.estimate_activations) beside measured
+(zerokit.memory.measure_activations, the paper's layer: explicit attention, dropout 0.1) on
+--tp local gloo ranks. It uses --seq, --batch (the micro-batch), --hidden, --heads, --layers,
+--tp, --json and --plot.
 """
 
 
@@ -59,13 +79,15 @@ def main(argv: list[str] | None = None) -> int:
         "--batch",
         type=int,
         default=CompareConfig.batch,
-        help="global batch in rows (sequences), split evenly across ranks (default %(default)s)",
+        help="global batch in rows (sequences), split evenly across ranks; with --activations "
+        "the micro-batch b every tp rank runs (default %(default)s)",
     )
     compare.add_argument(
         "--seq",
         type=int,
         default=CompareConfig.seq,
-        help="tokens per sequence, for token models (default %(default)s)",
+        help="tokens per sequence, for token models; with --activations the sequence length s "
+        "(default %(default)s)",
     )
     compare.add_argument(
         "--mixed-precision",
@@ -87,14 +109,77 @@ def main(argv: list[str] | None = None) -> int:
         "--plot",
         metavar="PATH",
         help="also write a chart (PNG): model state measured beside estimated with totals, and "
-        "the peak; needs matplotlib (default: none)",
+        "the peak (with --activations: activation bytes per layer, measured beside estimated); "
+        "needs matplotlib (default: none)",
     )
+    activations = compare.add_argument_group(
+        "activation memory (--activations)",
+    )
+    activations.add_argument(
+        "--activations",
+        action="store_true",
+        help="instead of training under each level, print activation bytes per layer per rank "
+        "of the built-in GPT in the five settings (none, tp, tp+sp, tp+sp+selective, full), "
+        "measured beside estimated (default: off)",
+    )
+    for flag, field, what in (
+        ("--hidden", "hidden", "hidden size h"),
+        ("--heads", "heads", "attention heads a (divisible by --tp)"),
+        ("--layers", "layers", "transformer layers"),
+        ("--tp", "tp", "tensor-parallel degree t: the local gloo ranks started (at least 2)"),
+    ):
+        activations.add_argument(
+            flag,
+            type=int,
+            default=getattr(ActivationsConfig, field),
+            help=f"with --activations: {what} (default %(default)s)",
+        )
     add_ckpt_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "ckpt":
         return run_ckpt(args)
 
+    if args.activations:
+        return _activations(args)
     return _compare(args)
+
+
+def _activations(args) -> int:
+    cfg = ActivationsConfig(
+        seq=args.seq,
+        batch=args.batch,
+        hidden=args.hidden,
+        heads=args.heads,
+        layers=args.layers,
+        tp=args.tp,
+    )
+    try:
+        if args.model or args.mixed_precision:
+            raise ValueError(
+                "--activations measures the built-in GPT in fp32; leave out --model and "
+                "--mixed-precision"
+            )
+        if in_torchrun():
+            raise ValueError(
+                "--activations starts its own --tp local ranks: run it without torchrun"
+            )
+        if args.plot:
+            require_matplotlib()  # before measuring, not after it
+        report = run_activations(cfg, lambda line: print(line, file=sys.stderr, flush=True))
+    except ValueError as e:
+        print(f"zerokit compare: error: {e}", file=sys.stderr)
+        return 2
+    print(format_activations_table(report), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        try:
+            write_activations_plot(report, args.plot)
+        except Exception as e:  # what was measured is printed (and written) already
+            print(f"zerokit compare: error: --plot {args.plot}: {e}", file=sys.stderr)
+            return 1
+    return 0
 
 
 def _compare(args) -> int:

@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .api import group_sharded_parallel
 from .launch import spawn_local
-from .memory import PeakMemory, estimate, measure
+from .memory import PeakMemory, estimate, estimate_activations, measure, measure_activations
 from .mixed_precision import MixedPrecision
 from .models.gpt import synthetic_batch
 from .scaler import ShardedGradScaler
@@ -397,3 +397,126 @@ def _exit_with_parent() -> None:
 
 def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+# -- zerokit compare --activations ------------------------------------------------------------
+#: the five settings of the design documents (Korthikanti et al., Table 2), as GPT options;
+#: the estimate's options follow from them (``activation_estimate_options``)
+ACTIVATION_SETTINGS = {
+    "none": {},
+    "tp": {"tensor_parallel": True},
+    "tp+sp": {"tensor_parallel": True, "sequence_parallel": True},
+    "tp+sp+selective": {
+        "tensor_parallel": True,
+        "sequence_parallel": True,
+        "recompute": "selective",
+    },
+    "full": {"tensor_parallel": True, "recompute": "full"},
+}
+ACTIVATION_DROPOUT = 0.1
+ACTIVATION_VOCAB = 64  # the head is outside the blocks: its size does not enter the count
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationsConfig:
+    seq: int = CompareConfig.seq
+    """Sequence length s (every tp rank runs the whole micro-batch)."""
+    batch: int = 8
+    """Micro-batch b."""
+    hidden: int = 64
+    """Hidden size h."""
+    heads: int = 4
+    """Attention heads a."""
+    layers: int = 2
+    """Transformer layers."""
+    tp: int = 2
+    """Tensor-parallel degree t: the ranks started."""
+
+
+def check_activations_config(cfg: ActivationsConfig) -> None:
+    for name in ("seq", "batch", "hidden", "heads", "layers"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.tp < 2:
+        raise ValueError(f"--tp must be at least 2 (the settings split across tp), got {cfg.tp}")
+    if cfg.hidden % cfg.heads:
+        raise ValueError(f"--heads {cfg.heads} must divide --hidden {cfg.hidden}")
+    if cfg.heads % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} must divide --heads {cfg.heads}")
+    if cfg.seq % cfg.tp:
+        raise ValueError(
+            f"--tp {cfg.tp} must divide --seq {cfg.seq} (sequence parallelism splits it)"
+        )
+
+
+def activation_estimate_options(options: dict, tp_degree: int) -> dict:
+    """``estimate_activations``'s options for a setting's GPT options."""
+    return {
+        "tp": tp_degree if options.get("tensor_parallel") else 1,
+        "sequence_parallel": options.get("sequence_parallel", False),
+        "recompute": options.get("recompute"),
+    }
+
+
+def _measure_activations_rank(rank: int, world_size: int, cfg: ActivationsConfig, out: str):
+    """Every rank of the tp group measures each setting; rank 0 writes the largest per layer."""
+    from . import tensor_parallel as tp
+    from .models.gpt import GPT, GPTConfig
+
+    layout = init_hybrid_parallel(1, world_size)
+    tp.model_parallel_random_seed(7, layout)  # the dropouts draw from the tracker's streams
+    gen = torch.Generator().manual_seed(0)  # the same tokens on every tp rank
+    idx = torch.randint(0, ACTIVATION_VOCAB, (cfg.batch, cfg.seq), generator=gen)
+    measured = []
+    for options in ACTIVATION_SETTINGS.values():
+        gpt_cfg = GPTConfig(
+            vocab_size=ACTIVATION_VOCAB, block_size=cfg.seq, n_layer=cfg.layers,
+            n_head=cfg.heads, n_embd=cfg.hidden, explicit_attention=True,
+            dropout=ACTIVATION_DROPOUT, **options,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        measured.append(measure_activations(GPT(gpt_cfg), idx).per_layer_bytes)
+    values = torch.tensor(measured, dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)  # the largest over ranks
+    if rank == 0:
+        Path(out).write_text(json.dumps(values.tolist()))
+
+
+def run_activations(cfg: ActivationsConfig, progress: Callable[[str], None] = print) -> dict:
+    """The five settings' activation bytes per layer per rank, estimated
+    (``estimate_activations``, fp32 values) beside measured (``measure_activations`` on the
+    built-in GPT with ``explicit_attention=True`` and dropout, on ``cfg.tp`` local gloo ranks
+    forming one tp group)."""
+    check_activations_config(cfg)
+    started = time.perf_counter()
+    progress(
+        f"measuring {len(ACTIVATION_SETTINGS)} settings on {cfg.tp} gloo ranks (one tp group) ..."
+    )
+    with tempfile.TemporaryDirectory(prefix="zerokit-activations-") as tmp:
+        out = os.path.join(tmp, "measured.json")
+        spawn_local(_measure_activations_rank, cfg.tp, cfg, out)
+        measured = json.loads(Path(out).read_text())
+    progress(f"      done in {time.perf_counter() - started:.1f} s")
+    rows = []
+    for (name, options), got in zip(ACTIVATION_SETTINGS.items(), measured):
+        estimate_options = activation_estimate_options(options, cfg.tp)
+        want = estimate_activations(
+            cfg.seq, cfg.batch, cfg.hidden, cfg.heads, cfg.layers,
+            bytes_per_value=4, **estimate_options,
+        )  # fmt: skip
+        rows.append(
+            {
+                "setting": name,
+                "estimate_options": estimate_options,
+                "measured_per_layer": got,
+                "estimated_per_layer": want.per_layer_bytes,
+            }
+        )
+    return {
+        "model": "built-in GPT",
+        **asdict(cfg),
+        "bytes_per_value": 4,
+        "dropout": ACTIVATION_DROPOUT,
+        "backend": "gloo",
+        "rows": rows,
+    }

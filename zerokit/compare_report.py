@@ -166,3 +166,99 @@ def write_plot(report: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+# -- zerokit compare --activations ------------------------------------------------------------
+def activation_formula(estimate_options: dict, bytes_per_value: int) -> str:
+    """The estimate's per-layer bytes as the paper writes them, for ``bytes_per_value``-byte
+    values and 1-byte dropout masks (the paper's 2 bytes: sbh(34 + 5as/h) with no parallelism)."""
+    p = bytes_per_value
+    t, sp, recompute = (
+        estimate_options["tp"],
+        estimate_options["sequence_parallel"],
+        estimate_options["recompute"],
+    )
+    if recompute == "full":
+        return f"{p}sbh/t" if sp else f"{p}sbh"
+    replicated, split, core = 4 * p + 2, 12 * p, 2 * p + 1
+    if t == 1:
+        terms = [f"{replicated + split}"]
+    elif sp:
+        terms = [f"{replicated + split}/t"]
+    else:
+        terms = [f"{replicated}", f"{split}/t"]
+    if recompute != "selective":
+        terms.append(f"{core}as/h" if t == 1 else f"{core}as/(ht)")
+    return f"sbh({' + '.join(terms)})"
+
+
+def format_activations_table(report: dict) -> str:
+    """The activations report as a fixed-width table: bytes per layer per rank."""
+    r = report
+    rows = r["rows"]
+    none = rows[0]["measured_per_layer"]
+    largest = max(max(row["measured_per_layer"], row["estimated_per_layer"]) for row in rows)
+    unit, scale = next(
+        (u, k) for u, k, top in (("KiB", 2**10, 2**26), ("MiB", 2**20, 2**36), ("GiB", 2**30, None))
+        if top is None or largest < top
+    )  # fmt: skip
+    lines = [
+        "activation bytes per transformer layer per rank, measured / estimated; "
+        f"{r['bytes_per_value']}-byte (fp32) values, 1-byte dropout masks",
+        f"{r['model']} (explicit_attention=True, dropout {r['dropout']}): s={r['seq']} "
+        f"b={r['batch']} h={r['hidden']} a={r['heads']}, {r['layers']} layers, t={r['tp']} "
+        f"({r['tp']} {r['backend']} ranks, one tp group)",
+        f"{'setting':<17}{'measured':>13}{'estimated':>13}{'measured/est':>14}"
+        f"{'of none':>9}  estimate",
+    ]
+    for row in rows:
+        m, e = row["measured_per_layer"], row["estimated_per_layer"]
+        formula = activation_formula(row["estimate_options"], r["bytes_per_value"])
+        lines.append(
+            f"{row['setting']:<17}{f'{m / scale:.1f} {unit}':>13}{f'{e / scale:.1f} {unit}':>13}"
+            f"{m / e:>14.3f}{m / none:>9.0%}  {formula}"
+        )
+    lines.append(
+        "measured: memory.measure_activations (the bytes autograd saves in the blocks, each "
+        "storage once), the largest over ranks;\nestimated: memory.estimate_activations; "
+        "of none: measured, as a share of none's."
+    )
+    return "\n".join(lines)
+
+
+def write_activations_plot(report: dict, path: str) -> None:
+    """Per setting, bytes per layer per rank: measured (solid) beside estimated (hatched)."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    xs = list(range(len(rows)))
+    unit, scale = _unit(
+        int(max(max(r["measured_per_layer"], r["estimated_per_layer"]) for r in rows))
+    )
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for offset, key, label, style in (
+        (-0.2, "measured_per_layer", "measured", {"color": "tab:blue"}),
+        (0.2, "estimated_per_layer", "estimated", {"color": "tab:blue", "alpha": 0.4,
+                                                   "hatch": "//"}),  # fmt: skip
+    ):
+        values = [r[key] for r in rows]
+        ax.bar([x + offset for x in xs], [v / scale for v in values], 0.38, label=label,
+               edgecolor="black", linewidth=0.5, **style)  # fmt: skip
+        for x, v in zip(xs, values):
+            ax.annotate(format_bytes(int(v)), (x + offset, v / scale), ha="center", va="bottom",
+                        fontsize=7)  # fmt: skip
+    ax.set_xticks(xs, [r["setting"] for r in rows])
+    ax.set_ylabel(f"{unit} per layer per rank")
+    ax.legend(fontsize=8)
+    ax.set_title(
+        f"activation memory: {report['model']}, s={report['seq']} b={report['batch']} "
+        f"h={report['hidden']} a={report['heads']}, t={report['tp']}, fp32",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

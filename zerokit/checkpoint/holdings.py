@@ -5,6 +5,10 @@ parameter, persistent buffer and per-element optimizer state, with its full shap
 and, for a tensor-parallel one, its split) and, for each, the flat ranges of its tp-local
 tensor that this rank holds (``Chunk``: a 1-D view of where the values live). Optimizer
 scalars (Adam's ``step``) and hyperparameters are kept per parameter name.
+
+A ``PipelineModule`` is seen through its stage, under the names of the whole model
+(``PipelineModule.checkpoint_names``: ``layers.<i>.*``, ``shared.<key>.*``): different stages
+hold different tensors, and a shared layer held by several stages is written by the first.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core import optimizer_params_of
 from ..core.state import state_of
 from ..tensor_parallel.layers import tensor_parallel_params
 from ..tensor_parallel.topology import TPSplit
@@ -57,7 +62,9 @@ class Holdings:
     optimizer_class: str | None = None
     optimizer_chunks: list[tuple[Chunk, torch.Tensor]] = field(default_factory=list)
     """(parameter chunk, the tensor the optimizer keys its state by), in group order."""
-    layout: dict = field(default_factory=dict)  # world size, level, dp/tp degrees
+    layout: dict = field(default_factory=dict)  # world size, level, dp/tp(/pp) degrees
+    pipeline: dict | None = None
+    """For a ``PipelineModule``: {"stage": this rank's stage, "stages": n, "bounds": [...]}."""
 
     @property
     def param_names(self) -> list[str]:
@@ -78,8 +85,31 @@ def _hyperparameters(group: dict) -> dict:
     return out
 
 
+def _pipeline_of(model: nn.Module):
+    from ..pipeline.module import PipelineModule  # checkpoint does not need pipeline otherwise
+
+    return model if isinstance(model, PipelineModule) else None
+
+
+def holder_of(model: nn.Module) -> nn.Module:
+    """The module that holds the tensors: a ``PipelineModule``'s stage, else ``model``."""
+    pipe = _pipeline_of(model)
+    return pipe.stage if pipe is not None else model
+
+
 def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdings:
     """This rank's holdings. Cheap: views only, nothing copied or gathered."""
+    pipe = _pipeline_of(model)
+    checkpoint_names = pipe.checkpoint_names() if pipe is not None else {}
+    if pipe is not None:
+        model = pipe.stage
+
+    def global_name(name: str) -> str:
+        return checkpoint_names[name][0] if pipe is not None else name
+
+    def writes(name: str) -> bool:  # False: another stage writes this tensor (a shared layer)
+        return checkpoint_names[name][1] if pipe is not None else True
+
     state = state_of(model)
     split_of = tensor_parallel_params(model)
     tp_layout = next((layer.layout for layer, _ in split_of.values()), None)
@@ -93,6 +123,9 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
         group_rank = (
             tp_layout.dp_rank if tp_layout else (dist.get_rank() if dist.is_initialized() else 0)
         )
+        if pipe is not None and dist.is_initialized():  # the position among the stage's ranks
+            in_stage = dist.get_rank() % (dist.get_world_size() // pipe.num_stages)
+            group_rank = in_stage // (tp_layout.tp_degree if tp_layout else 1)
         group_size = 1
     h = Holdings()
     h.layout = {
@@ -103,9 +136,13 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
         "zero_group_size": group_size,
         "replicas": state.replica_group.size() if state and state.replica_group else 1,
     }
+    if pipe is not None:
+        h.layout["pp_degree"] = pipe.num_stages
+        h.pipeline = {"stage": pipe.stage_id, "stages": pipe.num_stages, "bounds": list(pipe.bounds)}
 
     names, params = {}, {}  # id(parameter) -> its first name, the parameter
     for name, p in model.named_parameters(remove_duplicate=False):
+        name = global_name(name)
         if id(p) in names:
             h.aliases[name] = names[id(p)]
         else:
@@ -119,9 +156,9 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
             shape[split.dim] = split.full_size
         return TensorMeta(tuple(shape), dtype or p.dtype, split, tp_rank if split else 0)
 
-    def is_primary(meta: TensorMeta, whole: bool) -> bool:
+    def is_primary(name: str, meta: TensorMeta, whole: bool) -> bool:
         replicated_copy = (meta.split is None and tp_rank != 0) or replica_rank != 0
-        return not replicated_copy and (group_rank == 0 or not whole)
+        return writes(name) and not replicated_copy and (group_rank == 0 or not whole)
 
     # Trainable parameters under ZeRO: this rank's pieces of the flat buckets.
     sharded = set()
@@ -134,7 +171,7 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
                 # the fp32 master under mixed precision, whatever the compute copy's dtype
                 meta = meta_of(p, bucket.layout.slots[piece.slot].shape, bucket.layout.dtype)
                 h.metas[name] = meta
-                chunk = Chunk(name, piece.start, view, is_primary(meta, whole=False))
+                chunk = Chunk(name, piece.start, view, is_primary(name, meta, whole=False))
                 h.chunks.append(chunk)
                 owner[id(view)] = chunk
             for i, p in enumerate(bucket.params):  # a rank may hold no piece of a parameter
@@ -148,17 +185,17 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
             p = params[p_id]
             meta = meta_of(p, p.shape)
             h.metas[name] = meta
-            chunk = Chunk(name, 0, p.detach().view(-1), is_primary(meta, whole=True))
+            chunk = Chunk(name, 0, p.detach().view(-1), is_primary(name, meta, whole=True))
             h.chunks.append(chunk)
             owner[id(p)] = chunk
     for prefix, module in model.named_modules():
         for bname, buf in module._buffers.items():
             if buf is None or bname in module._non_persistent_buffers_set:
                 continue
-            name = f"{prefix}.{bname}" if prefix else bname
+            name = global_name(f"{prefix}.{bname}" if prefix else bname)
             meta = TensorMeta(tuple(buf.shape), buf.dtype, None, 0)
             h.metas[name] = meta
-            h.chunks.append(Chunk(name, 0, buf.view(-1), is_primary(meta, whole=True)))
+            h.chunks.append(Chunk(name, 0, buf.view(-1), is_primary(name, meta, whole=True)))
 
     if optimizer is not None:
         _collect_optimizer(h, optimizer, owner, names)
@@ -169,9 +206,8 @@ def _collect_optimizer(
     h: Holdings, optimizer, owner: dict[int, Chunk], names: dict[int, str]
 ) -> None:
     h.optimizer_class = type(optimizer).__name__.removeprefix("Sharded")
-    sharded = getattr(optimizer, "_zerokit", None)
-    for i, group in enumerate(optimizer.param_groups):
-        whole = sharded.group_params[i] if sharded else group["params"]  # a rank holds pieces
+    given = optimizer_params_of(optimizer)  # whole parameters; a sharded group holds pieces
+    for whole, group in zip(given, optimizer.param_groups):
         if any(id(p) not in names for p in whole):
             raise ValueError("the optimizer holds a tensor that is not a parameter of the model")
         params = [names[id(p)] for p in whole]

@@ -17,10 +17,17 @@ from torch import nn
 from ..core.agreement import alive
 from ..core.state import state_of
 from . import extra as extra_state
-from .holdings import Chunk, Holdings, TensorMeta, collect
+from .holdings import Chunk, Holdings, TensorMeta, collect, holder_of
 from .index import CheckpointError, dtype_from_name, is_finite_number, split_from_json
 from .reading import CheckpointReader, resolve
-from .saving import agree_on, gather_json, model_fingerprint, raise_any, world_group
+from .saving import (
+    agree_on,
+    gather_json,
+    model_fingerprint,
+    raise_any,
+    world_group,
+    world_view,
+)
 
 __all__ = ["load", "resolve"]
 
@@ -66,11 +73,14 @@ def load(
             error = f"{os.fspath(path)}: cannot read: {type(e).__name__}: {e}"
         try:
             raise_any(gather_json("checkpoint.load", [error, None], group, timeout))
+            world = world_view(h, "checkpoint.load", group, timeout)
             agree_on(
                 "checkpoint.load: what",
                 {
                     "the checkpoint read (sha256 of its index)": reader.digest.encode(),
-                    "the model's tensors": model_fingerprint(h),
+                    "the model's tensors": model_fingerprint(h)
+                    if world is None
+                    else world["fingerprint"],
                     "the optimizer": str(h.optimizer_class).encode(),
                     "the extra state asked for": repr(sorted(extra or {})).encode(),
                 },
@@ -79,7 +89,7 @@ def load(
             )
             staged, error = None, None
             try:
-                staged = _stage(reader, h, optimizer, strict, extra)
+                staged = _stage(reader, h, optimizer, strict, extra, world)
             except CheckpointError as e:
                 error = str(e)
             except (OSError, KeyError, TypeError, ValueError) as e:
@@ -120,14 +130,21 @@ def _check_ties(saved: dict, aliases: dict, h: Holdings) -> None:
                 )
 
 
-def _stage(reader: CheckpointReader, h: Holdings, optimizer, strict: bool, extra) -> _Staged:
+def _stage(
+    reader: CheckpointReader, h: Holdings, optimizer, strict: bool, extra, world: dict | None
+) -> _Staged:
+    """``world``: for a pipeline stage, what all stages hold (``saving.world_view``): strict
+    compares the checkpoint with the whole model, not with this stage."""
     index = reader.index
     saved = index["tensors"]
     aliases = index["aliases"]
     _check_ties(saved, aliases, h)
     names = {n: (n if n in saved else aliases.get(n, n)) for n in h.param_names}
-    missing = sorted(n for n, stored in names.items() if stored not in saved)
-    stored = {aliases.get(n, n) for n in names.values()}
+    everywhere = names if world is None else {
+        n: (n if n in saved else aliases.get(n, n)) for n in sorted(world["names"])
+    }
+    missing = sorted(n for n, stored in everywhere.items() if stored not in saved)
+    stored = {aliases.get(n, n) for n in everywhere.values()}
     unexpected = sorted(n for n in saved if not n.startswith("optim.") and n not in stored)
     if strict and (missing or unexpected):
         raise CheckpointError(
@@ -141,7 +158,7 @@ def _stage(reader: CheckpointReader, h: Holdings, optimizer, strict: bool, extra
             continue  # optimizer state (below), or skipped under strict=False
         staged.copies.append((chunk.tensor, _read(reader, name, h.metas[chunk.name], chunk)))
     if optimizer is not None:
-        _stage_optimizer(index, reader, h, optimizer, staged)
+        _stage_optimizer(index, reader, h, optimizer, staged, world)
     staged.extra = _stage_extra(reader, extra)
     return staged
 
@@ -194,7 +211,7 @@ def _check_hyperparameter(i: int, key: str, value, current) -> None:
 
 
 def _stage_optimizer(
-    index: dict, reader: CheckpointReader, h: Holdings, optimizer, staged: _Staged
+    index: dict, reader: CheckpointReader, h: Holdings, optimizer, staged: _Staged, world
 ) -> None:
     saved = index.get("optimizer")
     if saved is None:
@@ -204,7 +221,8 @@ def _stage_optimizer(
             f"the checkpoint holds {saved['class']} state, the optimizer is {h.optimizer_class}"
         )
     groups = saved["param_groups"]
-    if [set(g["params"]) for g in groups] != [set(g["params"]) for g in h.groups]:
+    held = [g["params"] for g in h.groups] if world is None else world["groups"]
+    if [set(g["params"]) for g in groups] != [set(params) for params in held]:
         raise CheckpointError(
             "the optimizer's param groups hold other parameters than the saved ones"
         )
@@ -290,6 +308,6 @@ def _apply(staged: _Staged, model: nn.Module, optimizer) -> None:
                     current.fill_(value)
                 else:
                     group[key] = tuple(value) if isinstance(current, tuple) else value
-    state = state_of(model)
+    state = state_of(holder_of(model))
     if state is not None:  # the shards changed: refresh the full parameters
         state.refresh_params()

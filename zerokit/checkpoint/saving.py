@@ -75,6 +75,73 @@ def model_fingerprint(h: Holdings) -> bytes:
     return hashlib.sha256(text).hexdigest().encode()
 
 
+def _grouped(values: list, members: list[int]) -> str:
+    held: dict[str, list[int]] = {}
+    for value, rank in zip(values, members):
+        held.setdefault(json.dumps(value, sort_keys=True), []).append(rank)
+    return "; ".join(f"ranks {r}: {v:.200}" for v, r in held.items())
+
+
+def world_view(h: Holdings, what: str, group, timeout: float | None) -> dict | None:
+    """For a pipelined model, what the whole world holds (None otherwise: every rank holds the
+    same model). One gather over every rank of every stage; the same ``CheckpointError`` on
+    every rank if the ranks of one stage hold different tensors or the ranks see different
+    pipelines. Returns ``fingerprint`` (of every stage's tensors, to agree on), ``names`` (the
+    model tensors of all stages) and ``groups`` (each optimizer param group's parameters on
+    all stages)."""
+    if h.pipeline is None:
+        return None
+    mine = {
+        "pipeline": h.pipeline | {"stage": None},
+        "stage": h.pipeline["stage"],
+        "fingerprint": model_fingerprint(h).decode(),
+        "names": h.param_names,
+        "groups": [g["params"] for g in h.groups],
+    }
+    replies = gather_json(f"{what}: the pipeline's stages", mine, group, timeout)
+    members = list(range(len(replies)))
+    pipelines = [r["pipeline"] for r in replies]
+    if any(p != pipelines[0] for p in pipelines):
+        raise CheckpointError(
+            f"{what}: the ranks see different pipelines ({_grouped(pipelines, members)})"
+        )
+    stages: dict[int, set[str]] = {}
+    for r in replies:
+        stages.setdefault(r["stage"], set()).add(r["fingerprint"])
+    for stage, prints in sorted(stages.items()):
+        if len(prints) > 1:
+            ranks = [m for m, r in zip(members, replies) if r["stage"] == stage]
+            shown = _grouped([replies[m]["fingerprint"][:12] for m in ranks], ranks)
+            raise CheckpointError(
+                f"{what}: the ranks of pipeline stage {stage} hold different tensors ({shown})"
+            )
+    if sorted(stages) != list(range(pipelines[0]["stages"])):
+        raise CheckpointError(f"{what}: stages {sorted(stages)} take part, not all of them")
+    names = {n for r in replies for n in r["names"]}
+    ngroups = {len(r["groups"]) for r in replies}
+    if len(ngroups) > 1:
+        raise CheckpointError(f"{what}: the stages' optimizers hold different numbers of groups")
+    groups: list[list[str]] = [[] for _ in range(ngroups.pop())]
+    seen: list[set[str]] = [set() for _ in groups]
+    for r in replies:  # stage order (pp is the outermost axis): each name once
+        for merged, known, params in zip(groups, seen, r["groups"]):
+            merged.extend(p for p in params if p not in known)
+            known.update(params)
+    text = json.dumps([pipelines[0], sorted(s.pop() for s in stages.values())]).encode()
+    return {"fingerprint": hashlib.sha256(text).hexdigest().encode(), "names": names,
+            "groups": groups}
+
+
+def optimizer_fingerprint(h: Holdings) -> bytes:
+    """The optimizer's class, groups and hyperparameters (a pipeline stage's own parameters:
+    those of all stages are checked by ``world_view``)."""
+    if h.pipeline is None:
+        desc = [h.optimizer_class, h.groups]
+    else:
+        desc = [h.optimizer_class, [g["hyperparameters"] for g in h.groups]]
+    return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest().encode()
+
+
 def agree_on(what: str, fields: dict[str, bytes], group, timeout: float | None) -> None:
     try:
         agree_all(what, fields, group, timeout)
@@ -137,7 +204,9 @@ def _describe(h: Holdings) -> dict:
     }
 
 
-def _build_index(h: Holdings, shards: list[dict], per_rank: dict[str, bool]) -> dict:
+def _build_index(
+    h: Holdings, shards: list[dict], per_rank: dict[str, bool], world: dict | None
+) -> dict:
     tensors = {}
     for shard in shards:  # a rank knows the optimizer state of the pieces it holds only
         for name, described in shard["tensors"].items():
@@ -178,7 +247,9 @@ def _build_index(h: Holdings, shards: list[dict], per_rank: dict[str, bool]) -> 
         if h.optimizer_class is None
         else {
             "class": h.optimizer_class,
-            "param_groups": h.groups,
+            "param_groups": h.groups
+            if world is None
+            else [g | {"params": p} for g, p in zip(h.groups, world["groups"])],
             "scalar_state": scalars,
             "state_tensors": state_names,
         },
@@ -248,13 +319,13 @@ def _save(path: str, model, optimizer, extra, group, timeout) -> None:
         error = f"{type(e).__name__}: {e}"
     digests = {k: extra_state.digest(*v) for k, v in extras.items()}
     replies = raise_any(gather_json("checkpoint.save", [error, digests], group, timeout))
-    optimizer_desc = json.dumps([h.optimizer_class, h.groups], sort_keys=True).encode()
+    world = world_view(h, "checkpoint.save", group, timeout)
     agree_on(
         "checkpoint.save: what and where",
         {
             "the path": path.encode(),
-            "the model's tensors": model_fingerprint(h),
-            "the optimizer": hashlib.sha256(optimizer_desc).hexdigest().encode(),
+            "the model's tensors": model_fingerprint(h) if world is None else world["fingerprint"],
+            "the optimizer": optimizer_fingerprint(h),
             "the extra state's keys": json.dumps(sorted(extras)).encode(),
             "the layout": json.dumps(h.layout, sort_keys=True).encode(),
         },
@@ -303,7 +374,7 @@ def _save(path: str, model, optimizer, extra, group, timeout) -> None:
         error = None
         if _rank() == 0:
             try:
-                index = _build_index(h, shards, per_rank)
+                index = _build_index(h, shards, per_rank, world)
                 _commit(path, tmp, index)
                 committed = True
             except Exception as e:

@@ -3,3 +3,7 @@
 Only ``zerokit.api`` builds it; the tools around it (checkpoint, memory, clip, scaler) use the
 small public protocol of ``ShardState`` (``zerokit.core.state``).
 """
+
+from .optimizer import optimizer_params_of
+
+__all__ = ["optimizer_params_of"]

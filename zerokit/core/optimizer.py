@@ -127,6 +127,16 @@ class OptimizerShardState:
         }
 
 
+def optimizer_params_of(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+    """Each param group's whole parameters: for an optimizer sharded by
+    ``group_sharded_parallel`` (whose groups hold this rank's 1-D pieces) as they were given,
+    for any other optimizer its groups' own."""
+    sharded = getattr(optimizer, "_zerokit", None)
+    if isinstance(sharded, OptimizerShardState):
+        return [list(params) for params in sharded.group_params]
+    return [list(group["params"]) for group in optimizer.param_groups]
+
+
 def shard_optimizer_(optimizer: torch.optim.Optimizer, shard_state: ShardState):
     """Point ``optimizer`` at this rank's pieces, in place. Validation happens before this."""
     piece_of = {}  # id(original param) -> its pieces on this rank
