@@ -138,7 +138,11 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
     }
     if pipe is not None:
         h.layout["pp_degree"] = pipe.num_stages
-        h.pipeline = {"stage": pipe.stage_id, "stages": pipe.num_stages, "bounds": list(pipe.bounds)}
+        h.pipeline = {
+            "stage": pipe.stage_id,
+            "stages": pipe.num_stages,
+            "bounds": list(pipe.bounds),
+        }
 
     names, params = {}, {}  # id(parameter) -> its first name, the parameter
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -128,8 +128,8 @@ def world_view(h: Holdings, what: str, group, timeout: float | None) -> dict | N
             merged.extend(p for p in params if p not in known)
             known.update(params)
     text = json.dumps([pipelines[0], sorted(s.pop() for s in stages.values())]).encode()
-    return {"fingerprint": hashlib.sha256(text).hexdigest().encode(), "names": names,
-            "groups": groups}
+    fingerprint = hashlib.sha256(text).hexdigest().encode()
+    return {"fingerprint": fingerprint, "names": names, "groups": groups}
 
 
 def optimizer_fingerprint(h: Holdings) -> bytes:
