@@ -1,7 +1,10 @@
 """Pipeline parallelism: schedules as pure action lists; pp=2 and pp=3 (uneven stages) train as
 one process on the whole batch (2e-5, fp32) with every schedule and 1, 2, 4 micro-batches;
 dp 2 x pp 2 under each ZeRO level with a global clipping norm; an embedding tied to the LM head
-across stages; a rank builds only its own stage's layers."""
+across stages; a rank builds only its own stage's layers; ``eval_batch`` equals the one-process
+model's loss (in eval mode: dropout off, train mode restored); the built-in GPT, its embedding
+tied to its head, as a pipeline (``gpt_layers``) trains as ``GPT`` in one process.
+Tensor parallelism inside stages and mixed precision: test_pipeline_tp_mp.py."""
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from models import VOCAB, global_batches, loss_fn
 from torch import nn
 
 import zerokit
+from zerokit.models.gpt import GPT, GPTConfig, gpt_layers, gpt_pipeline_state_dict, lm_loss
 from zerokit.pipeline import LayerDesc, PipelineModule, PipelineStage, SharedLayerDesc
 from zerokit.pipeline import partition as part
 from zerokit.pipeline.schedules import f_then_b, naive, one_f_one_b, peak_in_flight, schedule
@@ -116,6 +120,16 @@ def reference_run(layers, batches, clip=None):
     return init, model.state_dict(), losses
 
 
+@torch.no_grad()
+def reference_eval(layers, state, batch) -> float:
+    """The one-process model's loss on ``batch`` with ``state`` loaded, in eval mode."""
+    model = PipelineStage(layers, 0)
+    model.load_state_dict(state)
+    model.eval()
+    x, y = batch
+    return loss_fn(model(x), y).item()
+
+
 def load_stage(pipe: PipelineModule, state: dict) -> None:
     mine = pipe.stage.state_dict()
     pipe.stage.load_state_dict({k: state[k] for k in mine})
@@ -146,7 +160,10 @@ def _equivalence(rank, world_size, blocks, partition):
         opt = torch.optim.SGD(pipe.parameters(), lr=0.2, momentum=0.9)
         losses = [pipe.train_batch(b, opt, schedule=sched, micro_batches=m).item() for b in batches]
         check(pipe, losses, ref_losses, ref_state, f"pp{world_size} {sched} m={m}")
-        assert abs(pipe.eval_batch(batches[0], micro_batches=2).item() - 0) >= 0  # runs
+        want = reference_eval(layers, ref_state, batches[0])
+        for em in (1, 2):
+            got = pipe.eval_batch(batches[0], micro_batches=em).item()
+            assert abs(got - want) <= ATOL, f"pp{world_size} {sched} m={m}: eval {got} != {want}"
 
 
 def test_pp2_every_schedule():
@@ -176,6 +193,11 @@ def _zero(rank, world_size):
             loss = pipe.train_batch((x[half], y[half]), opt, "1f1b", m, clip_norm=0.5)
             losses.append(loss.item())
         check(pipe, losses, ref_losses, ref_state, f"dp2 x pp2 level={level}")
+        x, y = batches[0]
+        half = slice(layout.dp_rank * 4, layout.dp_rank * 4 + 4)
+        got = pipe.eval_batch((x[half], y[half]), micro_batches=2).item()
+        want = reference_eval(layers, ref_state, batches[0])
+        assert abs(got - want) <= ATOL, f"dp2 x pp2 level={level}: eval {got} != {want}"
 
 
 @pytest.mark.slow
@@ -227,3 +249,79 @@ def _tied_zero(rank, world_size):
 def test_tied_embedding_across_stages_under_zero():
     run_distributed(_tied_zero, 4)
 
+
+
+# -- the built-in GPT as a pipeline --------------------------------------------------------------
+GPT_CFG = GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=2, n_head=2, n_embd=8)
+
+
+def reference_gpt(cfg, batches, clip):
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    init = {k: v.clone() for k, v in gpt_pipeline_state_dict(model.state_dict(), cfg).items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    losses = []
+    for x, y in batches:
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        assert norm > clip  # the clipping bites
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model, init, gpt_pipeline_state_dict(model.state_dict(), cfg), losses
+
+
+def _gpt(rank, world_size, level):
+    """``PipelineModule(gpt_layers(cfg), lm_loss)`` against ``GPT(cfg)``: training (the tied
+    embedding on the first stage, the head on the last), clipping, ``eval_batch``; then with
+    dropout, ``eval_batch`` runs in eval mode and leaves the stage training."""
+    layout = None if level is None else zerokit.init_hybrid_parallel(2, 1, pp_degree=2)
+    dp = 1 if layout is None else 2
+    batches = global_batches(STEPS, batch=4 * dp)
+    ref, init, ref_state, ref_losses = reference_gpt(GPT_CFG, batches, clip=0.5)
+    pipe = PipelineModule(gpt_layers(GPT_CFG), lm_loss, num_stages=2, layout=layout)
+    assert pipe.bounds == [0, 3, 6] and set(pipe.shared_groups) == {"wte"}, pipe.bounds
+    load_stage(pipe, init)
+    opt = torch.optim.SGD(pipe.stage.parameters(), lr=0.2, momentum=0.9)
+    if layout is not None:
+        _, opt, _ = zerokit.group_sharded_parallel(pipe.stage, opt, level, group=layout.dp_group)
+    mine = slice(0, None) if layout is None else slice(layout.dp_rank * 4, layout.dp_rank * 4 + 4)
+    losses = [
+        pipe.train_batch((x[mine], y[mine]), opt, "1f1b", 2, clip_norm=0.5).item()
+        for x, y in batches
+    ]
+    what = f"GPT pp2 dp{dp} level={level}"
+    check(pipe, losses, ref_losses, ref_state, what)
+    x, y = batches[0]
+    ref.eval()
+    with torch.no_grad():
+        want = lm_loss(ref(x), y).item()
+    got = pipe.eval_batch((x[mine], y[mine]), micro_batches=2).item()
+    assert abs(got - want) <= ATOL, f"{what}: eval {got} != {want}"
+    if layout is not None:
+        return
+    # dropout: eval_batch must turn it off (one process: GPT.eval()) and restore train mode
+    cfg = GPTConfig(**{**GPT_CFG.__dict__, "explicit_attention": True, "dropout": 0.5})
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    with torch.no_grad():
+        want = lm_loss(model(x), y).item()
+    pipe = PipelineModule(gpt_layers(cfg), lm_loss, num_stages=2)
+    load_stage(pipe, gpt_pipeline_state_dict(model.state_dict(), cfg))
+    assert pipe.stage.training
+    got = pipe.eval_batch(batches[0], micro_batches=2).item()
+    assert abs(got - want) <= ATOL, f"GPT with dropout: eval {got} != {want}"
+    assert pipe.stage.training, "eval_batch left the stage in eval mode"
+    pipe.stage.eval()
+    pipe.eval_batch(batches[0])
+    assert not pipe.stage.training, "eval_batch put a stage in eval mode back in train mode"
+
+
+def test_gpt_as_a_pipeline():
+    run_distributed(_gpt, 2, None)
+
+
+@pytest.mark.slow
+def test_gpt_as_a_pipeline_dp2_zero():
+    run_distributed(_gpt, 4, "os_g")

@@ -248,3 +248,104 @@ def synthetic_batch(
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of logits [B, T, vocab] against targets [B, T]."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+# -- the same GPT as pipeline layer descriptions -------------------------------------------------
+class PositionEmbedding(nn.Module):
+    """``x + wpe(positions)``: token embeddings [B, T, C] in, the residual stream out. The
+    pipeline's second layer, so that only the first stage holds ``wpe``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        nn.init.normal_(self.wpe.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.wpe(torch.arange(x.shape[1], device=x.device))
+
+
+def _pipeline_wte(cfg: GPTConfig) -> nn.Embedding:
+    wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+    nn.init.normal_(wte.weight, std=0.02)
+    return wte
+
+
+def _pipeline_block(cfg: GPTConfig) -> Block:
+    block = Block(cfg)
+    for name, p in block.named_parameters():  # GPT's initialisation, block by block
+        if p.dim() == 2:
+            scaled = name.endswith(("proj.weight", "fc_out.weight"))
+            nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer) if scaled else 0.02)
+    return block
+
+
+def _pipeline_lm_head(cfg: GPTConfig) -> nn.Linear:
+    head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+    nn.init.normal_(head.weight, std=0.02)
+    return head
+
+
+def _tied_lm_head(wte: nn.Embedding, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, wte.weight)  # [B, T, C] -> [B, T, vocab]
+
+
+def gpt_layers(cfg: GPTConfig) -> list:
+    """``GPT(cfg)`` as layer descriptions for ``zerokit.pipeline.PipelineModule``:
+
+    ``[wte, PositionEmbedding, Block x n_layer, ln_f, lm_head]`` (``3 + n_layer + 1`` layers).
+    With ``tie_weights`` the token embedding and the head are one ``SharedLayerDesc("wte")``
+    (the head uses its weight: ``x @ wte.weight.T``); across stages its copies start equal and
+    their gradients are summed. Token ids in, logits out: ``loss_fn=lm_loss``. Each layer is
+    initialised as ``GPT`` initialises it (its own random draws, so to reproduce a given
+    ``GPT``, load ``gpt_pipeline_state_dict(gpt.state_dict(), cfg)``).
+
+    >>> cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8)
+    >>> [type(d).__name__ for d in gpt_layers(cfg)]
+    ['SharedLayerDesc', 'LayerDesc', 'LayerDesc', 'LayerDesc', 'LayerDesc', 'SharedLayerDesc']
+
+    Not with ``tensor_parallel`` (a vocabulary-parallel embedding and loss) or
+    ``recompute="full"`` (``GPT.run_blocks``'s) yet.
+    """
+    from ..pipeline.describe import LayerDesc, SharedLayerDesc
+
+    if cfg.tensor_parallel:
+        raise ValueError("gpt_layers does not support tensor_parallel=True yet")
+    if cfg.recompute == "full":
+        raise ValueError('gpt_layers does not support recompute="full" yet')
+    if cfg.tie_weights:
+        first = SharedLayerDesc("wte", _pipeline_wte, None, "weight", cfg)
+        last = SharedLayerDesc("wte", _pipeline_wte, _tied_lm_head, "weight", cfg)
+    else:
+        first, last = LayerDesc(_pipeline_wte, cfg), LayerDesc(_pipeline_lm_head, cfg)
+    blocks = [LayerDesc(_pipeline_block, cfg) for _ in range(cfg.n_layer)]
+    return [
+        first,
+        LayerDesc(PositionEmbedding, cfg),
+        *blocks,
+        LayerDesc(nn.LayerNorm, cfg.n_embd),
+        last,
+    ]
+
+
+def gpt_pipeline_state_dict(state_dict: dict, cfg: GPTConfig) -> dict:
+    """A ``GPT(cfg)`` state dict under the names of ``PipelineModule(gpt_layers(cfg), ...)``'s
+    stages (each stage takes the keys it has: ``{k: sd[k] for k in pipe.stage.state_dict()}``).
+    """
+    n = cfg.n_layer
+    out = {}
+    for key, value in state_dict.items():
+        if key == "wte.weight":
+            out["shared.wte.weight" if cfg.tie_weights else "layers.0.weight"] = value
+        elif key == "wpe.weight":
+            out["layers.1.wpe.weight"] = value
+        elif key.startswith("blocks."):
+            i, rest = key[len("blocks.") :].split(".", 1)
+            out[f"layers.{2 + int(i)}.{rest}"] = value
+        elif key.startswith("ln_f."):
+            out[f"layers.{2 + n}.{key[len('ln_f.') :]}"] = value
+        elif key == "lm_head.weight":
+            if not cfg.tie_weights:
+                out[f"layers.{3 + n}.weight"] = value
+        else:
+            raise KeyError(f"unexpected GPT state dict key {key!r}")
+    return out

@@ -22,8 +22,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core import presence
+from ..core.collectives import all_reduce_
 from ..core.state import state_of
 from ..tensor_parallel import topology
+from ..tensor_parallel.layers import (
+    allreduce_sequence_parallel_grads,
+    tensor_parallel_params,
+    tp_group_of,
+)
 from .describe import LayerDesc, SharedLayerDesc
 from .p2p import Mailbox
 from .partition import partition as split_layers
@@ -179,18 +186,30 @@ class PipelineModule(nn.Module):
         schedule: str = "1f1b",
         micro_batches: int = 1,
         clip_norm: float | None = None,
+        scaler=None,
     ) -> torch.Tensor:
         """One whole step on this rank's ``(inputs, labels)``: forward and backward of every
         micro-batch in the schedule's order, tied gradients summed across stages, optional
         clipping to a global norm ``clip_norm``, ``optimizer.step()``, ``optimizer.zero_grad()``.
         Returns the mean loss over the global batch (every data-parallel rank's), on every rank.
-        Collective over every rank of the layout."""
+        Collective over every rank of the layout.
+
+        Tensor-parallel layers inside a stage: the norm counts each element once (replicated
+        parameters on tp rank 0), and a stage not wrapped by ZeRO has its ``sequence_parallel``
+        marked gradients summed over the tp group (ZeRO does that for a wrapped one).
+
+        ``scaler`` (fp16): the one ``group_sharded_parallel`` returned for a wrapped stage (a
+        ``zerokit.ShardedGradScaler``), or a ``torch.amp.GradScaler`` for a stage not wrapped.
+        The last stage's loss is scaled for backward, the gradients unscaled before clipping,
+        and whether any is inf/nan is agreed over the pipeline too: every stage skips the step
+        together, and the scaler is updated. The returned loss is unscaled."""
         state = state_of(self.stage)
         if state is None and self._data_size() > 1:
             raise RuntimeError(
                 "the layout has data-parallel ranks: wrap the stage first, "
                 "zerokit.group_sharded_parallel(pipe.stage, opt, level, group=layout.dp_group)"
             )
+        self._check_scaler(scaler, state)
         inputs, labels = batch
         actions = make_schedule(schedule, self.num_stages, self.stage_id, micro_batches)
         # Under ZeRO every backward but the stage's last runs in no_sync(); with tied weights
@@ -207,6 +226,8 @@ class PipelineModule(nn.Module):
             if self.is_last:
                 out = self.loss_fn(out, ys[i]) * weights[i]
                 losses.append(out.detach())
+                if scaler is not None:
+                    out = scaler.scale(out)
             else:
                 self.mailbox.send(out, self.stage_id + 1)
             held[i] = (x, out)
@@ -223,12 +244,20 @@ class PipelineModule(nn.Module):
 
         execute(actions, forward, backward)
         self.mailbox.finish()
+        if state is None:  # a wrapped stage's marked gradients are summed over tp by ZeRO
+            allreduce_sequence_parallel_grads(self.stage)
         self._sum_tied_grads(state)
         if reduce_after:
             self.stage.reduce_gradients()
+        if scaler is not None:
+            self._unscale(scaler, optimizer, state)
         if clip_norm is not None:
             self._clip(clip_norm, state)
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)  # skipped on every rank when any rank found inf/nan
+            scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad()
         return self._global_loss(losses)
 
@@ -236,17 +265,23 @@ class PipelineModule(nn.Module):
     def eval_batch(
         self, batch: tuple[torch.Tensor, torch.Tensor], micro_batches: int = 1
     ) -> torch.Tensor:
-        """The mean loss over the global batch, on every rank; no gradients, no step."""
+        """The mean loss over the global batch, on every rank; no gradients, no step. The stage
+        runs in eval mode (dropout off) and is put back in the mode it was in."""
         inputs, labels = batch
         xs, ys = inputs.tensor_split(micro_batches), labels.tensor_split(micro_batches)
         losses = []
-        for x, y in zip(xs, ys):
-            out = self.stage(x if self.is_first else self.mailbox.recv(self.stage_id - 1))
-            if self.is_last:
-                losses.append(self.loss_fn(out, y) * (len(y) / len(labels)))
-            else:
-                self.mailbox.send(out, self.stage_id + 1)
-        self.mailbox.finish()
+        was_training = self.stage.training
+        self.stage.eval()
+        try:
+            for x, y in zip(xs, ys):
+                out = self.stage(x if self.is_first else self.mailbox.recv(self.stage_id - 1))
+                if self.is_last:
+                    losses.append(self.loss_fn(out, y) * (len(y) / len(labels)))
+                else:
+                    self.mailbox.send(out, self.stage_id + 1)
+            self.mailbox.finish()
+        finally:
+            self.stage.train(was_training)
         return self._global_loss(losses)
 
     # -- helpers -------------------------------------------------------------------------------
@@ -291,38 +326,81 @@ class PipelineModule(nn.Module):
                 weight.grad = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
             dist.all_reduce(weight.grad, group=group)
 
+    def _check_scaler(self, scaler, state) -> None:
+        if scaler is None:
+            return
+        if state is not None and not hasattr(scaler, "_found_inf"):
+            raise TypeError(
+                "the stage is wrapped by group_sharded_parallel: pass the scaler it returned "
+                "(a zerokit.ShardedGradScaler), not "
+                f"{type(scaler).__name__}"
+            )
+        if state is None and not hasattr(scaler, "_per_optimizer_states"):
+            raise TypeError(
+                "a stage not wrapped by group_sharded_parallel takes a torch.amp.GradScaler; "
+                f"got {type(scaler).__name__} (a ShardedGradScaler needs a wrapped stage)"
+            )
+
+    def _unscale(self, scaler, optimizer, state) -> None:
+        """``scaler.unscale_(optimizer)``, then the found-inf flag agreed over the pipeline (and
+        for a stage not wrapped, its tp group), written back where ``scaler.step`` reads it."""
+        if not scaler.is_enabled():
+            return
+        scaler.unscale_(optimizer)  # a wrapped stage's: agreed over its ZeRO, replica, tp groups
+        groups = [self.group] if self.num_stages > 1 else []
+        if state is not None:
+            found = torch.tensor(float(scaler._found_inf[id(optimizer)]))
+        else:  # torch.amp.GradScaler: this rank's flags, one per device
+            flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+            found = torch.zeros(())
+            for flag in flags.values():
+                found = torch.maximum(found, flag.detach().float().cpu())
+            tp_group = tp_group_of(self.stage)
+            if tp_group is not None:
+                groups.append(tp_group)
+        for group in groups:
+            all_reduce_(found, group, op=dist.ReduceOp.MAX)
+        if state is not None:
+            scaler._found_inf[id(optimizer)] = bool(found.item())
+        else:
+            for flag in flags.values():
+                flag.fill_(found.item())
+
     def _clip(self, max_norm: float, state) -> None:
-        """Clip to the norm of the whole model's gradient: each stage's squared norm (across its
-        shards, via ``zerokit.clip_grad_norm_``) summed over the pipeline; a tied weight is
-        counted on its first stage only."""
+        """Clip to the norm of the whole model's gradient, as ``zerokit.clip_grad_norm_``
+        counts a stage (every element once: ZeRO's owned pieces, a replicated parameter of a
+        tensor-parallel stage on tp rank 0 only), summed over the same groups (ZeRO's, tp's)
+        and then over the pipeline; a tied weight is counted on its first stage only."""
         skip = {id(self._tied[k]) for k, (_, first) in self.shared_groups.items() if not first}
         if state is not None:
-            from ..clip import clip_grad_norm_
-
-            square = clip_grad_norm_(self.stage, float("inf")).double() ** 2  # scales by 1
-            # a tied copy on a later stage was counted by the stage's norm: take it out
-            copy = torch.zeros((), dtype=torch.float64)
-            for param, grad in state.owned_grad_pieces():
-                if id(param) in skip:
-                    copy += grad.double().pow(2).sum()
-            if skip:
-                dist.all_reduce(copy, group=state.process_group)
-            square = square - copy
+            state.check_ready_for_step()
+            presence.mark(state.process_group, "PipelineModule.train_batch(clip_norm=...)")
+            owned = state.owned_grad_pieces()  # every element once across the ZeRO group
+            groups = [state.process_group]
             to_scale = state.grads_to_scale()
+            tp_group = state.tp_group
+            device = state.communication_device
         else:
-            grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
-            counted = [
-                p.grad for p in self.stage.parameters() if p.grad is not None and id(p) not in skip
-            ]
-            square = sum(
-                (g.double().pow(2).sum() for g in counted), torch.zeros((), dtype=torch.float64)
-            )
-            to_scale = grads
+            owned = [(p, p.grad) for p in self.stage.parameters() if p.grad is not None]
+            groups, to_scale = [], [g for _, g in owned]
+            tp_group = tp_group_of(self.stage)
+            device = torch.device("cpu") if not owned else owned[0][1].device
+        if tp_group is not None and tp_group.size() > 1:
+            groups.append(tp_group)
+            if tp_group.rank() != 0:  # replicated parameters: the same gradient on every tp rank
+                split = tensor_parallel_params(self.stage)
+                owned = [(p, g) for p, g in owned if id(p) in split]
+        square = torch.zeros((), dtype=torch.float64, device=device)
+        for param, grad in owned:
+            if id(param) not in skip:
+                square += grad.double().pow(2).sum().to(device)
+        for group in groups:
+            all_reduce_(square, group)
         if self.num_stages > 1:
-            dist.all_reduce(square, group=self.group)
+            all_reduce_(square, self.group)
         coef = (max_norm / (square.sqrt() + 1e-6)).clamp(max=1.0)
         for g in to_scale:
-            g.mul_(coef.to(g.dtype))
+            g.mul_(coef.to(device=g.device, dtype=g.dtype))
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint_names(self) -> dict[str, tuple[str, bool]]:
