@@ -223,21 +223,50 @@ def test_gradients_are_reduced_in_the_dtype_asked_for():
     run_distributed(_reduces_in_the_asked_dtype, 2)
 
 
-def test_a_group_refuses_illegal_transitions():
-    group = ShardGroup.__new__(ShardGroup)
-    group.name, group.phase, group.buckets, group.keep_whole = "blocks.0", Phase.IDLE, [], False
-    group.forward_calls = 0
+def _transitions(rank, world_size):
+    torch.manual_seed(0)
+    model = Ordered()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os")
+    state = state_of(model)
+    group = next(g for g in state.groups if g.name == "blocks.0")
+    with pytest.raises(TransitionError, match="post_forward in phase idle"):
+        group.post_forward()  # no pre_forward
     group.pre_forward()
-    assert group.phase is Phase.FORWARD
+    assert group.phase is Phase.FORWARD and group.gathered_numel() > 0
+    group.post_forward()
+    assert group.gathered_numel() == 0  # freed after its forward
     group.pre_backward()
-    assert group.phase is Phase.PRE_BACKWARD
-    group._arrived, group._staged = [], []
-    group.post_backward()
-    assert group.phase is Phase.POST_BACKWARD
+    assert group.phase is Phase.PRE_BACKWARD and group.gathered_numel() > 0
+    param = group.params[0]
+    param.grad = torch.ones_like(param)
+    pending = group.post_backward()
+    assert group.phase is Phase.POST_BACKWARD and group.gathered_numel() == 0
     with pytest.raises(TransitionError, match="reduced twice"):
         group.post_backward()
     with pytest.raises(TransitionError, match="after its gradients were reduced"):
         group.pre_forward()
+    with pytest.raises(TransitionError, match="backward reached it after its reduction"):
+        group.pre_backward()
+    with pytest.raises(TransitionError, match="post_forward in phase post_backward"):
+        group.post_forward()
+    param.grad = torch.ones_like(param)
+    with pytest.raises(TransitionError, match="arrived after the unit was reduced"):
+        group.accumulate(0, 0, param)
+    param.grad = None
+    for work in pending:
+        work.finish()
+    group.finish_backward([torch.ones(len(b.params), dtype=torch.bool) for b in group.buckets])
+    assert group.phase is Phase.IDLE
+    # the group works again after its illegal requests: a whole step still trains
+    x, y = global_batches(1, batch=2)[0]
+    loss_fn(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_a_group_refuses_illegal_transitions():
+    run_distributed(_transitions, 1)
 
 
 _EXIT_SCRIPT = textwrap.dedent(

@@ -124,6 +124,11 @@ class ShardGroup:
         self.forward_calls += 1
 
     def post_forward(self) -> None:
+        if self.phase not in (Phase.FORWARD, Phase.PRE_BACKWARD):  # recomputation: PRE_BACKWARD
+            raise TransitionError(
+                f"unit {self.name!r}: post_forward in phase {self.phase.value} (its pre_forward "
+                "never ran, or its gradients were already reduced)"
+            )
         self.reshard()
 
     # -- backward ------------------------------------------------------------------------------
