@@ -40,8 +40,8 @@ The totals are rounded to two decimals as the paper does (9.5625 -> 9.56).
 keeps for backward from a GPT's blocks (``zerokit.models.gpt.GPT``), counted through
 ``torch.autograd.graph.saved_tensors_hooks``. With ``GPTConfig(explicit_attention=True,
 dropout=...)`` (the paper's layer) it agrees with ``estimate_activations`` at
-``bytes_per_value=4`` (fp32) within 1% in each of the five settings; ``zerokit compare
---activations`` prints them side by side.
+``bytes_per_value=4`` (fp32) within 1% in each of the five settings at the sizes of
+``zerokit compare --activations``, which prints them side by side.
 """
 
 from __future__ import annotations
