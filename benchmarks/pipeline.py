@@ -6,7 +6,8 @@ zerokit PipelineModule; each schedule trains --steps timed steps after one warm-
 
 Measured: the most bytes autograd holds saved for backward at once on each stage during a
 step (torch.autograd.graph.saved_tensors_hooks; each storage once, parameters and the input
-batch left out), and the step time (the slowest rank's, median over steps). Theory: naive
+batch left out), the bytes of the sends each stage's mailbox holds until the step ends, and
+the step time (the slowest rank's, median over steps). Theory: naive
 holds one micro-batch of the whole batch, F-then-B holds all m micro-batches on every stage,
 1F1B at most p - s on stage s; with a micro-batch's activations = naive's peak / m (they grow
 linearly with the batch). Bubble: each stage idles (p-1)/(m+p-1) of the step (naive: m = 1).
@@ -18,6 +19,7 @@ linearly with the batch). Bubble: each stage idles (p-1)/(m+p-1) of the step (na
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -87,6 +89,14 @@ class _Held:
         self.counter.release(self.ptr, self.nbytes)
 
 
+def _finish_counting(mailbox, sent: list[int]) -> None:
+    """``Mailbox.finish``, first noting the bytes of every send it still holds (each storage
+    once): the sends are kept until the step's end, whatever the schedule."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for _, t in mailbox._pending}
+    sent.append(sum(st.nbytes() for st in storages.values()))
+    type(mailbox).finish(mailbox)
+
+
 def build_block(width: int):
     from torch import nn
 
@@ -125,6 +135,8 @@ def measure(rank: int, world_size: int, cfg: dict) -> list[dict]:
         opt = torch.optim.SGD(pipe.parameters(), lr=1e-3)
         skip = {t.untyped_storage().data_ptr() for t in (*pipe.parameters(), x, y)}
         counter = SavedBytes(skip)
+        sent: list[int] = []  # bytes of the sends the mailbox holds when the step ends
+        pipe.mailbox.finish = functools.partial(_finish_counting, pipe.mailbox, sent)
         peaks, times = [], []
         for step in range(cfg["steps"] + 1):
             dist.barrier()
@@ -144,6 +156,7 @@ def measure(rank: int, world_size: int, cfg: dict) -> list[dict]:
             "stage": rank,
             "stages": p,
             "peak_bytes": max(peaks),
+            "sent_bytes": max(sent),
             "step_s": statistics.median(slowest.tolist()),
             "in_flight_theory": in_flight(name, p, rank, micro),
             "bubble": bubble(p, micro),
@@ -193,7 +206,7 @@ def report(rows: list[dict], cfg: dict, p: int, json_path: str | None) -> None:
     )
     print(
         f"{'schedule':<9}{'m':>3}{'stage':>6}{'in flight':>10}{'peak MiB':>10}{'theory MiB':>11}"
-        f"{'meas/theory':>12}{'step s':>8}{'bubble':>8}"
+        f"{'meas/theory':>12}{'sends MiB':>10}{'step s':>8}{'bubble':>8}"
     )
     for r in rows:
         theory = r.get("theory_bytes")
@@ -201,12 +214,15 @@ def report(rows: list[dict], cfg: dict, p: int, json_path: str | None) -> None:
         print(
             f"{r['schedule']:<9}{r['micro_batches']:>3}{r['stage']:>6}{r['in_flight_theory']:>10}"
             f"{r['peak_bytes'] / MIB:>10.2f}"
-            f"{(theory or 0) / MIB:>11.2f}{ratio:>12}{r['step_s']:>8.3f}{r['bubble']:>8.3f}"
+            f"{(theory or 0) / MIB:>11.2f}{ratio:>12}{r['sent_bytes'] / MIB:>10.2f}"
+            f"{r['step_s']:>8.3f}{r['bubble']:>8.3f}"
         )
     print(
         "in flight: micro-batches whose activations the stage holds at once, in theory (naive: "
         "its one micro-batch is the whole batch);\npeak: autograd's saved tensors (parameters "
-        "and the input batch left out); theory: in flight x naive's peak / m."
+        "and the input batch left out); theory: in flight x naive's peak / m;\nsends: what the "
+        "stage sent in the step (outputs on, input gradients back), held by its mailbox until "
+        "the step ends (Mailbox.finish), not in peak."
     )
     measured = stage0_ratio(rows)
     theory = min(p, m) / m
