@@ -107,8 +107,10 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
     def global_name(name: str) -> str:
         return checkpoint_names[name][0] if pipe is not None else name
 
+    written = dict(checkpoint_names.values())  # global name -> whether this stage writes it
+
     def writes(name: str) -> bool:  # False: another stage writes this tensor (a shared layer)
-        return checkpoint_names[name][1] if pipe is not None else True
+        return written[name] if pipe is not None else True
 
     state = state_of(model)
     split_of = tensor_parallel_params(model)
