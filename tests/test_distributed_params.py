@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from dist_helpers import run_distributed
 from torch import nn
 
@@ -68,3 +67,107 @@ def _check_layer(rank, world, out_features):
 @pytest.mark.parametrize("world,out_features", [(2, 8), (3, 10)])
 def test_batch_gather_linear_equals_linear_on_gathered_batch(world, out_features):
     run_distributed(_check_layer, world, out_features)
+
+
+# -- ZeRO leaves rank-local parameters alone -----------------------------------------------------
+class _Local(nn.Module):
+    """A rank-local parameter (a different value on each rank), and a shared layer."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+        self.local = nn.Parameter(torch.full((3, 4), float(rank + 1)))
+        self.local.is_distributed = True
+
+    def forward(self, x):
+        return (self.shared(x) @ self.local.t()).sum(dim=1)
+
+
+def _check_left_alone(rank, world):
+    x = torch.ones(2, 4)
+    for level in ("os", "os_g", "p_g_os"):
+        torch.manual_seed(rank)  # the shared layer differs too before wrapping
+        model = _Local(rank)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model, opt, _ = zerokit.group_sharded_parallel(model, opt, level)
+        state = zerokit.core.state.state_of(model)
+        assert all(p is not model.local for b in state.buckets for p in b.params), level
+        # not broadcast: each rank keeps its own; the shared layer is rank 0's
+        assert torch.equal(model.local, torch.full((3, 4), float(rank + 1))), level
+        w = model.shared.weight if level != "p_g_os" else None
+        if w is not None:
+            got = torch.stack([w.detach().clone() for _ in range(world)])
+            torch.distributed.all_gather(list(got), w.detach().contiguous())
+            assert all(torch.equal(g, got[0]) for g in got), level
+        # not averaged: its gradient is this rank's own (the loss scaled by the rank)
+        loss = model(x * (rank + 1)).sum() * (rank + 1)
+        loss.backward()
+        grad = model.local.grad.clone()
+        opt.step()  # stepped by its own rank, with its own gradient, whole
+        _assert_close(model.local.detach(), torch.full((3, 4), float(rank + 1)) - 0.5 * grad, level)
+        # the shared layer's gradient is averaged, so its values agree after the step
+        full = dict(model.state_dict())
+        weights = [torch.empty_like(full["shared.weight"]) for _ in range(world)]
+        torch.distributed.all_gather(weights, full["shared.weight"].contiguous())
+        assert all(torch.equal(wt, weights[0]) for wt in weights), level
+        opt.zero_grad()
+        assert model.local.grad is None, level
+    # the gradient itself: the rank's own, never averaged with another rank's
+    torch.manual_seed(0)
+    model = _Local(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "os_g")
+    with torch.no_grad():
+        own = model.shared(x * (rank + 1)).sum(dim=0) * (rank + 1)  # d loss / d local[j, :]
+    (model(x * (rank + 1)).sum() * (rank + 1)).backward()
+    _assert_close(model.local.grad, own.expand(3, 4), "rank-local gradient")
+    # clip counts it once over the ranks: sum of squares over every rank's slice
+    norm_sq = torch.tensor(float(model.local.grad.pow(2).sum()))
+    torch.distributed.all_reduce(norm_sq)
+    pieces = zerokit.core.state.state_of(model).owned_grad_pieces()
+    shared_sq = torch.tensor(sum(float(g.pow(2).sum()) for _, g in pieces))
+    torch.distributed.all_reduce(shared_sq)
+    total = zerokit.clip_grad_norm_(model, 1e9)
+    _assert_close(total, (norm_sq + shared_sq).sqrt(), "clip norm", atol=1e-4)
+    # the scaler unscales it and agrees on an inf in it (one rank's)
+    scaler = zerokit.ShardedGradScaler(init_scale=4.0)
+    opt.zero_grad()
+    scaler.scale(model(x).sum()).backward()
+    scaled = model.local.grad.clone()
+    if rank == 1:
+        model.local.grad[0, 0] = float("inf")
+    before = model.local.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    if rank == 0:
+        _assert_close(model.local.grad, scaled / 4.0, "unscaled")
+    assert torch.equal(model.local.detach(), before), "a step with an inf was not skipped"
+    assert scaler.get_scale() == 2.0
+
+
+def test_rank_local_params_not_broadcast_averaged_or_sharded():
+    run_distributed(_check_left_alone, 2)
+
+
+# -- the documents' AlexNet --------------------------------------------------------------------
+def _check_alexnet(rank, world, level, steps):
+    import argparse
+
+    import alexnet_hybrid
+
+    args = argparse.Namespace(level=level, steps=steps, batch=12, lr=1e-2, clip=0.3, dropout=0.0)
+    got = alexnet_hybrid.run(rank, world, args)
+    _assert_close(torch.tensor(got["hybrid"]), torch.tensor(got["reference"]), "losses")
+    _assert_close(torch.tensor(got["norms"]), torch.tensor(got["reference_norms"]), "norms")
+    assert min(got["reference_norms"]) > args.clip  # the clip clipped every step
+    assert got["max_diff"] < ATOL, got["max_diff"]
+
+
+@pytest.mark.parametrize("level", ["os", "os_g", "p_g_os"])
+def test_alexnet_hybrid_trains_as_one_process(level):
+    run_distributed(_check_alexnet, 2, level, 4)
+
+
+@pytest.mark.slow
+def test_alexnet_hybrid_three_ranks():
+    run_distributed(_check_alexnet, 3, "p_g_os", 4)

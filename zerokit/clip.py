@@ -9,6 +9,7 @@ from torch import nn
 from .core import presence
 from .core.collectives import all_reduce_
 from .core.state import state_of
+from .tensor_parallel.gather_batch import distributed_params
 from .tensor_parallel.layers import tensor_parallel_params, tp_group_of
 
 
@@ -18,6 +19,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     returns the total norm.
 
     Collective: every rank must call it (after backward, before ``optimizer.step()``).
+
+    Rank-local (``is_distributed``) parameters hold a different slice on each rank: their
+    squares are summed over the ranks that share them (a ``BatchGatherLinear``'s group, else
+    the ZeRO group), each element once.
     """
     state = state_of(model)
     tp_group = state.tp_group if state is not None else tp_group_of(model)
@@ -40,20 +45,38 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         if tp_group.rank() != 0:  # replicated parameters: the same gradient on every tp rank
             split = tensor_parallel_params(model)
             owned = [(p, g) for p, g in owned if id(p) in split]
+    local: dict[int, tuple] = {}  # id(group) -> (group, its rank-local gradients)
+    if state is not None:
+        for d in distributed_params(model).values():
+            if d.param.grad is not None:
+                group = d.group if d.group is not None else state.process_group
+                local.setdefault(id(group), (group, []))[1].append(d.param.grad)
     grads = [g for _, g in owned]
     device = grads[0].device if grads else next(model.parameters()).device
     norm_type = float(norm_type)
     is_max = norm_type == float("inf")
-    parts = [
-        g.abs().max().float() if is_max else g.float().abs().pow(norm_type).sum() for g in grads
-    ]
-    total = torch.zeros((), device=device)
-    if parts:
-        total = torch.stack(parts).max() if is_max else torch.stack(parts).sum()
-    if state is not None:  # offloaded shards: reduce where the group communicates (the GPU)
-        total = total.to(state.communication_device)
+    op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
+
+    def partial(grads: list[torch.Tensor]) -> torch.Tensor:
+        parts = [
+            g.abs().max().float() if is_max else g.float().abs().pow(norm_type).sum()
+            for g in grads
+        ]
+        total = torch.zeros((), device=device)
+        if parts:
+            total = torch.stack(parts).max() if is_max else torch.stack(parts).sum()
+        if state is not None:  # offloaded shards: reduce where the group communicates (the GPU)
+            total = total.to(state.communication_device)
+        return total
+
+    total = partial(grads)
     for group in groups:
-        all_reduce_(total, group, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM)
+        all_reduce_(total, group, op=op)
+    for group, local_grads in local.values():  # the same order on every rank: the model's
+        part = partial(local_grads)
+        all_reduce_(part, group, op=op)
+        total = torch.maximum(total, part) if is_max else total + part
+        to_scale = [*to_scale, *local_grads]
     if not is_max:
         total = total.pow(1.0 / norm_type)
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)

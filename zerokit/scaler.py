@@ -6,7 +6,8 @@ another apply it, and the replicas would part. Here the check covers this rank's
 pieces (every element once across the group) and one MAX all-reduce makes the answer the same
 everywhere: every rank skips the same step and halves the scale together. With tensor
 parallelism, tp ranks hold different gradients too, so the flag is also reduced over the tp
-group.
+group. Rank-local (``is_distributed``) parameters' gradients, in no bucket, are unscaled and
+checked too.
 """
 
 from __future__ import annotations
@@ -71,9 +72,10 @@ class ShardedGradScaler:
             )
         state.check_ready_for_step()
         inv = 1.0 / self.scale_value
-        for buffer in state.grads_to_scale():
+        local = [p.grad for p in optimizer._zerokit.local_params if p.grad is not None]
+        for buffer in [*state.grads_to_scale(), *local]:
             buffer.mul_(inv)
-        grads = [g for _, g in state.owned_grad_pieces()]
+        grads = [g for _, g in state.owned_grad_pieces()] + local
         # where the group communicates (NCCL: the GPU), even if the shards are offloaded
         device = state.communication_device
         found = torch.zeros((), device=device)

@@ -93,10 +93,26 @@ def agree(what: dict[str, object], groups: list[ProcessGroup]) -> None:
         agreement.agree_all("group_sharded_parallel", fields, group)
 
 
-def layout_summary(model: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool, str]]:
-    """(name, shape, dtype, requires_grad, device type) of every parameter, for ``agree``."""
+def is_distributed(param: torch.Tensor) -> bool:
+    """Marked rank-local (``param.is_distributed = True``, Paddle's marker): each rank holds
+    its own values (a model-parallel slice), which ZeRO neither broadcasts, nor averages, nor
+    shards; the rank's optimizer steps them with their own gradient. ``torch.Tensor`` has a
+    method of that name, so the test is ``is True``, never truthiness."""
+    return getattr(param, "is_distributed", None) is True
+
+
+def layout_summary(model: nn.Module) -> list[tuple[str, tuple[int, ...] | str, str, bool, str]]:
+    """(name, shape, dtype, requires_grad, device type) of every parameter, for ``agree``. A
+    rank-local (``is_distributed``) parameter's shape is its rank's slice, which may differ
+    between ranks: it is compared as "is_distributed" instead."""
     return [
-        (n, tuple(p.shape), str(p.dtype), p.requires_grad, p.device.type)
+        (
+            n,
+            "is_distributed" if is_distributed(p) else tuple(p.shape),
+            str(p.dtype),
+            p.requires_grad,
+            p.device.type,
+        )
         for n, p in model.named_parameters()
     ]
 

@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from . import presence
+from .checks import is_distributed
 from .state import ShardState
 
 
@@ -41,6 +42,12 @@ class ShardedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zerokit.shard_state.zero_grad(set_to_none)
+        for param in self._zerokit.local_params:  # rank-local: their own .grad, as torch's
+            if param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_().zero_()
 
     def add_param_group(self, param_group: dict) -> None:
         raise RuntimeError(
@@ -94,11 +101,13 @@ class OptimizerShardState:
     def __init__(self, shard_state: ShardState, group_params: list[list[torch.Tensor]]):
         self._shard_state = weakref.ref(shard_state)
         self.group_params = group_params  # each param group's whole parameters, as given
+        # rank-local (is_distributed) parameters: in no bucket, stepped whole, as given
+        self.local_params = [p for params in group_params for p in params if is_distributed(p)]
         # the pieces of each shard group: the optimizer steps one chunk at a time
         self.chunks = [
             {id(piece) for bucket in g.buckets for piece in bucket.param_pieces}
             for g in shard_state.groups
-        ]
+        ] + [{id(p) for p in self.local_params}]
         self.chunks = [c for c in self.chunks if c]
 
     @property
@@ -152,6 +161,11 @@ def shard_optimizer_(optimizer: torch.optim.Optimizer, shard_state: ShardState):
     for group_dict in optimizer.param_groups:
         pieces = []
         for param in group_dict["params"]:
+            if id(param) not in piece_of and is_distributed(param):  # rank-local: kept whole
+                pieces.append(param)
+                if param in old_state:
+                    new_state[param] = old_state[param]
+                continue
             for piece, piece_param, shape in piece_of.get(id(param), []):
                 pieces.append(piece_param)
                 if param in old_state:

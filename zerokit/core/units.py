@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from .checks import is_distributed
 from .layout import BucketLayout, ParamSpec, plan_buckets
 
 
@@ -44,8 +45,9 @@ def plan_units(
     and every module whose own (direct) parameters reach ``segment_size`` elements. With
     ``wrap``, instances of those classes instead of the list children (modules reaching
     ``segment_size`` still become units). ``exclude`` (modules or classes) become units that
-    are kept whole.
+    are kept whole. Rank-local (``is_distributed``) parameters belong to no unit.
     """
+    trainable = [(n, p) for n, p in trainable if not is_distributed(p)]
     chosen: list[tuple[str, nn.Module, bool]] = []
 
     def is_excluded(module: nn.Module) -> bool:
@@ -54,7 +56,7 @@ def plan_units(
     def visit(prefix: str, module: nn.Module, in_list: bool) -> None:
         for name, child in module.named_children():
             path = f"{prefix}{name}"
-            has_params = any(p.requires_grad for p in child.parameters())
+            has_params = any(_shared(p) for p in child.parameters())
             if not has_params:
                 continue
             if is_excluded(child):
@@ -82,7 +84,7 @@ def plan_units(
             if name
             and isinstance(m, full_precision)
             and id(m) not in taken
-            and any(p.requires_grad for p in m.parameters())
+            and any(_shared(p) for p in m.parameters())
         ]
     plans = _assign_params(model, trainable, chosen)
     if not full_precision:
@@ -96,8 +98,13 @@ def plan_units(
     ]
 
 
+def _shared(p: nn.Parameter) -> bool:
+    """Trainable and not rank-local: ZeRO reduces, shards and steps it."""
+    return p.requires_grad and not is_distributed(p)
+
+
 def _own_numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+    return sum(p.numel() for p in module.parameters(recurse=False) if _shared(p))
 
 
 def _assign_params(model, trainable, chosen) -> list[UnitPlan]:
