@@ -13,7 +13,7 @@ from models import VOCAB, global_batches, loss_fn
 from torch import nn
 
 import zerokit
-from zerokit.checkpoint import load, save
+from zerokit.checkpoint import consolidate, describe, load, load_consolidated, save
 from zerokit.checkpoint.reading import CheckpointReader
 from zerokit.pipeline import LayerDesc, PipelineModule, PipelineStage, SharedLayerDesc
 
@@ -128,6 +128,12 @@ def test_pp2_checkpoint_loads_at_pp1(tmp_path):
     plain = PipelineStage(layer_list(), 0)
     load(path, plain)
     check_state(plain.state_dict(), middle, "plain PipelineStage")
+    consolidate(path, str(tmp_path / "model.safetensors"))  # offline: one plain file
+    plain = PipelineStage(layer_list(), 0)
+    load_consolidated(str(tmp_path / "model.safetensors"), plain)
+    check_state(plain.state_dict(), middle, "consolidated")
+    report, ok = describe(path)
+    assert ok and "2 pipeline stages" in report, report
 
     # pp=1 PipelineModule (no process group) with its optimizer: training goes on exactly
     torch.manual_seed(5)

@@ -221,6 +221,7 @@ def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
         f"{layout['zero_group_size']}, tp degree {layout['tp_degree']}"
         + (f", dp degree {layout['dp_degree']}" if layout["dp_degree"] else "")
         + (f", {layout['replicas']} replicas" if layout.get("replicas", 1) != 1 else "")
+        + (f", {layout['pp_degree']} pipeline stages" if layout.get("pp_degree", 1) != 1 else "")
     )
     model = {n: e for n, e in index["tensors"].items() if not n.startswith(OPTIM_PREFIX + ".")}
     split = sum(1 for e in model.values() if e["tp"])
