@@ -13,7 +13,14 @@ from models import VOCAB, global_batches, loss_fn
 from torch import nn
 
 import zerokit
-from zerokit.checkpoint import consolidate, describe, load, load_consolidated, save
+from zerokit.checkpoint import (
+    CheckpointError,
+    consolidate,
+    describe,
+    load,
+    load_consolidated,
+    save,
+)
 from zerokit.checkpoint.reading import CheckpointReader
 from zerokit.pipeline import LayerDesc, PipelineModule, PipelineStage, SharedLayerDesc
 
@@ -189,3 +196,24 @@ def test_pp2_checkpoint_loads_at_dp2_pp2_under_zero(tmp_path, level):
         "index.json",
         *[f"rank{r:05d}.safetensors" for r in range(4)],
     ]
+
+
+def _different_pipelines(rank, world_size, path):
+    """Ranks that split the layers differently: the same error on every rank, nothing written
+    (a plain layer list: no tied weight, so building needs no collective)."""
+    layers = [LayerDesc(nn.Embedding, VOCAB, DIM), *[LayerDesc(Block, 4) for _ in range(3)]]
+    layers.append(LayerDesc(nn.Linear, DIM, VOCAB))
+    bounds = [0, 2, 5] if rank == 0 else [0, 3, 5]
+    pipe = PipelineModule(layers, loss_fn, num_stages=2, partition=bounds)
+    opt = make_opt(pipe.parameters())
+    with pytest.raises(CheckpointError, match="the ranks see different pipelines"):
+        save(path, pipe, opt)
+    assert not os.path.exists(path)
+    pipe = PipelineModule(layers, loss_fn, num_stages=2, partition=[0, 2, 5])
+    save(path, pipe, make_opt(pipe.parameters()))  # the ranks agree now
+    with pytest.raises(CheckpointError, match="the ranks see different pipelines"):
+        load(path, PipelineModule(layers, loss_fn, num_stages=2, partition=bounds))
+
+
+def test_ranks_with_different_pipelines_are_refused_on_every_rank(tmp_path):
+    run_distributed(_different_pipelines, 2, str(tmp_path / "bad"))
