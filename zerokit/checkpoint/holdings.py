@@ -21,6 +21,7 @@ from torch import nn
 
 from ..core import optimizer_params_of
 from ..core.state import state_of
+from ..tensor_parallel.gather_batch import distributed_params
 from ..tensor_parallel.layers import tensor_parallel_params
 from ..tensor_parallel.topology import TPSplit
 
@@ -114,6 +115,7 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
 
     state = state_of(model)
     split_of = tensor_parallel_params(model)
+    local = _rank_local(model, split_of, pipe is not None)
     tp_layout = next((layer.layout for layer, _ in split_of.values()), None)
     tp_rank = tp_layout.tp_rank if tp_layout else 0
     if state is not None:
@@ -155,6 +157,10 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
             names[id(p)], params[id(p)] = name, p
 
     def meta_of(p: torch.Tensor, local_shape, dtype=None) -> TensorMeta:
+        if id(p) in local:  # rank-local: this rank's part of its layer's split
+            d, shape = local[id(p)], list(local_shape)
+            shape[d.split.dim] = d.split.full_size
+            return TensorMeta(tuple(shape), dtype or p.dtype, d.split, d.split_rank)
         layer_split = split_of.get(id(p))
         split = layer_split[1] if layer_split else None
         shape = list(local_shape)
@@ -191,7 +197,9 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
             p = params[p_id]
             meta = meta_of(p, p.shape)
             h.metas[name] = meta
-            chunk = Chunk(name, 0, p.detach().view(-1), is_primary(name, meta, whole=True))
+            # a rank-local part is on this rank alone: it writes it
+            primary = writes(name) if p_id in local else is_primary(name, meta, whole=True)
+            chunk = Chunk(name, 0, p.detach().view(-1), primary)
             h.chunks.append(chunk)
             owner[id(p)] = chunk
     for prefix, module in model.named_modules():
@@ -206,6 +214,29 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
     if optimizer is not None:
         _collect_optimizer(h, optimizer, owner, names)
     return h
+
+
+def _rank_local(model: nn.Module, split_of: dict, pipelined: bool) -> dict:
+    """The rank-local (``is_distributed``) parameters, each one part of its split across the
+    world (``tp.BatchGatherLinear``'s). Others are refused: a checkpoint cannot say whose
+    part they are."""
+    local = distributed_params(model)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for d in local.values():
+        why = None
+        if d.split is None:
+            why = "its split is not described (only tp.BatchGatherLinear's are)"
+        elif (d.group.size() if d.group is not None else 1) != world:
+            why = "its layer's group is not the whole world"
+        elif split_of or pipelined:
+            why = "the model also has tensor-parallel layers or pipeline stages"
+        if why:
+            raise NotImplementedError(
+                f"{d.name} is a rank-local (is_distributed) parameter and {why}: "
+                "zerokit.checkpoint cannot save or load it yet (it would save one rank's values "
+                "as the whole parameter)"
+            )
+    return local
 
 
 def _collect_optimizer(
