@@ -2,7 +2,9 @@
 stages, AdamW) saves after two steps; loaded at pp=1 (one process), at pp=3 and at dp 2 x pp 2
 under ZeRO, the next steps equal uninterrupted training in one process (2e-5), optimizer state
 included. The checkpoint names tensors as the whole model does (``layers.<i>.*``,
-``shared.<key>.*``), so it also loads into a plain ``PipelineStage(layers, 0)``."""
+``shared.<key>.*``), so it also loads into a plain ``PipelineStage(layers, 0)`` and
+consolidates. The dp 2 x pp 2 run saves again from its ZeRO shards; that checkpoint loads at
+pp=1. Ranks that split the layers differently are refused on every rank."""
 
 import os
 
