@@ -5,6 +5,8 @@ the activation bytes saved for backward (``memory.measure_activations``) against
 ``memory.estimate_activations``.
 """
 
+import os
+
 import pytest
 import torch
 from dist_helpers import run_distributed
@@ -88,12 +90,14 @@ def _check_layers_match_plain(layout):
 
 
 # -- training --------------------------------------------------------------------------------
+def _plain_config(explicit_attention: bool = False) -> GPTConfig:
+    return GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=2, n_head=6, n_embd=12,
+                     explicit_attention=explicit_attention)  # fmt: skip
+
+
 def _make_pair(**options):
     """The plain model (the same attention arithmetic) and the tp model with ``options``."""
-    explicit = options.get("explicit_attention", False)
-    cfg = GPTConfig(
-        vocab_size=VOCAB, block_size=8, n_layer=2, n_head=6, n_embd=12, explicit_attention=explicit
-    )
+    cfg = _plain_config(options.get("explicit_attention", False))
     torch.manual_seed(0)
     ref = GPT(cfg)
     torch.manual_seed(0)
@@ -102,7 +106,11 @@ def _make_pair(**options):
 
 
 def _adamw(model):
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
+    # lr 3e-3, not 1e-2: at 1e-2 this tiny GPT's training is chaotic from step 8 on, so fp32
+    # rounding alone breaks 2e-5 (the one-process fp32 run's clipped grad norm is 1.3e-5 from
+    # an fp64 run's at step 8, 2e-4 at step 10; tp2 and tp3 land 2.3e-5 and 3e-5 off). At 3e-3
+    # fp32 stays within 3e-7 of fp64 over 12 steps, and 2e-5 is a bound with room to spare.
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
 
 
 def _check_training(layout, level: str | None, **options):
@@ -175,6 +183,52 @@ def _tp2(rank, world_size):
 
 def test_tp2_sequence_parallel_and_recompute_match_one_process():
     run_distributed(_tp2, 2)
+
+
+def _tp3(rank, world_size):
+    layout = zerokit.init_hybrid_parallel(1, 3)
+    assert SEQ % 3 == 0 and _plain_config().n_head % 3 == 0  # [T/3, B, C] blocks, 2 heads
+    _check_training(layout, None)
+    _check_training(layout, None, recompute="selective", explicit_attention=True)
+
+
+def test_tp3_sequence_parallel_matches_one_process():
+    run_distributed(_tp3, 3)
+
+
+# -- a checkpoint of the sequence-parallel GPT, into one process ------------------------------
+def _save_sequence_parallel(rank, world_size, root):
+    layout = zerokit.init_hybrid_parallel(1, 2)
+    _, model = _make_pair(sequence_parallel=True)
+    model, opt, _ = zerokit.group_sharded_parallel(
+        model, _adamw(model), "p_g_os", group=layout.dp_group, **SMALL["p_g_os"]
+    )
+    loss_fn = tp.ParallelCrossEntropy()
+    for x, y in global_batches(3, 4, seq=SEQ, vocab=VOCAB):  # trained, so not the initial state
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    zerokit.checkpoint.save(os.path.join(root, "ckpt"), model, opt)
+    full = tp.gather_full_state_dict(model)
+    if rank == 0:
+        torch.save(full, os.path.join(root, "gathered.pt"))
+
+
+def test_sequence_parallel_checkpoint_loads_into_one_plain_process(tmp_path):
+    """tp2 with sequence_parallel=True at 'p_g_os', saved; loaded into the plain GPT (tp 1) in
+    this process, without a process group: each parameter equals gather_full_state_dict's,
+    the sequence-parallel LayerNorms (held whole on both tp ranks) included."""
+    run_distributed(_save_sequence_parallel, 2, str(tmp_path))
+    want = torch.load(tmp_path / "gathered.pt", weights_only=True)
+    torch.manual_seed(123)  # another initialisation: everything must come from the load
+    plain = GPT(_plain_config())
+    opt = _adamw(plain)
+    zerokit.checkpoint.load(tmp_path / "ckpt", plain, opt)
+    got = plain.state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert all(len(opt.state[p]) for p in plain.parameters())  # the optimizer state came too
 
 
 def _dp2_x_tp2(rank, world_size):
