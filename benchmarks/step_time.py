@@ -27,11 +27,24 @@ from zerokit.memory import measure
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
 
 # "local" trains each rank alone with no communication: the floor no data-parallel runner can beat.
+# "<level>_sib": that zerokit level with step_in_backward=True (each unit stepped as soon as its
+# gradients are reduced; no global-norm clipping): the gradients never exist all at once.
 RUNNERS = ("ddp", "zero_redundancy", "fsdp2", "os", "os_g", "p_g_os", "local")
+STEP_IN_BACKWARD = ("os_g_sib", "p_g_os_sib")
 
 
-def build(runner: str, base: torch.nn.Module, lr: float, bucket_elems: int = 2**23, low=None):
-    model = copy.deepcopy(base)
+def build(
+    runner: str,
+    base: torch.nn.Module,
+    lr: float,
+    bucket_elems: int = 2**23,
+    low=None,
+    *,
+    copy_model: bool = True,
+):
+    """``runner``'s model and optimizer from ``base`` (a copy of it unless ``copy_model`` is
+    False: then ``base`` itself is converted, so no second copy of the model ever exists)."""
+    model = copy.deepcopy(base) if copy_model else base
     if runner == "local":
         return model, torch.optim.AdamW(model.parameters(), lr=lr)
     if runner == "ddp":
@@ -49,8 +62,14 @@ def build(runner: str, base: torch.nn.Module, lr: float, bucket_elems: int = 2**
         return model, opt
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     policy = zerokit.MixedPrecision(param_dtype=low)
+    level = runner.removesuffix("_sib")
     model, opt, _ = zerokit.group_sharded_parallel(
-        model, opt, runner, buffer_max_size=bucket_elems, mixed_precision=policy
+        model,
+        opt,
+        level,
+        buffer_max_size=bucket_elems,
+        mixed_precision=policy,
+        step_in_backward=runner.endswith("_sib"),
     )
     return model, opt
 

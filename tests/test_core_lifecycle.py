@@ -354,6 +354,45 @@ def _graphs_in_flight(rank, world_size):
             assert_same_params(model, ref, ATOL, f"{level} {mode}")
 
 
+def _no_sync_frees_units(rank, world_size):
+    """'p_g_os' under no_sync(): each unit is freed once its backward is over, as in a
+    synchronised backward, also with two graphs in flight (F-then-B); equal to one process."""
+    batches = global_batches(3, batch=4 * world_size)
+    torch.manual_seed(0)
+    ref = Ordered()
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os")
+    state = state_of(model)
+    root = sum(b.layout.padded_numel for b in state.root_group.buckets)
+    blocks = [g for g in state.groups if g is not state.root_group]
+    unit = max(sum(b.layout.padded_numel for b in g.buckets) for g in blocks)
+    held = []
+    model.probe = lambda i: held.append(state.gathered_numel())
+    for x, y in batches:
+        loss_fn(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        (x1, x2), (y1, y2) = xs.chunk(2), ys.chunk(2)
+        loss1, loss2 = loss_fn(model(x1), y1) / 2, loss_fn(model(x2), y2) / 2
+        held.clear()
+        with model.no_sync():
+            loss1.backward()
+        # the root, the block running and the one prefetched; every block whose backward
+        # is over was freed (before: every unit stayed gathered to the end of backward)
+        assert len(held) == BLOCKS and max(held) <= root + 2 * unit, (held, root, unit)
+        loss2.backward()
+        opt.step()
+        opt.zero_grad()
+    assert_same_params(model, ref, ATOL, "p_g_os no_sync frees units")
+
+
+def test_no_sync_backward_frees_each_unit():
+    run_distributed(_no_sync_frees_units, 2)
+
+
 def test_several_graphs_in_flight_and_reduce_gradients():
     run_distributed(_graphs_in_flight, 2)
 

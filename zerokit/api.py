@@ -53,6 +53,7 @@ def group_sharded_parallel(
     *,
     mixed_precision: MixedPrecision | None = None,
     config: ShardingConfig | None = None,
+    step_in_backward: bool = False,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     """Shard the optimizer state (from 'os_g' also gradients, at 'p_g_os' also parameters) of
     ``model`` across ``group``.
@@ -88,6 +89,12 @@ def group_sharded_parallel(
         mixed_precision: a ``MixedPrecision`` policy: compute in ``param_dtype``, reduce
             gradients in ``reduce_dtype``, fp32 master weights only as the rank's shard.
         config: rarely used knobs (``ShardingConfig``), e.g. the stage-3 wrap policy.
+        step_in_backward: levels 'os_g' and 'p_g_os': step each unit's pieces as soon as its
+            gradients are reduced, inside backward, and free its gradient shard at once, so the
+            gradients of the whole model never exist together (4/N bytes per parameter less
+            at the peak). ``optimizer.step()`` then only closes the step. Not with global-norm
+            clipping, a loss scaler (fp16) or ``step(closure)``, which need every gradient
+            before any update: those are refused.
     """
     level = resolve_level(level)
     group = _resolve_group(group)
@@ -112,6 +119,7 @@ def group_sharded_parallel(
             "exclude_layer": _describe_modules(model, exclude_layer or ()),
             "mixed_precision": repr(mixed_precision),
             "config": repr(config),
+            "step_in_backward": step_in_backward,
             "parameters": checks.layout_summary(model),
             "optimizer": (
                 type(optimizer).__name__,
@@ -124,6 +132,16 @@ def group_sharded_parallel(
         raise ValueError(
             f"unknown level {level!r}; valid levels: 'os' (stage 1), 'os_g' (stage 2), "
             "'p_g_os' (stage 3), or the stage numbers 1, 2, 3"
+        )
+    if step_in_backward and level not in ("os_g", "p_g_os"):
+        raise ValueError(
+            f"step_in_backward needs sharded gradients (level 'os_g' or 'p_g_os'), not {level!r}"
+        )
+    if step_in_backward and scaler is not None:
+        raise ValueError(
+            "step_in_backward cannot take a loss scaler: an fp16 overflow must skip the whole "
+            "step, but each unit is stepped as soon as its gradients are reduced. Use bf16 "
+            "(MixedPrecision(param_dtype=torch.bfloat16), no scaler) or step_in_backward=False"
         )
     scaler = _sharded_scaler(scaler)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -166,6 +184,8 @@ def group_sharded_parallel(
         replica_group=dp_group if dp_group is not None and dp_group.size() > 1 else None,
     )
     state = build(model, optimizer, plans, options)
+    if step_in_backward:
+        state.enable_step_in_backward(optimizer)
     if group.rank() == 0 and (dp_group is None or dp_group.rank() == 0):
         _log_wrap(state, optimizer, named, model)
     return model, optimizer, scaler

@@ -138,6 +138,14 @@ class ShardGroup:
         self.wait_for_unshard()
         self.phase = Phase.PRE_BACKWARD
 
+    def pause_backward(self) -> None:
+        """Under ``no_sync()``: one backward through the unit is over and nothing is reduced;
+        free its parameters. The next backward through it gathers them again."""
+        if self.phase is not Phase.PRE_BACKWARD:
+            return  # never gathered for this backward (its pre-backward hook did not fire)
+        self.reshard()
+        self.phase = Phase.FORWARD
+
     def accumulate(self, b: int, i: int, param: nn.Parameter) -> None:
         """A parameter's gradient is complete for this backward: take it into bucket ``b``.
 

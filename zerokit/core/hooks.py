@@ -48,8 +48,8 @@ class _PostBackward(torch.autograd.Function):
         state = ctx.state_ref()
         if state is not None:
             group = state.groups[ctx.k]
-            if group.forward_calls == 1:  # called twice: another call's backward may be pending
-                state.unit_post_backward(group)
+            # called twice: another call's backward may still be pending
+            state.unit_post_backward(group, ran_once=group.forward_calls == 1)
         return (None, None, *grads)
 
 

@@ -30,6 +30,19 @@ class ShardedOptimizer:
         state = self._zerokit.shard_state
         state.check_ready_for_step()
         presence.mark(state.process_group, "optimizer.step()")
+        if state.step_in_backward:  # each group was stepped as its gradients were reduced
+            if closure is not None:
+                raise RuntimeError(
+                    "step_in_backward steps inside backward: optimizer.step(closure) cannot "
+                    "re-evaluate the model first; call step() without a closure"
+                )
+            # what no group holds (rank-local parameters) is stepped here, as without it
+            grouped = set().union(*self._zerokit.chunks)
+            rest = {id(p) for g in self.param_groups for p in g["params"]} - grouped
+            if rest:
+                with _stepping_only(self, rest):
+                    super().step()  # type: ignore[misc]
+            return None
         if closure is not None:  # one evaluation of the closure: step everything at once
             loss = super().step(closure)  # type: ignore[misc]
         else:
@@ -39,6 +52,12 @@ class ShardedOptimizer:
                     super().step()  # type: ignore[misc]
         state.refresh_params()
         return loss
+
+    def step_group(self, group) -> None:
+        """Step only ``group``'s pieces (step_in_backward, called by ``ShardState``)."""
+        chunk = {id(piece) for bucket in group.buckets for piece in bucket.param_pieces}
+        with _stepping_only(self, chunk):
+            super().step()  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zerokit.shard_state.zero_grad(set_to_none)

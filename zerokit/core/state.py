@@ -79,7 +79,11 @@ class ShardState:
         self._order_agreed = False
         self._launch_order: list[int] = self._static_order
         self._next_launch = 0
-        self._in_flight: collections.deque[list[Pending]] = collections.deque()
+        self._in_flight: collections.deque[tuple[ShardGroup, list[Pending]]] = collections.deque()
+        # step_in_backward: the sharded optimizer (weakly: it holds this state weakly too) that
+        # steps each group as soon as its reduction finishes, so that its gradient shard is
+        # freed before the next group's is made
+        self._stepper: weakref.ref | None = None
         self._unsynced = False  # no_sync() gradients are waiting for a synchronised backward
         self._prefetched: ShardGroup | None = None  # 'p_g_os': gathered ahead of its use
         if level == "p_g_os":
@@ -89,6 +93,19 @@ class ShardState:
         self.hook_handles: list = []
 
     # -- the public protocol -----------------------------------------------------------------
+    @property
+    def step_in_backward(self) -> bool:
+        return self._stepper is not None
+
+    def enable_step_in_backward(self, optimizer) -> None:
+        """Step each group's pieces as soon as its reduction finishes, then free its gradient
+        shard (levels 'os_g', 'p_g_os'). Gradients never exist for the whole model at once:
+        4/N bytes per parameter less at the peak. No global-norm clipping or loss-scaler skip
+        can come first, which ``clip_grad_norm_`` and the scaler refuse."""
+        if self.level not in ("os_g", "p_g_os"):
+            raise ValueError("step_in_backward needs sharded gradients: level 'os_g' or 'p_g_os'")
+        self._stepper = weakref.ref(optimizer)
+
     @property
     def buckets(self) -> list[FlatParamBucket]:
         return [b for g in self.groups for b in g.buckets]
@@ -118,6 +135,13 @@ class ShardState:
 
     def owned_grad_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, gradient of this rank's piece): every element of the model once."""
+        if self.step_in_backward:  # clipping and the scaler's check come here
+            raise RuntimeError(
+                "this model was wrapped with step_in_backward=True: each unit is stepped as "
+                "soon as its gradients are reduced and its gradients are freed, so no global "
+                "gradient norm (clip_grad_norm_) or overflow check exists before the update; "
+                "wrap without step_in_backward to clip or scale"
+            )
         return [pair for g in self.groups for pair in g.owned_grad_pieces()]
 
     def grads_to_scale(self) -> list[torch.Tensor]:
@@ -262,11 +286,20 @@ class ShardState:
                 previous = None
             self._prefetch(previous, using=group)
 
-    def unit_post_backward(self, group: ShardGroup) -> None:
-        """The gradients of the module's inputs are computed: its backward is over."""
-        if self.sync_enabled and self.in_backward:
-            group.post_backward_signalled = True
-            self._launch_ready(force=False)
+    def unit_post_backward(self, group: ShardGroup, ran_once: bool) -> None:
+        """The gradients of the module's inputs are computed: this call's backward is over
+        (``ran_once``: the module ran once since the last backward, so all of it is)."""
+        if not self.in_backward:
+            return
+        if self.sync_enabled:
+            if ran_once:
+                group.post_backward_signalled = True
+                self._launch_ready(force=False)
+        elif self.level == "p_g_os":
+            # no_sync(): nothing is reduced, but this backward no longer reads the unit's
+            # parameters. Free them, as a synchronised backward does; another call's or graph's
+            # backward gathers them again (a pipeline keeps several graphs in flight).
+            group.pause_backward()
 
     def grad_ready(self, param: nn.Parameter) -> None:
         self.begin_backward()
@@ -285,17 +318,48 @@ class ShardState:
             if not (force or group.ready):
                 return
             while len(self._in_flight) >= MAX_GROUPS_IN_FLIGHT:  # make room: frees staging
-                for pending in self._in_flight.popleft():
-                    pending.finish()
-            self._in_flight.append(group.post_backward())
+                self._finish_oldest()
+            self._in_flight.append((group, group.post_backward()))
             self.peak_groups_in_flight = max(self.peak_groups_in_flight, len(self._in_flight))
             self._next_launch += 1
             if self.sync_comm:
-                for pending in self._in_flight.pop():
-                    pending.finish()
+                self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        """Wait for the oldest group's reduction (its staging goes back to the pool); under
+        step_in_backward, step that group now."""
+        group, pending = self._in_flight.popleft()
+        for work in pending:
+            work.finish()
+        if self._stepper is not None:
+            self._step_group(group)
+
+    def _step_group(self, group: ShardGroup) -> None:
+        """step_in_backward: agree which of the group's parameters hold a gradient (one small
+        all-reduce, in launch order on every rank), publish them, step the group's pieces,
+        spread the updated shard ('os_g') and free the group's gradient shard."""
+        contributed = torch.cat(group.contributed).to(self.communication_device, torch.uint8)
+        for data_group in self._data_groups():
+            all_reduce_(contributed, data_group, op=dist.ReduceOp.MAX)
+        group.finish_backward(list(contributed.cpu().bool().split([len(b.params) for b in group.buckets])))
+        optimizer = self._stepper()
+        if optimizer is None:
+            raise RuntimeError(
+                "step_in_backward: the optimizer wrapped with this model no longer exists"
+            )
+        optimizer.step_group(group)
+        if self.level != "p_g_os":  # full parameters kept: every rank's updated shard to all
+            for work in [bucket.start_gather_updated() for bucket in group.buckets]:
+                work.finish()
+        group.zero_grad(set_to_none=True)
 
     def _end_of_backward(self) -> None:
-        if self.sync_enabled:
+        if self.sync_enabled and self._stepper is not None:
+            self._launch_ready(force=True)
+            while self._in_flight:
+                self._finish_oldest()  # each steps its group
+            self._unsynced = False
+        elif self.sync_enabled:
             self._launch_ready(force=True)
             # Which parameters hold a gradient anywhere: one MAX all-reduce, one byte each.
             contributed = torch.cat([f for g in self.groups for f in g.contributed])
@@ -303,8 +367,7 @@ class ShardState:
             for group in self._data_groups():
                 all_reduce_(contributed, group, op=dist.ReduceOp.MAX)
             while self._in_flight:
-                for pending in self._in_flight.popleft():
-                    pending.finish()
+                self._finish_oldest()
             flags = iter(contributed.cpu().bool().split([len(b.params) for b in self.buckets]))
             for g in self.groups:
                 g.finish_backward([next(flags) for _ in g.buckets])
