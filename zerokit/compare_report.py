@@ -206,7 +206,8 @@ def format_activations_table(report: dict) -> str:
         "activation bytes per transformer layer per rank, measured / estimated; "
         f"{r['bytes_per_value']}-byte (fp32) values, 1-byte dropout masks",
         f"{r['model']} (explicit_attention=True, dropout {r['dropout']}): s={r['seq']} "
-        f"b={r['batch']} h={r['hidden']} a={r['heads']}, {r['layers']} layers, t={r['tp']} "
+        f"b={r['batch']} h={r['hidden']} a={r['heads']}, {r['layers']} "
+        f"layer{'s' if r['layers'] != 1 else ''}, t={r['tp']} "
         f"({r['tp']} {r['backend']} ranks, one tp group)",
         f"{'setting':<17}{'measured':>13}{'estimated':>13}{'measured/est':>14}"
         f"{'of none':>9}  estimate",
