@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core import presence
 from ..core.collectives import all_reduce_
 from ..core.state import state_of
 from ..tensor_parallel import topology
+from ..tensor_parallel.gather_batch import distributed_params
 from ..tensor_parallel.layers import (
     allreduce_sequence_parallel_grads,
     tensor_parallel_params,
@@ -393,42 +393,55 @@ class PipelineModule(nn.Module):
                 flag.fill_(found.item())
 
     def _clip(self, max_norm: float, state) -> None:
-        """Clip to the norm of the whole model's gradient, as ``zerokit.clip_grad_norm_``
-        counts a stage (every element once: ZeRO's owned pieces, a replicated parameter of a
-        tensor-parallel stage on tp rank 0 only), summed over the same groups (ZeRO's, tp's)
-        and then over the pipeline; a tied weight is counted on its first stage only."""
+        """Clip to the norm of the whole model's gradient: each stage's norm as
+        ``zerokit.clip_grad_norm_`` counts it (every element once: ZeRO's owned pieces, a
+        replicated parameter of a tensor-parallel stage on tp rank 0 only, summed over the ZeRO
+        and tp groups), squared and summed over the pipeline; a tied weight is counted on its
+        first stage only (a later copy's square, counted the same way, is taken out)."""
         skip = {id(self._tied[k]) for k, (_, first) in self.shared_groups.items() if not first}
-        if state is not None:
-            state.check_ready_for_step()
-            presence.mark(state.process_group, "PipelineModule.train_batch(clip_norm=...)")
-            owned = state.owned_grad_pieces()  # every element once across the ZeRO group
-            groups = [state.process_group]
-            to_scale = state.grads_to_scale()
-            tp_group = state.tp_group
-            device = state.communication_device
+        tp_group = state.tp_group if state is not None else tp_group_of(self.stage)
+        if state is None and tp_group is None:  # a plain stage
+            grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
+            square = torch.zeros((), dtype=torch.float64, device=self._device())
+            for p in self.stage.parameters():
+                if p.grad is not None and id(p) not in skip:
+                    square += p.grad.double().pow(2).sum()
+            to_scale = grads
         else:
-            owned = [(p, p.grad) for p in self.stage.parameters() if p.grad is not None]
-            groups, to_scale = [], [g for _, g in owned]
-            tp_group = tp_group_of(self.stage)
-            device = torch.device("cpu") if not owned else owned[0][1].device
-        if tp_group is not None and tp_group.size() > 1:
-            groups.append(tp_group)
-            if tp_group.rank() != 0:  # replicated parameters: the same gradient on every tp rank
-                split = tensor_parallel_params(self.stage)
-                owned = [(p, g) for p, g in owned if id(p) in split]
-        square = torch.zeros((), dtype=torch.float64, device=device)
-        for param, grad in owned:
-            if id(param) not in skip:
-                square += grad.double().pow(2).sum().to(device)
-        for group in groups:
-            all_reduce_(square, group)
+            from ..clip import clip_grad_norm_
+
+            # max_norm=inf: the norm, every gradient scaled by 1
+            square = clip_grad_norm_(self.stage, float("inf")).double() ** 2
+            if state is not None:
+                owned, groups = state.owned_grad_pieces(), [state.process_group]
+                to_scale = state.grads_to_scale()
+                to_scale += [  # rank-local parameters: clip_grad_norm_ counted them too
+                    d.param.grad
+                    for d in distributed_params(self.stage).values()
+                    if d.param.grad is not None
+                ]
+            else:
+                owned = [(p, p.grad) for p in self.stage.parameters() if p.grad is not None]
+                groups, to_scale = [], [g for _, g in owned]
+            if tp_group is not None and tp_group.size() > 1:
+                groups.append(tp_group)
+                if tp_group.rank() != 0:  # as clip_grad_norm_: replicated ones on tp rank 0
+                    split = tensor_parallel_params(self.stage)
+                    owned = [(p, g) for p, g in owned if id(p) in split]
+            copy = torch.zeros((), dtype=torch.float64, device=square.device)
+            for param, grad in owned:
+                if id(param) in skip:
+                    copy += grad.double().pow(2).sum().to(square.device)
+            if skip:  # over the groups the norm was summed over: the same sum on every rank
+                for group in groups:
+                    all_reduce_(copy, group)
+            square = square - copy
         if self.num_stages > 1:
             all_reduce_(square, self.group)
-        coef = (max_norm / (square.sqrt() + 1e-6)).clamp(max=1.0)
+        coef = (max_norm / (square.clamp(min=0).sqrt() + 1e-6)).clamp(max=1.0)
         for g in to_scale:
             g.mul_(coef.to(device=g.device, dtype=g.dtype))
 
-    # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint_names(self) -> dict[str, tuple[str, bool]]:
         """For ``zerokit.checkpoint``: each parameter and buffer of this stage, by its name in
         ``self.stage``, -> (its name in the whole model's checkpoint, whether this stage writes
