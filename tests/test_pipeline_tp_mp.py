@@ -166,6 +166,7 @@ def _tp_pp(rank, world_size):
         assert abs(got - want) <= ATOL, f"{what}: eval {got} != {want}"
 
 
+@pytest.mark.slow  # 4 ranks, two wrappings: 30 s on 2 shared cores, 90 s when busy
 def test_tp2_pp2_tensor_parallel_stages():
     run_distributed(_tp_pp, 4)
 
