@@ -197,6 +197,10 @@ class ShardGroup:
             if self._arrived[b] < len(bucket.params):
                 for i, param in enumerate(bucket.params):
                     if not self._is_taken(b, i):
+                        # what no_sync() accumulated was never taken by accumulate(): a marked
+                        # sequence-parallel gradient is still a partial sum per tp rank
+                        if (b, i) in self._tp_summed and param.grad is not None:
+                            all_reduce_(param.grad, self._tp_group)
                         self.contributed[b][i] = self._take_grad(b, i, param)
             pending.append(self._start_reduce(b))
         self.phase = Phase.POST_BACKWARD

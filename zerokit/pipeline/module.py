@@ -250,7 +250,6 @@ class PipelineModule(nn.Module):
             allreduce_sequence_parallel_grads(self.stage)
         self._sum_tied_grads(state)
         if reduce_after:
-            self._sum_marked_grads_over_tp(state)
             self.stage.reduce_gradients()
         if scaler is not None:
             self._unscale(scaler, optimizer, state)
@@ -331,26 +330,6 @@ class PipelineModule(nn.Module):
                 shape = shapes.get(id(weight), weight.shape)
                 weight.grad = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
             dist.all_reduce(weight.grad, group=group)
-
-    def _sum_marked_grads_over_tp(self, state) -> None:
-        """Before ``reduce_gradients()`` of a stage whose every backward ran in ``no_sync()``:
-        ZeRO sums a ``sequence_parallel`` marked gradient over the tp group as a synchronised
-        backward delivers it, but ``reduce_gradients()`` takes what ``no_sync()`` accumulated in
-        ``param.grad`` as it is (a partial sum per tp rank), so sum those here, once."""
-        group = state.tp_group
-        if group is None or group.size() == 1:
-            return
-        grads = [
-            p.grad
-            for p in self.stage.parameters()
-            if getattr(p, "sequence_parallel", False) is True and p.grad is not None
-        ]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        all_reduce_(flat, group)
-        for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(summed.view_as(g))
 
     def _check_scaler(self, scaler, state) -> None:
         if scaler is None:
