@@ -260,6 +260,7 @@ def _different_checkpoints(rank, world_size, root):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow  # fast subset: ranks given different paths to save (test_checkpoint_places)
 def test_ranks_loading_different_checkpoints_are_refused(tmp_path):
     _saved(tmp_path, 1.0, "a")
     _saved(tmp_path, 2.0, "b")

@@ -220,7 +220,14 @@ _KILLED_SAVE = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("phase", ["writing a shard", "index written", "between renames"])
+@pytest.mark.parametrize(
+    "phase",
+    [
+        pytest.param("writing a shard", marks=pytest.mark.slow),
+        pytest.param("index written", marks=pytest.mark.slow),
+        "between renames",
+    ],
+)
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, phase):
     path = tmp_path / "ckpt"
     model = nn.Linear(64, 64)

@@ -41,6 +41,8 @@ def test_estimate_of_a_model_includes_real_padding_and_frozen_params():
         estimate(model, "zero3", 2)
 
 
+@pytest.mark.slow  # fast subset: test_first_day's user run of compare; measure == estimate at
+# every level in test_mixed_precision's bf16 test
 def test_compare_measures_what_it_estimates_and_losses_agree(tmp_path):
     report = run_compare(
         CompareConfig(model="models:tiny_gpt", nproc=2, steps=3, batch=4), progress=lambda _: None

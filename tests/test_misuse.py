@@ -218,7 +218,14 @@ def _a_rank_is_elsewhere(rank, world_size, case):
     os._exit(0)  # skip destroy_process_group: the abandoned collective would wait on it
 
 
-@pytest.mark.parametrize("case", ["clip", "extra batch", "state_dict"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "clip",
+        pytest.param("extra batch", marks=pytest.mark.slow),
+        pytest.param("state_dict", marks=pytest.mark.slow),
+    ],
+)
 def test_a_rank_that_is_elsewhere_is_named_within_the_timeout(case):
     run_distributed(_a_rank_is_elsewhere, 2, case)
 

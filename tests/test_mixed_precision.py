@@ -252,6 +252,7 @@ def _state_dict_is_the_fp32_masters(rank, world_size):
         assert all(torch.equal(reloaded[k], fresh[k].to(reloaded[k].dtype)) for k in fresh)
 
 
+@pytest.mark.slow  # fast subset: an inf on one rank of four, test_tensor_parallel's dp2 x tp2
 def test_an_overflow_on_one_rank_makes_every_rank_skip():
     run_distributed(_overflow_on_one_rank, 3)
 

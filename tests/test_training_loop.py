@@ -92,36 +92,37 @@ def _compare(
     return model, opt, ref_model, ref_opt
 
 
-def _loop_semantics(rank, world_size):
+def _loop_semantics(rank, world_size, every_level=True):
+    """Every check at every level; with ``every_level=False`` (the fast subset) each check at
+    one level, the levels taken in turn, so each level still meets several checks."""
+
     def step_lr(opt):
         return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
-    for level in ("os", "os_g", "p_g_os"):
-        _compare(rank, world_size, level, "accumulate no_sync", micro=3, no_sync=True)
-        _compare(rank, world_size, level, "accumulate, reduce every micro-batch", micro=3)
-        _compare(
-            rank,
-            world_size,
-            level,
-            "zero_grad(set_to_none=False)",
-            opt_kind="sgd",
-            set_to_none=False,
-        )
-        _compare(rank, world_size, level, "clip l2", clip=(0.05, 2.0))
-        _compare(rank, world_size, level, "clip inf", opt_kind="sgd", clip=(0.01, float("inf")))
-        _compare(rank, world_size, level, "scheduler after wrap", sched_factory=step_lr)
-        _compare(
-            rank,
-            world_size,
-            level,
-            "scheduler before wrap",
-            sched_factory=step_lr,
-            sched_before_wrap=True,
-        )
-        _compare(rank, world_size, level, "sync_comm", micro=2, wrap_options={"sync_comm": True})
-        _check_full_grads(rank, world_size, level)
-        _check_resume(rank, world_size, level)
-        _check_no_sync_then_step_is_refused(rank, world_size, level)
+    def compare(what, **kwargs):
+        return lambda level: _compare(rank, world_size, level, what, **kwargs)
+
+    checks = [
+        compare("accumulate no_sync", micro=3, no_sync=True),
+        compare("accumulate, reduce every micro-batch", micro=3),
+        compare("zero_grad(set_to_none=False)", opt_kind="sgd", set_to_none=False),
+        compare("clip l2", clip=(0.05, 2.0)),
+        compare("clip inf", opt_kind="sgd", clip=(0.01, float("inf"))),
+        compare("scheduler after wrap", sched_factory=step_lr),
+        compare("scheduler before wrap", sched_factory=step_lr, sched_before_wrap=True),
+        compare("sync_comm", micro=2, wrap_options={"sync_comm": True}),
+        lambda level: _check_full_grads(rank, world_size, level),
+        lambda level: _check_resume(rank, world_size, level),
+        lambda level: _check_no_sync_then_step_is_refused(rank, world_size, level),
+    ]
+    levels = ("os", "os_g", "p_g_os")
+    if every_level:
+        for level in levels:
+            for check in checks:
+                check(level)
+    else:
+        for i, check in enumerate(checks):
+            check(levels[i % len(levels)])
 
 
 def _check_full_grads(rank, world_size, level):
@@ -224,14 +225,18 @@ def _buffers_and_eval(rank, world_size):
     assert not model.training and not model.bn.training
 
 
-@pytest.mark.parametrize(
-    "world_size",
-    [1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)],
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_training_loop_semantics_match_single_process(world_size):
     run_distributed(_loop_semantics, world_size)
 
 
+def test_training_loop_semantics_each_at_one_level():
+    """The fast subset's share of the test above: 2 ranks, each check at one level."""
+    run_distributed(_loop_semantics, 2, False)
+
+
+@pytest.mark.slow  # group= in the fast subset: test_hybrid's 2-rank sharding groups of 4 ranks
 def test_process_subgroups_shard_independently():
     run_distributed(_subgroups, 4)
 
