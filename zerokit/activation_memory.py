@@ -54,16 +54,11 @@ RECOMPUTE_MODES = (None, "selective", "full")
 MIB, GIB = 2**20, 2**30
 
 
-@dataclass(frozen=True)
-class ActivationEstimate:
-    """Activation bytes kept for backward, per transformer layer and for all layers, per rank."""
+class _ByteViews:
+    """MiB/GiB views of ``per_layer_bytes`` and ``total_bytes``."""
 
     per_layer_bytes: float
-    layers: int
-
-    @property
-    def total_bytes(self) -> float:
-        return self.per_layer_bytes * self.layers
+    total_bytes: float
 
     @property
     def per_layer_mib(self) -> float:
@@ -76,6 +71,18 @@ class ActivationEstimate:
     @property
     def total_gib(self) -> float:
         return self.total_bytes / GIB
+
+
+@dataclass(frozen=True)
+class ActivationEstimate(_ByteViews):
+    """Activation bytes kept for backward, per transformer layer and for all layers, per rank."""
+
+    per_layer_bytes: float
+    layers: int
+
+    @property
+    def total_bytes(self) -> float:
+        return self.per_layer_bytes * self.layers
 
 
 def estimate_activations(
@@ -114,7 +121,7 @@ def estimate_activations(
 
 
 @dataclass(frozen=True)
-class ActivationMeasurement:
+class ActivationMeasurement(_ByteViews):
     """Activation bytes autograd kept for backward from the transformer blocks, on this rank."""
 
     total_bytes: int
@@ -123,14 +130,6 @@ class ActivationMeasurement:
     @property
     def per_layer_bytes(self) -> float:
         return self.total_bytes / self.layers
-
-    @property
-    def per_layer_mib(self) -> float:
-        return self.per_layer_bytes / MIB
-
-    @property
-    def total_mib(self) -> float:
-        return self.total_bytes / MIB
 
 
 def measure_activations(model, idx: torch.Tensor) -> ActivationMeasurement:

@@ -169,13 +169,18 @@ def _activations(args) -> int:
     except ValueError as e:
         print(f"zerokit compare: error: {e}", file=sys.stderr)
         return 2
-    print(format_activations_table(report), flush=True)
+    return _emit(report, args, format_activations_table, write_activations_plot)
+
+
+def _emit(report: dict, args, format_fn, plot_fn) -> int:
+    """The table on stdout, then --json, then --plot (a failing plot keeps the rest)."""
+    print(format_fn(report), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     if args.plot:
         try:
-            write_activations_plot(report, args.plot)
+            plot_fn(report, args.plot)
         except Exception as e:  # what was measured is printed (and written) already
             print(f"zerokit compare: error: --plot {args.plot}: {e}", file=sys.stderr)
             return 1
@@ -208,17 +213,7 @@ def _compare(args) -> int:
     except ValueError as e:
         print(f"zerokit compare: error: {e}", file=sys.stderr)
         return 2
-    print(format_table(report), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    if args.plot:
-        try:
-            write_plot(report, args.plot)
-        except Exception as e:  # what was measured is printed (and written) already
-            print(f"zerokit compare: error: --plot {args.plot}: {e}", file=sys.stderr)
-            return 1
-    return 0
+    return _emit(report, args, format_table, write_plot)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .mappings import _gather_first, _reduce_scatter_first
+from .mappings import gather_from_sequence_parallel_region
 from .topology import TPSplit
 
 
@@ -46,21 +46,6 @@ def _check_batch(x: torch.Tensor, group: ProcessGroup) -> None:
             f"BatchGatherLinear gathers the batch of every rank, which must be of one size: the "
             f"ranks bring {got} rows; give every rank the same local batch size"
         )
-
-
-class _GatherBatch(torch.autograd.Function):
-    """Forward: every rank's rows, in rank order ``[b, ...] -> [N b, ...]``. Backward: each
-    rank's gradient of the gathered batch is a partial (its slice of the features): sum them
-    and keep this rank's rows (a reduce-scatter)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_first(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_first(grad, ctx.group), None
 
 
 def _exchange(x: torch.Tensor, send: list[int], receive: list[int], group) -> torch.Tensor:
@@ -166,7 +151,10 @@ class BatchGatherLinear(nn.Module):
         if self.average_grads:
             weight = _ScaleGrad.apply(weight, 1.0 / group.size())
             bias = None if bias is None else _ScaleGrad.apply(bias, 1.0 / group.size())
-        y = F.linear(_GatherBatch.apply(x, group), weight, bias)  # [N b, out_r]
+        # every rank's rows in rank order; backward sums the ranks' partial gradients and keeps
+        # this rank's rows: the sequence-parallel gather along dim 0, here along the batch
+        rows = gather_from_sequence_parallel_region(x, group)
+        y = F.linear(rows, weight, bias)  # [N b, out_r]
         return _FeaturesToRows.apply(y, self.widths, group).view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
