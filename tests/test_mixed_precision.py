@@ -191,7 +191,11 @@ def test_bf16_every_level_tracks_one_process(world_size):
     run_distributed(_equivalence, world_size, "bfloat16")
 
 
-@pytest.mark.parametrize("world_size", [1, pytest.param(3, marks=pytest.mark.slow)])
+# fast subset: fp16 with ShardedGradScaler at every level in test_mixed_precision_models
+@pytest.mark.parametrize(
+    "world_size",
+    [pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)],
+)
 def test_fp16_with_scaler_every_level_tracks_one_process(world_size):
     run_distributed(_equivalence, world_size, "float16")
 
