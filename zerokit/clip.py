@@ -13,6 +13,27 @@ from .tensor_parallel.gather_batch import distributed_params
 from .tensor_parallel.layers import tensor_parallel_params, tp_group_of
 
 
+def counted_grads(model: nn.Module, state, tp_group):
+    """What a norm over ``model`` counts, each element once across its shards: (parameter,
+    gradient) pairs (this rank's ZeRO pieces, or whole gradients; a parameter replicated
+    across tp on tp rank 0 only), the groups their sums are reduced over (the ZeRO group, the
+    tp group), and every gradient buffer a clip must scale (``clip_grad_norm_`` and the
+    pipeline's clip count the same way). Rank-local parameters are not included."""
+    if state is not None:
+        owned = state.owned_grad_pieces()  # every element once across the ZeRO group
+        groups = [state.process_group]
+        to_scale = state.grads_to_scale()
+    else:
+        owned = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+        groups, to_scale = [], [g for _, g in owned]
+    if tp_group is not None:
+        groups.append(tp_group)
+        if tp_group.rank() != 0:  # replicated parameters: the same gradient on every tp rank
+            split = tensor_parallel_params(model)
+            owned = [(p, g) for p, g in owned if id(p) in split]
+    return owned, groups, to_scale
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip the gradients of a model wrapped by ``group_sharded_parallel`` (or of a bare
     tensor-parallel model), like ``torch.nn.utils.clip_grad_norm_`` on the plain model;
@@ -29,22 +50,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if state is not None:
         state.check_ready_for_step()
         presence.mark(state.process_group, "zerokit.clip_grad_norm_()")
-        owned = state.owned_grad_pieces()  # every element once across the ZeRO group
-        groups = [state.process_group]
-        to_scale = state.grads_to_scale()
-    elif tp_group is not None:
-        owned = [(p, p.grad) for p in model.parameters() if p.grad is not None]
-        groups, to_scale = [], [g for _, g in owned]
-    else:
+    elif tp_group is None:
         raise TypeError(
             "clip_grad_norm_ takes a model returned by zerokit.group_sharded_parallel or one "
             "with tensor-parallel layers; use torch.nn.utils.clip_grad_norm_ for a plain model"
         )
-    if tp_group is not None:
-        groups.append(tp_group)
-        if tp_group.rank() != 0:  # replicated parameters: the same gradient on every tp rank
-            split = tensor_parallel_params(model)
-            owned = [(p, g) for p, g in owned if id(p) in split]
+    owned, groups, to_scale = counted_grads(model, state, tp_group)
     local: dict[int, tuple] = {}  # id(group) -> (group, its rank-local gradients)
     if state is not None:
         for d in distributed_params(model).values():

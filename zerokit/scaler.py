@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .core.checks import is_distributed
 from .core.collectives import all_reduce_
+from .core.optimizer import optimizer_params_of
 from .core.state import state_of
 
 
@@ -72,7 +74,12 @@ class ShardedGradScaler:
             )
         state.check_ready_for_step()
         inv = 1.0 / self.scale_value
-        local = [p.grad for p in optimizer._zerokit.local_params if p.grad is not None]
+        local = [  # rank-local parameters: in no bucket, their own .grad
+            p.grad
+            for params in optimizer_params_of(optimizer)
+            for p in params
+            if is_distributed(p) and p.grad is not None
+        ]
         for buffer in [*state.grads_to_scale(), *local]:
             buffer.mul_(inv)
         grads = [g for _, g in state.owned_grad_pieces()] + local

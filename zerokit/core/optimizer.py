@@ -37,10 +37,9 @@ class ShardedOptimizer:
                     "re-evaluate the model first; call step() without a closure"
                 )
             # what no group holds (rank-local parameters) is stepped here, as without it
-            grouped = set().union(*self._zerokit.chunks)
-            rest = {id(p) for g in self.param_groups for p in g["params"]} - grouped
-            if rest:
-                with _stepping_only(self, rest):
+            local = {id(p) for p in self._zerokit.local_params}
+            if local:
+                with _stepping_only(self, local):
                     super().step()  # type: ignore[misc]
             return None
         if closure is not None:  # one evaluation of the closure: step everything at once

@@ -338,10 +338,7 @@ class ShardState:
         """step_in_backward: agree which of the group's parameters hold a gradient (one small
         all-reduce, in launch order on every rank), publish them, step the group's pieces,
         spread the updated shard ('os_g') and free the group's gradient shard."""
-        contributed = torch.cat(group.contributed).to(self.communication_device, torch.uint8)
-        for data_group in self._data_groups():
-            all_reduce_(contributed, data_group, op=dist.ReduceOp.MAX)
-        group.finish_backward(list(contributed.cpu().bool().split([len(b.params) for b in group.buckets])))
+        group.finish_backward(list(self._agree_contributed([group])))
         optimizer = self._stepper()
         if optimizer is None:
             raise RuntimeError(
@@ -353,6 +350,16 @@ class ShardState:
                 work.finish()
         group.zero_grad(set_to_none=True)
 
+    def _agree_contributed(self, groups: list[ShardGroup]):
+        """Which parameters of ``groups`` hold a gradient on any rank that splits the batch:
+        one MAX all-reduce, one byte each. Each bucket's flags, in order."""
+        contributed = torch.cat([f for g in groups for f in g.contributed])
+        contributed = contributed.to(device=self.communication_device, dtype=torch.uint8)
+        for group in self._data_groups():
+            all_reduce_(contributed, group, op=dist.ReduceOp.MAX)
+        sizes = [len(b.params) for g in groups for b in g.buckets]
+        return iter(contributed.cpu().bool().split(sizes))
+
     def _end_of_backward(self) -> None:
         if self.sync_enabled and self._stepper is not None:
             self._launch_ready(force=True)
@@ -361,14 +368,9 @@ class ShardState:
             self._unsynced = False
         elif self.sync_enabled:
             self._launch_ready(force=True)
-            # Which parameters hold a gradient anywhere: one MAX all-reduce, one byte each.
-            contributed = torch.cat([f for g in self.groups for f in g.contributed])
-            contributed = contributed.to(device=self.communication_device, dtype=torch.uint8)
-            for group in self._data_groups():
-                all_reduce_(contributed, group, op=dist.ReduceOp.MAX)
+            flags = self._agree_contributed(self.groups)
             while self._in_flight:
                 self._finish_oldest()
-            flags = iter(contributed.cpu().bool().split([len(b.params) for b in self.buckets]))
             for g in self.groups:
                 g.finish_backward([next(flags) for _ in g.buckets])
             self._unsynced = False

@@ -28,7 +28,6 @@ from ..tensor_parallel import topology
 from ..tensor_parallel.gather_batch import distributed_params
 from ..tensor_parallel.layers import (
     allreduce_sequence_parallel_grads,
-    tensor_parallel_params,
     tp_group_of,
 )
 from .describe import LayerDesc, SharedLayerDesc
@@ -387,26 +386,17 @@ class PipelineModule(nn.Module):
                     square += p.grad.double().pow(2).sum()
             to_scale = grads
         else:
-            from ..clip import clip_grad_norm_
+            from ..clip import clip_grad_norm_, counted_grads
 
             # max_norm=inf: the norm, every gradient scaled by 1
             square = clip_grad_norm_(self.stage, float("inf")).double() ** 2
-            if state is not None:
-                owned, groups = state.owned_grad_pieces(), [state.process_group]
-                to_scale = state.grads_to_scale()
-                to_scale += [  # rank-local parameters: clip_grad_norm_ counted them too
+            owned, groups, to_scale = counted_grads(self.stage, state, tp_group)
+            if state is not None:  # rank-local parameters: clip_grad_norm_ counted them too
+                to_scale += [
                     d.param.grad
                     for d in distributed_params(self.stage).values()
                     if d.param.grad is not None
                 ]
-            else:
-                owned = [(p, p.grad) for p in self.stage.parameters() if p.grad is not None]
-                groups, to_scale = [], [g for _, g in owned]
-            if tp_group is not None and tp_group.size() > 1:
-                groups.append(tp_group)
-                if tp_group.rank() != 0:  # as clip_grad_norm_: replicated ones on tp rank 0
-                    split = tensor_parallel_params(self.stage)
-                    owned = [(p, g) for p, g in owned if id(p) in split]
             copy = torch.zeros((), dtype=torch.float64, device=square.device)
             for param, grad in owned:
                 if id(param) in skip:
