@@ -63,7 +63,10 @@ def _equivalence(rank, world_size):
                         assert torch.equal(model.state_dict()["unused"], ref.unused.detach())
 
 
-@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "world_size",
+    [1, 2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)],
+)
 def test_step_in_backward_matches_one_process(world_size):
     run_distributed(_equivalence, world_size)
 
