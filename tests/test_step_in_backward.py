@@ -123,9 +123,10 @@ def _gradients_bounded(rank, world_size):
                 opt.zero_grad()
             peaks[in_backward] = max(held)
             if in_backward:
-                # at a block's backward: at most the groups whose reductions are in flight
-                # (2) hold a gradient shard; every earlier group was stepped and freed
-                assert max(held) <= 2 * unit, (level, held, unit)
+                # at a block's backward: at most the group whose reduction is in flight (1,
+                # MAX_GROUPS_IN_FLIGHT) holds a gradient shard; every earlier one was stepped
+                # and freed
+                assert max(held) <= 1 * unit, (level, held, unit)
         # without it the shards of every block reduced so far are held
         assert peaks[False] >= (BLOCKS - 2) * unit, (level, peaks, unit)
 

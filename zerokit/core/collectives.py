@@ -4,12 +4,15 @@ Every function takes the process group explicitly and does no communication at w
 
 Note: on gloo (CPU) the textbook collectives are the slow path. torch 2.13's gloo
 ``reduce_scatter`` clones its input, runs a full all-reduce and copies one chunk out, and its
-``all_gather_into_tensor`` gathers into a temporary list. Measured on 2 ranks of this machine,
-108 MB fp32 (``benchmarks/collectives.py``): all-reduce 68 ms, reduce_scatter 141 ms, but
-all-to-all + a local sum 47 ms; all_gather_into_tensor 128 ms, but one in-place broadcast per
-rank 32 ms. So on gloo a reduce-scatter is an all-to-all of the chunks followed by a sum, and an
-all-gather is one broadcast per rank straight into the full buffer (no extra memory). Other
-backends (NCCL) use their native reduce-scatter and all-gather.
+``all_gather_into_tensor`` gathers into a temporary list. Measured on 2 ranks of this machine
+(``benchmarks/collectives.py``), 13 MB fp32, one 'p_g_os' block: reduce_scatter 46 ms,
+all-to-all + a local sum 30 ms, one in-place reduce per owner 29 ms; all_gather_into_tensor
+24 ms, one in-place broadcast per rank 15 ms. So on gloo a reduce-scatter is one reduce per
+owner, in place in the staged gradients (no receive buffer: memory is what the core is for;
+the all-to-all, which needs one, is 20-30% faster only at 3 ranks or 100 MB buckets; gloo's
+reduce sends 1.5x the all-to-all's bytes at 2 ranks, in the same time on loopback), and an
+all-gather is one broadcast per rank straight into the full buffer. Other backends (NCCL) use
+their native reduce-scatter and all-gather.
 """
 
 from __future__ import annotations
@@ -90,33 +93,33 @@ def start_all_reduce_mean(tensor: torch.Tensor, group: ProcessGroup) -> Pending:
 
 
 def start_reduce_scatter_mean(
-    full: torch.Tensor,
-    shard: torch.Tensor,
-    group: ProcessGroup,
-    accumulate: bool,
-    scratch: torch.Tensor | None = None,
+    full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, accumulate: bool
 ) -> Pending:
     """Average the 1-D ``full`` across ``group`` and write (or add) this rank's chunk to ``shard``.
 
-    ``full`` must stay untouched until ``finish()``; it holds ``group.size()`` equal chunks.
-    ``scratch``, a buffer shaped like ``full``, receives the chunks on gloo (else one is made).
+    ``full`` holds ``group.size()`` equal chunks; it is the collective's scratch: its contents
+    are undefined once the work is started, and it must stay alive until ``finish()``.
     """
     size = group.size()
-    chunks_in: torch.Tensor  # [size, shard_numel]: chunk i of every rank, or a view of full
+    chunks = full.view(size, -1)
     if size == 1:
-        works, chunks_in = [], full.view(1, -1)
+        works, reduced = [], chunks[0]
     elif _is_gloo(group, full.device):
-        chunks_in = (torch.empty_like(full) if scratch is None else scratch).view(size, -1)
-        works = [dist.all_to_all_single(chunks_in, full, group=group, async_op=True)]
+        # One in-place reduce per owner: each chunk is summed into its owner's copy of it, so no
+        # receive buffer exists (an all-to-all would need one of (N-1)/N the bucket's size).
+        works = [
+            dist.reduce(chunks[r], group_dst=r, group=group, async_op=True) for r in range(size)
+        ]
+        reduced = chunks[group.rank()]
     else:
-        chunks_in = torch.empty(1, shard.numel(), dtype=full.dtype, device=full.device)
-        works = [_reduce_scatter(chunks_in[0], full, group=group, async_op=True)]
+        reduced = torch.empty(shard.numel(), dtype=full.dtype, device=full.device)
+        works = [_reduce_scatter(reduced, full, group=group, async_op=True)]
 
     def epilogue() -> None:
-        reduced = chunks_in.sum(dim=0) if chunks_in.shape[0] > 1 else chunks_in[0]
-        reduced = reduced.div(size) if size > 1 else reduced
-        reduced = reduced.to(shard.device)  # offload: the gradient shard is in CPU memory
-        shard.add_(reduced) if accumulate else shard.copy_(reduced)
+        if size > 1:
+            reduced.div_(size)  # in place: the chunk is ours to overwrite
+        local = reduced.to(shard.device)  # offload: the gradient shard is in CPU memory
+        shard.add_(local) if accumulate else shard.copy_(local)
 
     return Pending(works, epilogue, group)
 

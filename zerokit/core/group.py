@@ -297,18 +297,8 @@ class ShardGroup:
         if self.reduction.keeps_full_grad:
             return self.reduction.start(self._full_grad(b))
         full, self._staged[b] = self._staged_buffer(b), None
-        scratch = (
-            self._staging.acquire(full.numel(), full.dtype)
-            if self.reduction.scratch_needed
-            else None
-        )
-        pending = self.reduction.start(full, self._shard_grad(b), scratch)
-        return pending.then(lambda: self._release(full, scratch))
-
-    def _release(self, *buffers: torch.Tensor | None) -> None:
-        for buffer in buffers:
-            if buffer is not None:
-                self._staging.release(buffer)
+        pending = self.reduction.start(full, self._shard_grad(b))
+        return pending.then(lambda: self._staging.release(full))
 
     def _publish(self, b: int, bucket: FlatParamBucket) -> None:
         flags = self.has_grad[b]

@@ -1,7 +1,8 @@
 """How a bucket's gradients are averaged across ranks: a strategy a shard group holds.
 
 * ``AllReduce`` ('os'): every rank keeps the full averaged gradient.
-* ``ReduceScatter`` ('os_g', 'p_g_os'): every rank keeps only its shard of the average.
+* ``ReduceScatter`` ('os_g', 'p_g_os'): every rank keeps only its shard of the average; the
+  staged full-size bucket is the collective's scratch (no receive buffer on gloo).
 * ``ReduceScatterThenAllReduce``: reduce-scatter inside the shard group, then all-reduce the
   shard across replicas (hybrid sharding: shard inside a host, replicate across hosts).
 
@@ -53,13 +54,9 @@ class ReduceScatter:
     keeps_full_grad = False
     needs_staging = True
 
-    def start(self, full: torch.Tensor, shard: torch.Tensor, scratch) -> Pending:
+    def start(self, full: torch.Tensor, shard: torch.Tensor) -> Pending:
         # Always accumulate: zero_grad() zeroes the shard, and backwards between steps add up.
-        return start_reduce_scatter_mean(full, shard, self.group, accumulate=True, scratch=scratch)
-
-    @property
-    def scratch_needed(self) -> bool:
-        return self.group.size() > 1
+        return start_reduce_scatter_mean(full, shard, self.group, accumulate=True)
 
 
 @dataclass(frozen=True)
@@ -73,8 +70,8 @@ class ReduceScatterThenAllReduce(ReduceScatter):
 
     replicas: ProcessGroup | None = None
 
-    def start(self, full: torch.Tensor, shard: torch.Tensor, scratch) -> Pending:
-        pending = super().start(full, shard, scratch)
+    def start(self, full: torch.Tensor, shard: torch.Tensor) -> Pending:
+        pending = super().start(full, shard)
         if self.replicas is None or self.replicas.size() == 1:
             return pending
         return pending.then(lambda: start_all_reduce_mean(shard, self.replicas).finish())

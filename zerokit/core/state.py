@@ -34,7 +34,7 @@ from .group import Phase, ShardGroup
 
 #: most groups whose reductions are in flight at once; the oldest is finished before another
 #: starts, which bounds the staging memory of backward (see docs/ARCHITECTURE.md)
-MAX_GROUPS_IN_FLIGHT = 2
+MAX_GROUPS_IN_FLIGHT = 1
 
 
 class ShardState:
