@@ -189,8 +189,9 @@ def _wait_all(procs: list[subprocess.Popen], deadline: float) -> bool:
 
 
 def bisect(cg: Cgroups, args, runner: str) -> dict:
-    """The largest n_layer in [1, --max-layers] that passes (passing is taken as monotonic)."""
-    lo, hi, trials = 0, args.max_layers + 1, []  # lo passed (0: none yet), hi failed
+    """The largest n_layer in [--min-layers, --max-layers] that passes (passing is taken as
+    monotonic; below --min-layers nothing is tried, and a runner that fails there reports 0)."""
+    lo, hi, trials = args.min_layers - 1, args.max_layers + 1, []  # lo passed or untried
     while hi - lo > 1:
         trial = run_trial(cg, args, runner, (lo + hi) // 2)
         trials.append(trial)
@@ -202,6 +203,8 @@ def bisect(cg: Cgroups, args, runner: str) -> dict:
         if trial["status"].startswith("error"):  # not the limit: a bug, not a bisection step
             return {"n_layer": None, "trials": trials}
         lo, hi = (trial["n_layer"], hi) if trial["status"] == "pass" else (lo, trial["n_layer"])
+    if lo == args.min_layers - 1:  # not even --min-layers passed: nothing is known to train
+        lo = 0
     peak = next((t["peak_mib"] for t in trials if t["n_layer"] == lo), None)
     params = count_params(lo) if lo else 0
     return {"n_layer": lo, "params": params, "peak_mib": peak, "trials": trials}
@@ -252,8 +255,10 @@ def worker(spec: dict) -> None:
 
 
 class Trace:
-    """--trace: rank 0 prints its memory (MiB) at each phase of a step. rss: resident now; hwm:
-    the most resident since the line before (VmHWM, reset at every line); params, grads, optim:
+    """--trace: rank 0 prints its memory (MiB) at each phase of a step. rss: resident now; anon:
+    the part of it that is not file-backed (what a memory cgroup is charged for, once the
+    libraries' pages are cached); hwm: the most resident since the line before (VmHWM, reset at
+    every line); params, grads, optim:
     what the runner holds, each storage once (zerokit: held_tensors(); FSDP2: local shards);
     activ: what autograd saved for backward, parameters excluded; staging: zerokit's staging
     pool now, then its peak in this backward; gathered: stage 3 full parameters now."""
@@ -261,7 +266,7 @@ class Trace:
     def __init__(self, model, opt):
         self.model, self.opt, self.step, self.saved = model, opt, 0, {}
         print(
-            f"{'step':>4} {'phase':<16}{'rss':>7}{'hwm':>7}{'params':>7}{'grads':>7}"
+            f"{'step':>4} {'phase':<16}{'rss':>7}{'anon':>7}{'hwm':>7}{'params':>7}{'grads':>7}"
             f"{'optim':>7}{'activ':>7}{'staging':>8}{'(peak)':>7}{'gathered':>9}"
         )
         for k, block in enumerate(getattr(model, "module", model).blocks):
@@ -294,7 +299,7 @@ class Trace:
 
     def line(self, phase: str) -> None:
         status = dict(ln.split(":", 1) for ln in Path("/proc/self/status").read_text().splitlines())
-        rss, hwm = (int(status[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
+        rss, anon, hwm = (int(status[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "VmHWM"))
         Path("/proc/self/clear_refs").write_text("5")  # the next hwm: this interval's peak
         state = state_of(self.model)
         if state is not None:
@@ -309,7 +314,7 @@ class Trace:
         core = (
             [_bytes(staging), state.staging.peak_bytes, state.gathered_numel() * 4] if state else []
         )
-        values = [rss, hwm, *held, *(core or [0, 0, 0])]  # gathered: fp32 elements here
+        values = [rss, anon, hwm, *held, *(core or [0, 0, 0])]  # gathered: fp32 elements here
         print(
             f"{self.step:>4} {phase:<16}" + "".join(f"{v / MIB:7.1f}" for v in values), flush=True
         )
@@ -339,6 +344,7 @@ def main() -> None:
     p.add_argument("--cap-mib", type=int, default=1024, help="memory limit per rank, MiB")
     p.add_argument("--nproc", type=int, default=2, help="ranks (each in a cgroup of its own)")
     p.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated runners")
+    p.add_argument("--min-layers", type=int, default=1, help="smallest n_layer tried")
     p.add_argument("--max-layers", type=int, default=48, help="largest n_layer tried")
     p.add_argument("--malloc", choices=["default", "mmap"], default="default", help=MALLOC_HELP)
     p.add_argument("--json", metavar="PATH", help="also write every trial to this JSON file")
@@ -351,6 +357,8 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(json.loads(args.worker))
+    if not 1 <= args.min_layers <= args.max_layers:
+        p.error("need 1 <= --min-layers <= --max-layers")
     runners = args.runners.split(",")
     if set(runners) - set(RUNNERS):
         p.error(f"unknown runners in {args.runners!r}; choose from {', '.join(RUNNERS)}")

@@ -29,8 +29,10 @@ from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
 # "local" trains each rank alone with no communication: the floor no data-parallel runner can beat.
 # "<level>_sib": that zerokit level with step_in_backward=True (each unit stepped as soon as its
 # gradients are reduced; no global-norm clipping): the gradients never exist all at once.
+# "<level>_lean": step_in_backward plus sync_comm=True (each reduction finished before backward
+# goes on): the least memory a level holds in backward, paid for with no communication overlap.
 RUNNERS = ("ddp", "zero_redundancy", "fsdp2", "os", "os_g", "p_g_os", "local")
-STEP_IN_BACKWARD = ("os_g_sib", "p_g_os_sib")
+STEP_IN_BACKWARD = ("os_g_sib", "p_g_os_sib", "os_g_lean", "p_g_os_lean")
 
 
 def build(
@@ -62,14 +64,14 @@ def build(
         return model, opt
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     policy = zerokit.MixedPrecision(param_dtype=low)
-    level = runner.removesuffix("_sib")
     model, opt, _ = zerokit.group_sharded_parallel(
         model,
         opt,
-        level,
+        runner.removesuffix("_sib").removesuffix("_lean"),
         buffer_max_size=bucket_elems,
         mixed_precision=policy,
-        step_in_backward=runner.endswith("_sib"),
+        step_in_backward=runner.endswith(("_sib", "_lean")),
+        sync_comm=runner.endswith("_lean"),
     )
     return model, opt
 

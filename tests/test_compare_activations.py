@@ -5,7 +5,6 @@ beside the paper's estimate, which the test computes itself from each setting's 
 import importlib.util
 import json
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import zerokit
-from zerokit.core.group import Phase, ShardGroup, TransitionError
+from zerokit.core.group import Phase, TransitionError
 from zerokit.core.state import state_of
 
 ATOL = 2e-5

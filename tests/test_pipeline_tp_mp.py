@@ -24,8 +24,8 @@ import zerokit
 from zerokit import tensor_parallel as tp
 from zerokit.core.state import state_of
 from zerokit.models.gpt import lm_loss
-from zerokit.tensor_parallel.mappings import _gather_first, _split_first
 from zerokit.pipeline import LayerDesc, PipelineModule, PipelineStage, SharedLayerDesc
+from zerokit.tensor_parallel.mappings import _gather_first, _split_first
 
 ATOL = 2e-5
 VOCAB = 12  # even: the vocabulary is split in equal halves across 2 tp ranks

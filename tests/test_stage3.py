@@ -19,9 +19,9 @@ from models import (
 from torch.utils.checkpoint import checkpoint
 
 import zerokit
-from zerokit.models.gpt import GPT, Block, GPTConfig
 from zerokit.core.flat_param import Storage
 from zerokit.core.state import state_of
+from zerokit.models.gpt import GPT, Block, GPTConfig
 
 ATOL = 2e-5
 CFG = GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=3, n_head=2, n_embd=8)

@@ -99,12 +99,16 @@ def _gradients_bounded(rank, world_size):
     batches = global_batches(3, batch=2 * world_size)
     for level in ("os_g", "p_g_os"):
         peaks = {}
-        for in_backward in (False, True):
+        # lean: step_in_backward with sync_comm, each reduction finished before backward goes
+        # on (the benchmarks' '<level>_lean' runners): still one process's training
+        for in_backward, lean in ((False, False), (True, False), (True, True)):
             torch.manual_seed(0)
-            model = Stack()
+            model, ref = Stack(), Stack()
+            ref.load_state_dict(model.state_dict())
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
             model, opt, _ = zerokit.group_sharded_parallel(
-                model, opt, level, step_in_backward=in_backward
+                model, opt, level, step_in_backward=in_backward, sync_comm=lean
             )
             state = state_of(model)
             unit = max(
@@ -113,14 +117,21 @@ def _gradients_bounded(rank, world_size):
                 if g is not state.root_group
             )
             held = []
-            model.probe = lambda i: held.append(_grad_bytes(state))
+            model.probe = lambda i, held=held, state=state: held.append(_grad_bytes(state))
             for x, y in batches:
+                loss_fn(ref(x), y).backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
                 xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
                 loss_fn(model(xs), ys).backward()
                 if in_backward:
                     assert _grad_bytes(state) == 0  # every group stepped and freed its shard
                 opt.step()
                 opt.zero_grad()
+            assert_same_params(model, ref, ATOL, f"{level} step_in_backward={in_backward} {lean=}")
+            if lean:  # every earlier group's reduction finished, stepped and freed already
+                assert max(held) == 0, (level, held)
+                continue
             peaks[in_backward] = max(held)
             if in_backward:
                 # at a block's backward: at most the group whose reduction is in flight (1,

@@ -16,8 +16,8 @@ from models import SMALL, global_batches, local_slice
 from torch import nn
 
 import zerokit
-from zerokit.core.state import state_of
 from zerokit import tensor_parallel as tp
+from zerokit.core.state import state_of
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss
 
 STEPS = 10

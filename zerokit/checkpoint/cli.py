@@ -9,7 +9,6 @@ import sys
 from .consolidate import consolidate, describe, parse_size
 from .index import CheckpointError
 
-
 _CHECKPOINT_HELP = "the checkpoint directory zerokit.checkpoint.save wrote"
 
 
