@@ -99,7 +99,8 @@ def _run(rank, world_size, level, order_kind, reentrant=None, widths=None, **wra
         held.clear()
         xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
         loss_fn(model(xs), ys).backward()
-        bound = 4 * (root + (1 + 1) * unit)  # staging, derived below
+        ahead = 0 if wrap.get("sync_comm") else 1  # sync_comm: nothing in flight or prefetched
+        bound = 4 * (root + (1 + ahead) * unit)  # staging, derived below
         assert state.staging.peak_bytes <= bound, (level, step, state.staging.peak_bytes, bound)
         if level == "os":  # full averaged gradients on every rank, as one process has them
             for name, p in model.named_parameters():
@@ -109,15 +110,16 @@ def _run(rank, world_size, level, order_kind, reentrant=None, widths=None, **wra
         assert len(held) == BLOCKS
         for block, gathered, staging in held:
             # 'p_g_os': the root unit (gathered from forward to the end of backward), the
-            # block running and the one prefetched next; every later block in backward order
-            # was freed when its reduction was launched.
-            assert gathered <= root + 2 * unit, (step, block, gathered, root, unit)
+            # block running and the one prefetched next (none under sync_comm); every later
+            # block in backward order was freed when its reduction was launched.
+            assert gathered <= root + (1 + ahead) * unit, (step, block, gathered, root, unit)
             # Staging (fp32): the root's bucket (filling from the first gradient of backward
-            # to the last), one block filling, and at most 1 group in flight (the documented
+            # to the last), one block filling, and at most 1 group in flight (none under
+            # sync_comm: finished when launched; the documented
             # MAX_GROUPS_IN_FLIGHT, written out so that raising it fails here) with its
             # gradients, which its reduce-scatter sums in place (no receive buffer); released
             # buffers never add to that.
-            bound = 4 * (root + (1 + 1) * unit)
+            bound = 4 * (root + (1 + ahead) * unit)
             assert staging <= bound, (level, step, block, staging, bound)
         assert state.peak_groups_in_flight <= 1
         assert state.staging.live_bytes == 0 and state.gathered_numel() == 0
@@ -135,6 +137,9 @@ def _layer_order_cases(rank, world_size):
         _run(rank, world_size, "os_g", "reverse", reentrant=reentrant)
     # buffer_max_size splits a unit into several buckets at 'p_g_os'
     _run(rank, world_size, "p_g_os", "input", buffer_max_size=100)
+    # sync_comm: each reduction finished at launch, nothing gathered ahead
+    for level in ("os_g", "p_g_os"):
+        _run(rank, world_size, level, "input", sync_comm=True)
     # Units of different sizes: released staging buffers of one size must not pile up while
     # other sizes are requested (a pool that kept every released buffer to the end of backward
     # held all the model's gradients here).

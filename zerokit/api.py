@@ -79,7 +79,9 @@ def group_sharded_parallel(
         segment_size: a module whose own parameters reach this many elements becomes a unit
             of its own (a unit's parameters are reduced together, and at 'p_g_os' gathered
             and freed together).
-        sync_comm: wait for each bucket's collective at once instead of overlapping backward.
+        sync_comm: finish each collective at once instead of overlapping it with compute:
+            a reduction is waited for when launched, and at 'p_g_os' nothing is gathered ahead
+            (one unit gathered at a time). The least memory in backward, paid for in time.
         dp_group: hybrid sharding: the replicas of this rank's shard group (ranks holding the
             same shards, typically on other hosts). State is sharded across ``group`` and
             replicated across ``dp_group``; a gradient is reduce-scattered in ``group``, then

@@ -408,7 +408,11 @@ class ShardState:
 
     def _prefetch(self, group: ShardGroup | None, using: ShardGroup | None = None) -> None:
         """Gather ``group`` ahead of its use; free the previous guess if it was wrong (the
-        order changed since it was recorded) and nothing is using it now."""
+        order changed since it was recorded) and nothing is using it now. Under ``sync_comm``
+        nothing is gathered ahead: each unit is gathered when it runs, so one unit (besides the
+        root) is gathered at a time, the least memory, paid for with no overlap."""
+        if self.sync_comm:
+            group = None
         guess, self._prefetched = self._prefetched, group
         if guess is not None and guess is not using and guess is not group:
             if guess.phase in (Phase.IDLE, Phase.FORWARD):
