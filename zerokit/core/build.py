@@ -11,12 +11,11 @@ from torch.distributed import ProcessGroup
 
 from ..mixed_precision import MixedPrecision
 from . import checks
-from .collectives import broadcast_
 from .flat_param import FlatParamBucket
 from .group import ShardGroup
 from .hooks import register_hooks
 from .master_state import MasterStateDict
-from .module import convert_module_, register_buffer_sync
+from .module import broadcast_module_state, convert_module_, register_buffer_sync
 from .optimizer import shard_optimizer_
 from .precision import register_precision_hooks
 from .reduction import AllReduce, ReduceScatter, ReduceScatterThenAllReduce
@@ -56,8 +55,8 @@ def build(
     # every rank starts from rank 0's model: replica 0's, then shard-group rank 0's (each
     # rank keeps its own rank-local parameters: they are different slices)
     if opts.replica_group is not None:
-        _broadcast_shared_state(model, opts.replica_group)
-    _broadcast_shared_state(model, group)
+        broadcast_module_state(model, opts.replica_group, params=True)
+    broadcast_module_state(model, group, params=True)
     full_precision = [  # trainable ones are units of their own (plan.full_precision)
         m
         for m in model.modules()
@@ -130,16 +129,6 @@ def build(
         state.refresh_params()  # gathers the units kept whole
     shard_optimizer_(optimizer, state)
     return state
-
-
-def _broadcast_shared_state(model: nn.Module, group: ProcessGroup) -> None:
-    """Every buffer and every parameter but the rank-local ones from group rank 0."""
-    with torch.no_grad():
-        seen = set()
-        for tensor in [*model.buffers(), *model.parameters()]:
-            if id(tensor) not in seen and not checks.is_distributed(tensor):
-                seen.add(id(tensor))
-                broadcast_(tensor.data, group)
 
 
 def _cast_frozen_params(model: nn.Module, dtype: torch.dtype | None, keep) -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from .checks import is_distributed
 from .collectives import broadcast_
 from .state import ShardState
 
@@ -53,12 +54,13 @@ def convert_module_(model: nn.Module, state: ShardState) -> nn.Module:
 
 
 def broadcast_module_state(model: nn.Module, group: ProcessGroup, *, params: bool) -> None:
-    """Make every rank's buffers (and parameters, if ``params``) equal to group rank 0's."""
+    """Make every rank's buffers (and parameters, if ``params``) equal to group rank 0's;
+    rank-local (``is_distributed``) tensors stay each rank's own: they are different slices."""
     with torch.no_grad():
         tensors = list(model.buffers()) + (list(model.parameters()) if params else [])
         seen = set()
         for tensor in tensors:
-            if id(tensor) not in seen:
+            if id(tensor) not in seen and not is_distributed(tensor):
                 seen.add(id(tensor))
                 broadcast_(tensor.data, group)
 

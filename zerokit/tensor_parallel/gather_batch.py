@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ..core.checks import is_distributed
 from .mappings import gather_from_sequence_parallel_region
 from .topology import TPSplit
 
@@ -173,12 +174,6 @@ class DistributedParam:
     split: TPSplit | None
     split_rank: int
     group: ProcessGroup | None  # the ranks whose parts make the whole (None: not known)
-
-
-def is_distributed(param: torch.Tensor) -> bool:
-    """Marked rank-local (``param.is_distributed = True``). ``torch.Tensor`` has a method of
-    that name, so the test is ``is True``, never truthiness."""
-    return getattr(param, "is_distributed", None) is True
 
 
 def distributed_params(model: nn.Module) -> dict[int, DistributedParam]:
