@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_helpers import run_distributed
-from models import global_batches
+from models import global_batches, pipeline_reference
 from torch import nn
 
 import zerokit
@@ -25,7 +25,6 @@ from zerokit import tensor_parallel as tp
 from zerokit.core.state import state_of
 from zerokit.models.gpt import lm_loss
 from zerokit.pipeline import LayerDesc, PipelineModule, PipelineStage, SharedLayerDesc
-from zerokit.tensor_parallel.mappings import _gather_first, _split_first
 
 ATOL = 2e-5
 VOCAB = 12  # even: the vocabulary is split in equal halves across 2 tp ranks
@@ -71,23 +70,11 @@ def tp_to_sequence(x):  # [B, T, C] -> this tp rank's positions [T/tp, B, C]
     return tp.scatter_to_sequence_parallel_region(to_sequence(x), _tp_group())
 
 
-class _LeaveSequenceParallel(torch.autograd.Function):
-    """Forward: all-gather the sequence blocks. Backward: this rank's block of a gradient that
-    is whole on every rank (the replicated layers after it), not tp's reduce-scatter (which
-    expects the partial gradients of a tensor-parallel op)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_first(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_first(grad, ctx.group), None
-
-
-def tp_from_sequence(x):
-    return from_sequence(_LeaveSequenceParallel.apply(x, _tp_group()))
+def tp_from_sequence(x):  # replicated layers follow: their gradient is whole on every rank
+    gathered = tp.gather_from_sequence_parallel_region(
+        x, _tp_group(), tensor_parallel_output_grad=False
+    )
+    return from_sequence(gathered)
 
 
 def head(emb, x):  # [B, T, C] -> [B, T, vocab]
@@ -115,21 +102,9 @@ def tp_layers(parallel: bool) -> list:
 
 
 def reference_run(layers, batches, clip):
-    torch.manual_seed(0)
-    model = PipelineStage(layers, 0)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    losses = []
-    for x, y in batches:
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        if clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            assert norm > clip  # the clipping bites
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return init, model.state_dict(), losses
+    init, state, losses, norms = pipeline_reference(layers, batches, lm_loss, clip)
+    assert all(norm > clip for norm in norms)  # the clipping bites
+    return init, state, losses
 
 
 def _tp_pp(rank, world_size):
@@ -246,18 +221,7 @@ def _mixed_precision(rank, world_size):
     steps = 8
     batches = global_batches(steps, batch=8)
     layers = mp_layers()
-    torch.manual_seed(0)
-    exact = PipelineStage(layers, 0)
-    init = {k: v.clone() for k, v in exact.state_dict().items()}
-    exact_opt = torch.optim.SGD(exact.parameters(), lr=0.2, momentum=0.9)
-    exact_losses = []
-    for x, y in batches:
-        loss = lm_loss(exact(x), y)
-        loss.backward()
-        exact_opt.step()
-        exact_opt.zero_grad()
-        exact_losses.append(loss.item())
-    exact_params = {n: p.detach() for n, p in exact.named_parameters()}
+    init, exact_params, exact_losses, _ = pipeline_reference(layers, batches, lm_loss)
     mine = slice(layout.dp_rank * 4, layout.dp_rank * 4 + 4)
     for dtype, level in ((torch.bfloat16, "p_g_os"), (torch.float16, "os_g")):
         what = f"dp2 x pp2 {dtype} level={level}"

@@ -48,6 +48,11 @@ def _check_sequence_mappings(layout):
     (y * weights[r]).sum().backward()  # reduce-scatter: the sum of every rank's grad, my block
     _assert_close(x.grad, weights.sum(0)[block], "gather_from_sequence backward")
 
+    x = full[block].clone().requires_grad_()  # replicated layers follow: a whole gradient
+    y = tp.gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=False)
+    (y * weights[0]).sum().backward()  # split: my block of it, nothing summed
+    assert torch.equal(x.grad, weights[0, block])
+
     x = (full * (r + 1)).requires_grad_()  # a partial sum on each rank
     y = tp.reduce_scatter_to_sequence_parallel_region(x, group)
     _assert_close(y, (full * n * (n + 1) / 2)[block], "reduce_scatter forward")

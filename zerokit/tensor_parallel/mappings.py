@@ -8,7 +8,8 @@ Sequence parallelism adds three more over the sequence dimension, dim 0 of seque
 activations ``[s, b, h]``; inside a sequence-parallel region each tp rank holds ``[s/t, b, h]``,
 its own consecutive block of positions. ``scatter_to_sequence_parallel_region`` and
 ``gather_from_sequence_parallel_region`` are conjugates (split / all-gather forward, all-gather /
-reduce-scatter backward), and ``reduce_scatter_to_sequence_parallel_region`` replaces a row
+reduce-scatter backward; split instead when what follows is replicated, not tensor-parallel),
+and ``reduce_scatter_to_sequence_parallel_region`` replaces a row
 layer's all-reduce (reduce-scatter forward, all-gather backward). A sequence length not
 divisible by the tp degree is refused.
 """
@@ -138,13 +139,14 @@ class _ScatterToSP(torch.autograd.Function):
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, tensor_parallel_output_grad):
+        ctx.group, ctx.partial = group, tensor_parallel_output_grad
         return _gather_first(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_first(grad, ctx.group), None
+        back = _reduce_scatter_first if ctx.partial else _split_first
+        return back(grad, ctx.group), None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
@@ -185,10 +187,14 @@ def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) ->
     return _ScatterToSP.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Forward: all-gather ``[s/t, b, h] -> [s, b, h]``. Backward: reduce-scatter, as the
-    gathered tensor feeds a tensor-parallel op whose gradient on each rank is a partial sum."""
-    return _GatherFromSP.apply(x, group)
+def gather_from_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
+    """Forward: all-gather ``[s/t, b, h] -> [s, b, h]``. Backward (Megatron's flag): with
+    ``tensor_parallel_output_grad`` the gathered tensor feeds a tensor-parallel op whose
+    gradient on each rank is a partial sum, so reduce-scatter; without it, it feeds layers
+    replicated on every tp rank, whose gradient is whole everywhere, so keep this rank's block."""
+    return _GatherFromSP.apply(x, group, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(
