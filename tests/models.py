@@ -95,6 +95,28 @@ def local_slice(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tenso
     return tensor[rank * per_rank : (rank + 1) * per_rank]
 
 
+def pipeline_reference(layers, batches, loss=loss_fn, clip=None):
+    """A pipeline's layers all in one process (``PipelineStage(layers, 0)``), SGD with
+    momentum, optionally clipped to ``clip``: the initial state, the final state, the losses
+    and the gradient norms (before clipping; empty without ``clip``)."""
+    from zerokit.pipeline import PipelineStage
+
+    torch.manual_seed(0)
+    model = PipelineStage(layers, 0)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    losses, norms = [], []
+    for x, y in batches:
+        value = loss(model(x), y)
+        value.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(value.item())
+    return init, model.state_dict(), losses, norms
+
+
 def train_reference(model: nn.Module, opt, batches) -> list[float]:
     """Single-process training on the global batches: the result every level must reproduce."""
     losses = []

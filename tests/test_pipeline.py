@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_distributed
-from models import VOCAB, global_batches, loss_fn
+from models import VOCAB, global_batches, loss_fn, pipeline_reference
 from torch import nn
 
 import zerokit
@@ -104,20 +104,8 @@ def test_partitions():
 
 # -- distributed -------------------------------------------------------------------------------
 def reference_run(layers, batches, clip=None):
-    torch.manual_seed(0)
-    model = PipelineStage(layers, 0)  # every layer in one process
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-    losses = []
-    for x, y in batches:
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return init, model.state_dict(), losses
+    init, state, losses, _ = pipeline_reference(layers, batches, clip=clip)
+    return init, state, losses
 
 
 @torch.no_grad()

@@ -139,12 +139,12 @@ def _stage(
     saved = index["tensors"]
     aliases = index["aliases"]
     _check_ties(saved, aliases, h)
-    names = {n: (n if n in saved else aliases.get(n, n)) for n in h.param_names}
-    everywhere = (
-        names
-        if world is None
-        else {n: (n if n in saved else aliases.get(n, n)) for n in sorted(world["names"])}
-    )
+
+    def stored_as(n: str) -> str:  # a tied name is stored under its alias's
+        return n if n in saved else aliases.get(n, n)
+
+    names = {n: stored_as(n) for n in h.param_names}
+    everywhere = names if world is None else {n: stored_as(n) for n in sorted(world["names"])}
     missing = sorted(n for n, stored in everywhere.items() if stored not in saved)
     stored = {aliases.get(n, n) for n in everywhere.values()}
     unexpected = sorted(n for n in saved if not n.startswith("optim.") and n not in stored)
