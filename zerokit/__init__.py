@@ -9,6 +9,7 @@ from . import checkpoint, pipeline
 from .api import LEVELS, group_sharded_parallel, num_params
 from .clip import clip_grad_norm_
 from .config import ShardingConfig, load_config
+from .core.grad_placeholder import ShardedGradError
 from .mixed_precision import MixedPrecision
 from .scaler import ShardedGradScaler
 from .tensor_parallel import init_hybrid_parallel
@@ -22,6 +23,7 @@ def save_group_sharded_model(model, output: str, optimizer=None) -> None:
 __all__ = [
     "LEVELS",
     "MixedPrecision",
+    "ShardedGradError",
     "ShardedGradScaler",
     "ShardingConfig",
     "checkpoint",

@@ -20,6 +20,7 @@ from .activation_memory import (  # noqa: F401
     estimate_activations,
     measure_activations,
 )
+from .core.grad_placeholder import is_placeholder
 from .core.state import state_of
 from .core.units import plan_groups, plan_units
 from .mixed_precision import MixedPrecision
@@ -208,7 +209,7 @@ def measure(model: nn.Module, optimizer, peak: PeakMemory | None = None) -> Memo
     def count(tensors) -> int:
         total = 0
         for t in tensors:
-            if not isinstance(t, torch.Tensor):
+            if not isinstance(t, torch.Tensor) or is_placeholder(t):  # a placeholder holds no bytes
                 continue
             if isinstance(t, DTensor):  # FSDP2: this rank holds the local shard
                 t = t.to_local()

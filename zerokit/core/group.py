@@ -15,12 +15,14 @@ Verbs: ``unshard`` / ``wait_for_unshard`` / ``reshard`` (storage), ``pre_forward
 from __future__ import annotations
 
 import enum
+import weakref
 
 import torch
 from torch import nn
 
 from .collectives import Pending, all_reduce_
 from .flat_param import FlatParamBucket, Storage
+from .grad_placeholder import GradPlaceholder, is_placeholder
 from .reduction import AllReduce, ReduceScatter
 from .staging import StagingPool
 
@@ -197,6 +199,8 @@ class ShardGroup:
             if self._arrived[b] < len(bucket.params):
                 for i, param in enumerate(bucket.params):
                     if not self._is_taken(b, i):
+                        if is_placeholder(param.grad):  # the last backward's: nothing new
+                            param.grad = None
                         # what no_sync() accumulated was never taken by accumulate(): a marked
                         # sequence-parallel gradient is still a partial sum per tp rank
                         if (b, i) in self._tp_summed and param.grad is not None:
@@ -256,10 +260,17 @@ class ShardGroup:
         return self.grads[b]
 
     def _aliases_param(self, b: int, i: int) -> bool:
-        """Can ``param.grad`` be a view of the full gradient? Not under mixed precision (another
-        dtype), nor for a tp-summed parameter (its new gradient must arrive apart)."""
-        dtype = self.buckets[b].data.dtype
-        return (self._reduce_dtype or dtype) == dtype and (b, i) not in self._tp_summed
+        """'os': can ``param.grad`` be a view of the full gradient, the very memory the
+        optimizer steps from? Not under mixed precision or offload (the gradient or the masters
+        are in another dtype or device), nor under tensor parallelism (a gradient is a slice,
+        so torch's clip would count only this rank's): then it is a ``GradPlaceholder``."""
+        bucket = self.buckets[b]
+        dtype = self._reduce_dtype or bucket.data.dtype
+        return (
+            (dtype, bucket.data.device) == (bucket.shard_data.dtype, bucket.shard_data.device)
+            and dtype == bucket.data.dtype
+            and (self._tp_group is None or self._tp_group.size() == 1)
+        )
 
     def _take_into_full(self, b: int, i: int, param: nn.Parameter) -> bool:
         slot = self.buckets[b].slot_view(self._full_grad(b), i)
@@ -303,13 +314,14 @@ class ShardGroup:
     def _publish(self, b: int, bucket: FlatParamBucket) -> None:
         flags = self.has_grad[b]
         grad = self.grads[b]
-        if self.reduction.keeps_full_grad:
-            for i, param in enumerate(bucket.params):
-                alias = flags[i] and self._aliases_param(b, i)
-                param.grad = bucket.slot_view(grad, i) if alias else None
-            shard = self._piece_grad_shard(b)
-        else:
-            shard = grad
+        shard = self._piece_grad_shard(b) if self.reduction.keeps_full_grad else grad
+        for i, param in enumerate(bucket.params):
+            if not flags[i]:
+                param.grad = None
+            elif self._torch_reads_grad(b, i):
+                param.grad = bucket.slot_view(grad, i)
+            else:
+                param.grad = self._placeholder(b, i)
         if shard is None:
             for piece_param in bucket.param_pieces:
                 piece_param.grad = None
@@ -318,6 +330,54 @@ class ShardGroup:
             bucket.pieces, bucket.param_pieces, bucket.piece_views(shard)
         ):
             piece_param.grad = view if flags[piece.slot] else None
+
+    def _torch_reads_grad(self, b: int, i: int) -> bool:
+        """Is ``param.grad`` what one process would hold, and what the optimizer steps from?
+        Then torch's clip on it is exact."""
+        return self.reduction.keeps_full_grad and self._aliases_param(b, i)
+
+    def _placeholder(self, b: int, i: int) -> GradPlaceholder:
+        """``param.grad`` of parameter ``i`` of bucket ``b`` where torch cannot read it; it
+        scales, in place, every buffer holding this rank's part of that gradient."""
+        ref = weakref.ref(self)  # param -> .grad -> group -> param would be a cycle
+
+        def parts() -> list[torch.Tensor]:
+            group = ref()
+            return [] if group is None else group._grad_parts(b, i)
+
+        if self.reduction.keeps_full_grad:
+            why = (
+                "this rank holds a tensor-parallel slice of the gradient"
+                if self._tp_group is not None and self._tp_group.size() > 1
+                else "the gradient the optimizer steps from is in another dtype or device than "
+                "the parameter (mixed precision or offload)"
+            )
+        else:
+            why = "at levels 'os_g' and 'p_g_os' each rank holds only its shard of the gradient"
+        return GradPlaceholder(self.buckets[b].params[i], parts, why)
+
+    def _grad_parts(self, b: int, i: int) -> list[torch.Tensor]:
+        bucket, parts = self.buckets[b], []
+        if self.reduction.keeps_full_grad and self.grads[b] is not None:
+            parts.append(bucket.slot_view(self.grads[b], i))
+        if not self.reduction.keeps_full_grad or self._piece_grads[b] is not None:
+            parts += [  # separate memory only: at 'os' the pieces may view the slot itself
+                view.grad
+                for piece, view in zip(bucket.pieces, bucket.param_pieces)
+                if piece.slot == i and view.grad is not None
+            ]
+        return parts
+
+    def release_stepped(self) -> None:
+        """step_in_backward: the group's gradients were applied; free them. A parameter that
+        had one keeps a placeholder that refuses a later clip (the update already happened)."""
+        had = [flags.clone() for flags in self.has_grad]
+        self.zero_grad(set_to_none=True)
+        why = "step_in_backward already applied this gradient during backward and freed it"
+        for bucket, flags in zip(self.buckets, had):
+            for param, flag in zip(bucket.params, flags):
+                if flag:
+                    param.grad = GradPlaceholder(param, lambda: None, why)
 
     def _piece_grad_shard(self, b: int) -> torch.Tensor | None:
         """'os': the pieces' gradients, a view of the full gradient's shard (or, when the masters

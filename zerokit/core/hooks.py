@@ -14,6 +14,7 @@ Which hook fires when, in one step (units U1..Uk in forward order; R the model i
             R forward            -> state.root_post_forward (agree the order of units); R's
                                     outputs get a gradient hook
   backward  R output gradient    -> state.begin_backward (queues the end-of-backward callback)
+            parameter pre-gradient -> drop the ``GradPlaceholder`` the last backward published
             Ui output gradient   -> state.unit_pre_backward (gather Ui, prefetch Ui-1)
             parameter gradient   -> state.grad_ready (stage it; launch ready groups in order)
             Ui inputs' gradient  -> state.unit_post_backward (Ui's backward is over)
@@ -31,6 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import presence
+from .grad_placeholder import is_placeholder
 from .group import ShardGroup
 from .state import ShardState
 
@@ -61,6 +63,9 @@ def register_hooks(model: nn.Module, state: ShardState, units: list[tuple[nn.Mod
         for bucket in group.buckets:
             for param in bucket.params:
                 handles.append(
+                    param.register_hook(functools.partial(_drop_placeholder, weakref.ref(param)))
+                )
+                handles.append(
                     param.register_post_accumulate_grad_hook(functools.partial(_grad_ready, ref))
                 )
     handles.append(model.register_forward_pre_hook(functools.partial(_root_pre_forward, ref)))
@@ -81,6 +86,14 @@ def register_hooks(model: nn.Module, state: ShardState, units: list[tuple[nn.Mod
             model.register_load_state_dict_pre_hook(io.gather),
             model.register_load_state_dict_post_hook(io.after_load),
         ]
+
+
+def _drop_placeholder(param_ref, grad: torch.Tensor) -> None:
+    """Before autograd accumulates into ``param.grad``: a placeholder left by the last
+    backward stands for gradients the group keeps itself, so autograd must start afresh."""
+    param = param_ref()
+    if param is not None and is_placeholder(param.grad):
+        param.grad = None
 
 
 def _grad_ready(ref, param: torch.Tensor) -> None:

@@ -348,7 +348,7 @@ class ShardState:
         if self.level != "p_g_os":  # full parameters kept: every rank's updated shard to all
             for work in [bucket.start_gather_updated() for bucket in group.buckets]:
                 work.finish()
-        group.zero_grad(set_to_none=True)
+        group.release_stepped()
 
     def _agree_contributed(self, groups: list[ShardGroup]):
         """Which parameters of ``groups`` hold a gradient on any rank that splits the batch:

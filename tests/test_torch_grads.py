@@ -1,0 +1,114 @@
+"""A user's loop that reads gradients the torch way: ``torch.nn.utils.clip_grad_norm_`` /
+``clip_grad_value_`` on ``model.parameters()``. Each is exact (equal to one process on the
+global batch) or refused on every rank at that call, naming ``zerokit.clip_grad_norm_``: never
+silently wrong (before, ``p.grad`` was None at 'os_g'/'p_g_os' and torch's clip returned 0)."""
+
+import pytest
+import torch
+from dist_helpers import run_distributed
+from models import SMALL, assert_same_params, global_batches, local_slice, loss_fn, reference_pair
+
+import zerokit
+from zerokit import ShardedGradError
+
+ATOL = 2e-5
+LEVELS = ("os", "os_g", "p_g_os")
+
+
+def _train(model, opt, batches, clip, shard=None, micro=2):
+    """``clip(model) -> norm or None`` after the micro-batches' backwards (no no_sync, so the
+    second backward accumulates onto the first one's published gradients)."""
+    norms = []
+    for x, y in batches:
+        if shard:
+            x, y = local_slice(x, *shard), local_slice(y, *shard)
+        for mx, my in zip(x.chunk(micro), y.chunk(micro)):
+            (loss_fn(model(mx), my) / micro).backward()
+        norms.append(clip(model))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def _torch_value_clip(model):
+    torch.nn.utils.clip_grad_value_(model.parameters(), 0.02)
+
+
+def _torch_norm_clip(model):
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item()
+
+
+def _refused_then_zerokit(model):
+    """'os_g'/'p_g_os': torch's norm clip refuses, changing nothing; zerokit's clips exactly."""
+    with pytest.raises(ShardedGradError, match=r"zerokit\.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    return zerokit.clip_grad_norm_(model, 0.05).item()
+
+
+def _check_level(rank, world_size, level):
+    batches = global_batches(4, batch=4 * world_size)
+    sharded_norm = _torch_norm_clip if level == "os" else _refused_then_zerokit
+    for what, ref_clip, clip in [
+        ("clip_grad_value_", _torch_value_clip, _torch_value_clip),
+        ("clip_grad_norm_", _torch_norm_clip, sharded_norm),
+    ]:
+        (ref_model, ref_opt), (model, opt) = reference_pair("awkward", "adamw")
+        ref_norms = _train(ref_model, ref_opt, batches, ref_clip)
+        model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **SMALL[level])
+        norms = _train(model, opt, batches, clip, shard=(rank, world_size))
+        tag = f"torch's {what} level={level} world_size={world_size}"
+        torch.testing.assert_close(
+            norms, ref_norms, atol=ATOL, rtol=1e-6, msg=lambda m, tag=tag: tag + m
+        )
+        assert_same_params(model, ref_model, ATOL, tag)
+
+
+def _check_what_grad_holds(rank, world_size, level):
+    """``p.grad is None`` exactly where one process has no gradient (the unused and frozen
+    parameters); elsewhere the full gradient ('os') or a placeholder of the parameter's shape."""
+    ((x, y),) = global_batches(1, batch=2 * world_size)
+    (ref_model, _), (model, opt) = reference_pair("awkward", "sgd")
+    loss_fn(ref_model(x), y).backward()
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **SMALL[level])
+    loss_fn(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
+    for (name, p), ref_p in zip(model.named_parameters(), ref_model.parameters()):
+        assert (p.grad is None) == (ref_p.grad is None), f"{level} {name}: {p.grad!r}"
+        if p.grad is None:
+            continue
+        assert p.grad.shape == p.shape, name  # at 'p_g_os' a sharded parameter is empty
+        if level == "os":
+            torch.testing.assert_close(p.grad, ref_p.grad, atol=1e-6, rtol=0)
+        else:
+            assert "placeholder" in repr(p.grad).lower() or "GradPlaceholder" in repr(p.grad)
+
+
+def _refusals(rank, world_size):
+    """Where the gradient torch would read is not the one the optimizer steps from."""
+    ((x, y),) = global_batches(1, batch=2 * world_size)
+    bf16 = zerokit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for level, options, clip, match in [
+        # 'os' under mixed precision: the gradient is fp32, the parameter bf16
+        ("os", {"mixed_precision": bf16}, _torch_norm_clip, "mixed precision"),
+        # step_in_backward applied every gradient during backward: even value clipping is late
+        ("os_g", {"step_in_backward": True}, _torch_value_clip, "already applied"),
+        ("p_g_os", {"step_in_backward": True}, _torch_value_clip, "already applied"),
+    ]:
+        _, (model, opt) = reference_pair("awkward", "sgd")
+        model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **options)
+        loss_fn(
+            model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)
+        ).float().backward()
+        with pytest.raises(ShardedGradError, match=match):
+            clip(model)
+
+
+def _all_levels(rank, world_size):
+    for level in LEVELS:
+        _check_level(rank, world_size, level)
+        _check_what_grad_holds(rank, world_size, level)
+    _refusals(rank, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_torch_clip_is_exact_or_refused(world_size):
+    run_distributed(_all_levels, world_size)
