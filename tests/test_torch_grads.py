@@ -1,7 +1,8 @@
 """A user's loop that reads gradients the torch way: ``torch.nn.utils.clip_grad_norm_`` /
-``clip_grad_value_`` on ``model.parameters()``. Each is exact (equal to one process on the
-global batch) or refused on every rank at that call, naming ``zerokit.clip_grad_norm_``: never
-silently wrong (before, ``p.grad`` was None at 'os_g'/'p_g_os' and torch's clip returned 0)."""
+``clip_grad_value_`` on ``model.parameters()`` are exact (equal to one process on the global
+batch) at every level; what cannot be exact is refused on every rank at that call, naming
+``zerokit.clip_grad_norm_``: never silently wrong (before, ``p.grad`` was None at
+'os_g'/'p_g_os' and torch's clip returned 0 and clipped nothing)."""
 
 import pytest
 import torch
@@ -38,19 +39,26 @@ def _torch_norm_clip(model):
     return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item()
 
 
-def _refused_then_zerokit(model):
-    """'os_g'/'p_g_os': torch's norm clip refuses, changing nothing; zerokit's clips exactly."""
-    with pytest.raises(ShardedGradError, match=r"zerokit\.clip_grad_norm_"):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+def _torch_norm_clip_foreach(model):
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, foreach=True).item()
+
+
+def _torch_inf_clip(model):
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01, float("inf")).item()
+
+
+def _zerokit_norm_clip(model):
     return zerokit.clip_grad_norm_(model, 0.05).item()
 
 
 def _check_level(rank, world_size, level):
     batches = global_batches(4, batch=4 * world_size)
-    sharded_norm = _torch_norm_clip if level == "os" else _refused_then_zerokit
     for what, ref_clip, clip in [
         ("clip_grad_value_", _torch_value_clip, _torch_value_clip),
-        ("clip_grad_norm_", _torch_norm_clip, sharded_norm),
+        ("clip_grad_norm_", _torch_norm_clip, _torch_norm_clip),
+        ("clip_grad_norm_ foreach", _torch_norm_clip, _torch_norm_clip_foreach),
+        ("clip_grad_norm_ inf", _torch_inf_clip, _torch_inf_clip),
+        ("zerokit.clip_grad_norm_", _torch_norm_clip, _zerokit_norm_clip),
     ]:
         (ref_model, ref_opt), (model, opt) = reference_pair("awkward", "adamw")
         ref_norms = _train(ref_model, ref_opt, batches, ref_clip)
@@ -83,23 +91,28 @@ def _check_what_grad_holds(rank, world_size, level):
 
 
 def _refusals(rank, world_size):
-    """Where the gradient torch would read is not the one the optimizer steps from."""
+    """What cannot be exact is refused on every rank, at the call, changing nothing."""
     ((x, y),) = global_batches(1, batch=2 * world_size)
-    bf16 = zerokit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for level, options, clip, match in [
-        # 'os' under mixed precision: the gradient is fp32, the parameter bf16
-        ("os", {"mixed_precision": bf16}, _torch_norm_clip, "mixed precision"),
-        # step_in_backward applied every gradient during backward: even value clipping is late
+    x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+
+    def read_values(model):
+        return sum(p.grad.sum() for p in model.parameters() if p.grad is not None)
+
+    def one_norm(model):
+        return next(p for p in model.parameters() if p.grad is not None).grad.norm().item()
+
+    for level, options, use, match in [
+        # step_in_backward applied every gradient during backward: any clip comes too late
         ("os_g", {"step_in_backward": True}, _torch_value_clip, "already applied"),
-        ("p_g_os", {"step_in_backward": True}, _torch_value_clip, "already applied"),
+        ("p_g_os", {"step_in_backward": True}, _torch_norm_clip, "already applied"),
+        ("os_g", {}, read_values, "placeholder"),
+        ("p_g_os", {}, one_norm, "summed over the ranks"),
     ]:
         _, (model, opt) = reference_pair("awkward", "sgd")
         model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **options)
-        loss_fn(
-            model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)
-        ).float().backward()
+        loss_fn(model(x), y).backward()
         with pytest.raises(ShardedGradError, match=match):
-            clip(model)
+            use(model)
 
 
 def _all_levels(rank, world_size):

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .clip import global_grad_norm
 from .config import ShardingConfig, resolve_level
 from .core import checks
 from .core.build import CoreOptions, build
@@ -186,6 +187,7 @@ def group_sharded_parallel(
         replica_group=dp_group if dp_group is not None and dp_group.size() > 1 else None,
     )
     state = build(model, optimizer, plans, options)
+    state.grad_norm = global_grad_norm
     if step_in_backward:
         state.enable_step_in_backward(optimizer)
     if group.rank() == 0 and (dp_group is None or dp_group.rank() == 0):

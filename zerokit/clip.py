@@ -45,11 +45,23 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     squares are summed over the ranks that share them (a ``BatchGatherLinear``'s group, else
     the ZeRO group), each element once.
     """
+    total, to_scale = global_grad_norm(model, norm_type, call="zerokit.clip_grad_norm_()")
+    clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for buffer in to_scale:
+        buffer.mul_(clip_coef.to(buffer.dtype))
+    return total
+
+
+def global_grad_norm(
+    model: nn.Module, norm_type: float = 2.0, only: set[int] | None = None, *, call: str
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The norm one process would compute over the gradients of ``model`` (of the parameters
+    whose ids are in ``only``, if given), and every buffer a clip must scale. Collective."""
     state = state_of(model)
     tp_group = state.tp_group if state is not None else tp_group_of(model)
     if state is not None:
         state.check_ready_for_step()
-        presence.mark(state.process_group, "zerokit.clip_grad_norm_()")
+        presence.mark(state.process_group, call)
     elif tp_group is None:
         raise TypeError(
             "clip_grad_norm_ takes a model returned by zerokit.group_sharded_parallel or one "
@@ -59,10 +71,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     local: dict[int, tuple] = {}  # id(group) -> (group, its rank-local gradients)
     if state is not None:
         for d in distributed_params(model).values():
-            if d.param.grad is not None:
+            if d.param.grad is not None and (only is None or id(d.param) in only):
                 group = d.group if d.group is not None else state.process_group
                 local.setdefault(id(group), (group, []))[1].append(d.param.grad)
-    grads = [g for _, g in owned]
+    grads = [g for p, g in owned if only is None or id(p) in only]
     device = grads[0].device if grads else next(model.parameters()).device
     norm_type = float(norm_type)
     is_max = norm_type == float("inf")
@@ -70,8 +82,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
 
     def partial(grads: list[torch.Tensor]) -> torch.Tensor:
         parts = [
-            g.abs().max().float() if is_max else g.float().abs().pow(norm_type).sum()
-            for g in grads
+            g.abs().max().float() if is_max else g.float().abs().pow(norm_type).sum() for g in grads
         ]
         total = torch.zeros((), device=device)
         if parts:
@@ -90,7 +101,4 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         to_scale = [*to_scale, *local_grads]
     if not is_max:
         total = total.pow(1.0 / norm_type)
-    clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for buffer in to_scale:
-        buffer.mul_(clip_coef.to(buffer.dtype))
-    return total
+    return total, to_scale

@@ -72,6 +72,7 @@ class ShardGroup:
         self.post_backward_signalled = False  # its inputs' gradients are done (module units)
         self.forward_calls = 0  # calls of its module since the last backward
         self.before_gather = None  # 'p_g_os': ShardState's check that every rank gathers it
+        self.owner = lambda: None  # a weak reference to the ShardState (global gradient norms)
         # Sequence parallelism: parameters replicated across the tp group whose gradient is a
         # partial sum on each tp rank (Megatron marks them ``param.sequence_parallel = True``);
         # each one's new gradient is summed over ``tp_group`` once, as it is taken.
@@ -354,7 +355,7 @@ class ShardGroup:
             )
         else:
             why = "at levels 'os_g' and 'p_g_os' each rank holds only its shard of the gradient"
-        return GradPlaceholder(self.buckets[b].params[i], parts, why)
+        return GradPlaceholder(self.buckets[b].params[i], parts, self.owner, why)
 
     def _grad_parts(self, b: int, i: int) -> list[torch.Tensor]:
         bucket, parts = self.buckets[b], []
@@ -377,7 +378,7 @@ class ShardGroup:
         for bucket, flags in zip(self.buckets, had):
             for param, flag in zip(bucket.params, flags):
                 if flag:
-                    param.grad = GradPlaceholder(param, lambda: None, why)
+                    param.grad = GradPlaceholder(param, lambda: None, self.owner, why)
 
     def _piece_grad_shard(self, b: int) -> torch.Tensor | None:
         """'os': the pieces' gradients, a view of the full gradient's shard (or, when the masters

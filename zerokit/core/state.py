@@ -90,6 +90,11 @@ class ShardState:
             check = functools.partial(_check_same_gather, weakref.ref(self))  # no cycle
             for g in groups:
                 g.before_gather = check
+        for g in groups:
+            g.owner = weakref.ref(self)
+        # set by the API: (model, norm_type, parameter ids, call=) -> (global norm, buffers);
+        # zerokit.clip's, which the core cannot import (it counts tensor-parallel layers)
+        self.grad_norm = None
         self.hook_handles: list = []
 
     # -- the public protocol -----------------------------------------------------------------
@@ -146,6 +151,13 @@ class ShardState:
 
     def grads_to_scale(self) -> list[torch.Tensor]:
         return [t for g in self.groups for t in g.grads_to_scale()]
+
+    def global_grad_norm(self, param_ids: set[int], norm_type: float) -> torch.Tensor:
+        """torch's ``clip_grad_norm_`` over ``GradPlaceholder`` gradients: the norm one
+        process would compute over those parameters' gradients. Collective."""
+        model = self._model()
+        call = "torch.nn.utils.clip_grad_norm_()"
+        return self.grad_norm(model, norm_type, param_ids, call=call)[0]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.check_ready_for_step()
