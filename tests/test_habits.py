@@ -215,6 +215,15 @@ def _accumulate(model, opt, batches, micro: int, switch: str | None, shard=None)
 
 def _grad_sync_switches(rank, world_size):
     for level in ("os", "os_g", "p_g_os"):
+        # the switch really withholds the reduction: the step refuses unreduced gradients
+        _, (model, opt) = reference_pair("awkward", "adamw")
+        model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **SMALL[level])
+        ((x, y),) = global_batches(1, batch=2)
+        model.require_backward_grad_sync = False
+        loss_fn(model(x), y).backward()
+        model.require_backward_grad_sync = True
+        with pytest.raises(RuntimeError, match="never reduced"):
+            opt.step()
         for switch, micro in (("attribute", 2), ("attribute", 4), ("no_sync", 3)):
             what = f"{switch} micro={micro} level={level} world_size={world_size}"
             batches = global_batches(STEPS, batch=micro * 2 * world_size, seed=micro)
@@ -225,12 +234,6 @@ def _grad_sync_switches(rank, world_size):
             _accumulate(model, opt, batches, micro, switch, shard=(rank, world_size))
             assert model.require_backward_grad_sync is True, what
             assert_same_params(model, ref, ATOL, what)
-        # the switch really withholds the reduction: the step refuses unreduced gradients
-        model.require_backward_grad_sync = False
-        loss_fn(model(batches[0][0][:2]), batches[0][1][:2]).backward()
-        model.require_backward_grad_sync = True
-        with pytest.raises(RuntimeError, match="never reduced"):
-            opt.step()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

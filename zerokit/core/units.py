@@ -9,8 +9,8 @@ of it runs.
 
 from __future__ import annotations
 
-import warnings
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
