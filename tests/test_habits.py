@@ -6,6 +6,7 @@ the same global batch over several steps (2e-5, fp32): a disabled ``torch.amp.Gr
 Lightning) beside ``no_sync()`` for gradient accumulation."""
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -95,31 +96,34 @@ def chunked_step(model, x, y, chunks: int, detach: bool, tokens: int) -> None:
         h.backward(head_in.grad)
 
 
-def _chunked_head(rank, world_size, levels):
+def _chunked_head(rank, world_size, levels, segment_sizes=(10,)):
+    """``segment_size=10``: the embedding, the head and ln_f are units too, and the tied weight,
+    shared between two units, is the root unit's; the default: ln_f and the tied weight are the
+    root unit's, the head no unit of its own."""
     batches = global_batches(STEPS, batch=2 * world_size, seq=6)
     tokens = batches[0][1].numel()  # one process: the mean over the global batch's tokens
-    for level in levels:
-        for detach in (True, False):
-            what = f"chunked head level={level} detach={detach} world_size={world_size}"
-            torch.manual_seed(0)
-            ref = TiedTrunk()
-            model = copy.deepcopy(ref)
-            # SGD: Adam would turn the float noise of a rare token's gradient into full steps
-            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
-            opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
-            # segment_size=10: the embedding, the head and ln_f are units too; the tied weight,
-            # shared between two units, is the root unit's
-            model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, segment_size=10)
-            for x, y in batches:
-                chunked_step(ref, x, y, 3, detach, tokens)
-                ref_opt.step()
-                ref_opt.zero_grad()
-                xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
-                # the mean over this rank's tokens: the ranks' gradients are averaged
-                chunked_step(model, xs, ys, 3, detach, tokens // world_size)
-                opt.step()
-                opt.zero_grad()
-            assert_same_params(model, ref, ATOL, what)
+    for level, segment_size, detach in itertools.product(levels, segment_sizes, (True, False)):
+        what = (
+            f"chunked head level={level} segment_size={segment_size} detach={detach} "
+            f"world_size={world_size}"
+        )
+        torch.manual_seed(0)
+        ref = TiedTrunk()
+        model = copy.deepcopy(ref)
+        # SGD, not Adam: Adam's update hardly sees the gradient's scale, which must be right
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+        model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, segment_size=segment_size)
+        for x, y in batches:
+            chunked_step(ref, x, y, 3, detach, tokens)
+            ref_opt.step()
+            ref_opt.zero_grad()
+            xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+            # the mean over this rank's tokens: the ranks' gradients are averaged
+            chunked_step(model, xs, ys, 3, detach, tokens // world_size)
+            opt.step()
+            opt.zero_grad()
+        assert_same_params(model, ref, ATOL, what)
 
 
 def test_tied_head_per_chunk_every_level():
@@ -127,7 +131,7 @@ def test_tied_head_per_chunk_every_level():
 
 
 def test_tied_head_per_chunk_stage3_world_size_3():
-    run_distributed(_chunked_head, 3, ("p_g_os",))
+    run_distributed(_chunked_head, 3, ("p_g_os",), (10, 2**20))
 
 
 # -- 3. memory.estimate of a wrapped model ---------------------------------------------------------
