@@ -31,6 +31,7 @@ from .core.state import state_of
 from .core.units import plan_units
 from .memory import format_bytes, measure
 from .mixed_precision import MixedPrecision
+from .pipeline.module import PipelineModule
 from .scaler import ShardedGradScaler
 from .tensor_parallel.layers import tp_group_of
 
@@ -63,14 +64,17 @@ def group_sharded_parallel(
     optimizer are converted in place and returned, with ``scaler`` unchanged.
 
     Args:
-        model: the model to train; its trainable parameters must all be on one device.
+        model: the model to train; its trainable parameters must all be on one device. A
+            ``PipelineModule``: the stage this rank holds is sharded (as if ``model.stage``
+            were given) and the ``PipelineModule`` is returned.
         optimizer: an elementwise torch optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...)
             over parameters of ``model``. Create LR schedulers from it before or after.
         level: ``'os'`` (stage 1), ``'os_g'`` (stage 2) or ``'p_g_os'`` (stage 3), or the
             stage number 1, 2, 3; None reads ``$ZEROKIT_LEVEL``. See the module docstring.
         scaler: a loss scaler for fp16: a ``zerokit.ShardedGradScaler``, or a
             ``torch.amp.GradScaler`` (replaced by a ``ShardedGradScaler`` with its settings,
-            which is returned), so the inf/nan check is agreed across ranks.
+            which is returned), so the inf/nan check is agreed across ranks. A disabled one
+            (``enabled=False``) stays disabled: nothing is scaled, as with torch's.
         group: process group to shard across; the default group if None.
         offload: keep the fp32 master shards and optimizer state in CPU memory and step
             there. A no-op when the model is already on the CPU (as on these machines).
@@ -99,6 +103,9 @@ def group_sharded_parallel(
             clipping, a loss scaler (fp16) or ``step(closure)``, which need every gradient
             before any update: those are refused.
     """
+    pipe = model if isinstance(model, PipelineModule) else None
+    if pipe is not None:
+        model = pipe.stage  # a rank holds, runs and shards only its own stage
     level = resolve_level(level)
     group = _resolve_group(group)
     _check_member(group, "group")
@@ -140,13 +147,13 @@ def group_sharded_parallel(
         raise ValueError(
             f"step_in_backward needs sharded gradients (level 'os_g' or 'p_g_os'), not {level!r}"
         )
-    if step_in_backward and scaler is not None:
+    scaler = _sharded_scaler(scaler)
+    if step_in_backward and scaler is not None and scaler.is_enabled():
         raise ValueError(
             "step_in_backward cannot take a loss scaler: an fp16 overflow must skip the whole "
             "step, but each unit is stepped as soon as its gradients are reduced. Use bf16 "
             "(MixedPrecision(param_dtype=torch.bfloat16), no scaler) or step_in_backward=False"
         )
-    scaler = _sharded_scaler(scaler)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError("mixed_precision must be a zerokit.MixedPrecision policy (or None)")
     mixed_precision = mixed_precision or MixedPrecision()
@@ -192,7 +199,7 @@ def group_sharded_parallel(
         state.enable_step_in_backward(optimizer)
     if group.rank() == 0 and (dp_group is None or dp_group.rank() == 0):
         _log_wrap(state, optimizer, named, model)
-    return model, optimizer, scaler
+    return pipe if pipe is not None else model, optimizer, scaler
 
 
 def num_params(model: nn.Module) -> int:

@@ -8,6 +8,7 @@ a rank really holds, each storage once, in the same categories. Both are bytes p
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -166,14 +167,23 @@ def _full_and_shard_numel(model_or_n, level, world_size, buffer_max_size, segmen
     if isinstance(model_or_n, int):
         padded = -(-model_or_n // world_size) * world_size
         return (model_or_n if level == "ddp" else padded), padded // world_size
+    # an already wrapped model: its parameters' true shapes from the buckets ('p_g_os' leaves
+    # them empty between uses); the level and world size asked for, not the wrapped ones
+    state = state_of(model_or_n)
+    shapes = state.param_shapes() if state is not None else {}
+
+    def shape_of(p: nn.Parameter) -> tuple[int, ...]:
+        return tuple(shapes.get(id(p), p.shape))
+
     named = [(n, p) for n, p in model_or_n.named_parameters() if p.requires_grad]
     frozen = sum(p.numel() for p in model_or_n.parameters() if not p.requires_grad)
-    trainable = sum(p.numel() for _, p in named)
+    trainable = sum(math.prod(shape_of(p)) for _, p in named)
     if level == "ddp":
         return trainable + frozen, trainable // world_size
     # the layout the core builds: each unit's buckets, split at buffer_max_size, every level
-    plans = plan_units(model_or_n, named, segment_size=segment_size)
-    layouts = [b for _, buckets in plan_groups(plans, world_size, buffer_max_size) for b in buckets]
+    plans = plan_units(model_or_n, named, segment_size=segment_size, shape_of=shape_of)
+    grouped = plan_groups(plans, world_size, buffer_max_size, shape_of=shape_of)
+    layouts = [b for _, buckets in grouped for b in buckets]
     padded = sum(layout.padded_numel for layout in layouts)
     # frozen parameters stay whole on every rank, outside the buckets (counted as parameters)
     return padded + frozen, padded // world_size

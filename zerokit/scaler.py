@@ -43,9 +43,13 @@ class ShardedGradScaler:
 
     @classmethod
     def like(cls, scaler) -> ShardedGradScaler:
-        """The same settings as a ``torch.amp.GradScaler``."""
+        """The same settings as a ``torch.amp.GradScaler``. A disabled one (nanoGPT passes
+        ``GradScaler(enabled=dtype == 'float16')``) stays disabled: it holds no settings (torch
+        sets none when disabled), and scales, unscales and skips nothing, as torch's."""
+        if not scaler.is_enabled():
+            return cls(enabled=False)
         return cls(
-            init_scale=scaler.get_scale() if scaler.is_enabled() else 2.0**16,
+            init_scale=scaler.get_scale(),
             growth_factor=scaler.get_growth_factor(),
             backoff_factor=scaler.get_backoff_factor(),
             growth_interval=scaler.get_growth_interval(),

@@ -13,6 +13,9 @@ Which hook fires when, in one step (units U1..Uk in forward order; R the model i
                                     gradient hook
             R forward            -> state.root_post_forward (agree the order of units); R's
                                     outputs get a gradient hook
+  any time  M pre-forward        -> state.root_unit_used, for each module M holding root-unit
+                                    parameters ('p_g_os'): gather the root unit if a backward
+                                    freed it (a tied head called on chunks outside R's forward)
   backward  R output gradient    -> state.begin_backward (queues the end-of-backward callback)
             parameter pre-gradient -> drop the ``GradPlaceholder`` the last backward published
             Ui output gradient   -> state.unit_pre_backward (gather Ui, prefetch Ui-1)
@@ -78,6 +81,10 @@ def register_hooks(model: nn.Module, state: ShardState, units: list[tuple[nn.Mod
         )
         handles.append(module.register_forward_hook(functools.partial(_unit_post_forward, ref, k)))
     if state.level == "p_g_os":
+        for module in _root_param_holders(model, state):
+            handles.append(
+                module.register_forward_pre_hook(functools.partial(_root_unit_used, ref))
+            )
         io = _GatherForIO(ref)
         handles += [
             model.register_state_dict_pre_hook(io.gather),
@@ -94,6 +101,25 @@ def _drop_placeholder(param_ref, grad: torch.Tensor) -> None:
     param = param_ref()
     if param is not None and is_placeholder(param.grad):
         param.grad = None
+
+
+def _root_param_holders(model: nn.Module, state: ShardState) -> list[nn.Module]:
+    """Submodules holding parameters of the root unit themselves: a user may call them outside
+    the model's forward (``model.lm_head(chunk)``), after a backward freed the root unit."""
+    if state.root_group is None:
+        return []
+    owned = {id(p) for p in state.root_group.params}
+    return [
+        m
+        for m in model.modules()
+        if m is not model and any(id(p) in owned for p in m.parameters(recurse=False))
+    ]
+
+
+def _root_unit_used(ref, module, args) -> None:
+    state = ref()
+    if state is not None:
+        state.root_unit_used()
 
 
 def _grad_ready(ref, param: torch.Tensor) -> None:

@@ -1,7 +1,8 @@
 """The wrapped model: the user's module, converted in place to also be a ``ShardedModule``.
 
 As FSDP2 does, the model keeps its object identity, forward and ``state_dict`` keys; its class
-becomes a subclass of the original that adds ``no_sync()``. Stages 1-2 keep full parameters on
+becomes a subclass of the original that adds ``no_sync()`` and DDP's
+``require_backward_grad_sync`` switch. Stages 1-2 keep full parameters on
 every rank (views of the flat buckets), so ``state_dict``/``load_state_dict`` work unchanged;
 stage 3 adds state_dict hooks that gather on demand (``hooks.py``).
 """
@@ -39,6 +40,17 @@ class ShardedModule:
             yield
         finally:
             state.sync_enabled = previous
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's switch, which HF accelerate and Lightning set to ``False`` on the accumulation
+        steps: while False, backward accumulates gradients locally exactly as inside
+        ``no_sync()`` (the same flag). Read by each backward, so set it before the backward."""
+        return self._zerokit.sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._zerokit.sync_enabled = bool(value)
 
     def reduce_gradients(self) -> None:
         """Reduce the gradients accumulated under ``no_sync()`` without another backward

@@ -202,6 +202,15 @@ class ShardState:
             "staging": self.staging.buffers(),
         }
 
+    def param_shapes(self) -> dict[int, torch.Size]:
+        """``id(param)`` -> its full shape, for every parameter in a bucket: the true shape
+        also while it is freed ('p_g_os' parameters are empty between uses)."""
+        return {
+            id(p): torch.Size(slot.shape)
+            for b in self.buckets
+            for p, slot in zip(b.params, b.layout.slots)
+        }
+
     def gathered_numel(self) -> int:
         """Elements of full parameters that have storage now ('p_g_os'; 0 elsewhere)."""
         return sum(g.gathered_numel() for g in self.groups)
@@ -234,6 +243,15 @@ class ShardState:
             return
         self._graph_pending = True
         self._order_agreed = self._agree_on_order()
+
+    def root_unit_used(self) -> None:
+        """A submodule holding root-unit parameters runs. Inside the model's forward or backward
+        the root unit is gathered already (a no-op). Outside it, e.g. a tied head called on
+        chunks of the hidden state with a backward per chunk, an earlier backward may have
+        freed it: gather it again (a collective, as every call here). It then stays gathered
+        until the end of the next backward, as after the model's own forward."""
+        if self.root_group is not None:
+            self.root_group.wait_for_unshard()
 
     def unit_pre_forward(self, group: ShardGroup) -> None:
         if self.in_backward:  # recomputation (activation checkpointing): backward follows

@@ -9,8 +9,9 @@ of it runs.
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from torch import nn
@@ -38,6 +39,7 @@ def plan_units(
     wrap: tuple[type[nn.Module], ...] = (),
     exclude: Sequence[nn.Module | type[nn.Module]] = (),
     full_precision: tuple[type[nn.Module], ...] = (),
+    shape_of: Callable[[nn.Parameter], tuple[int, ...]] | None = None,
 ) -> list[UnitPlan]:
     """Units in the order of their first parameter's registration; the root unit included.
 
@@ -46,7 +48,10 @@ def plan_units(
     ``wrap``, instances of those classes instead of the list children (modules reaching
     ``segment_size`` still become units). ``exclude`` (modules or classes) become units that
     are kept whole. Rank-local (``is_distributed``) parameters belong to no unit.
+    ``shape_of``: a parameter's true shape, where it differs from ``p.shape`` (the parameters
+    of a model wrapped at 'p_g_os' are empty between uses); default ``p.shape``.
     """
+    shape_of = shape_of or _shape
     trainable = [(n, p) for n, p in trainable if not is_distributed(p)]
     chosen: list[tuple[str, nn.Module, bool]] = []
 
@@ -63,7 +68,7 @@ def plan_units(
                 chosen.append((path, child, True))
             elif wrap and isinstance(child, wrap):
                 chosen.append((path, child, False))
-            elif (in_list and not wrap) or _own_numel(child) >= segment_size:
+            elif (in_list and not wrap) or _own_numel(child, shape_of) >= segment_size:
                 chosen.append((path, child, False))
             else:
                 visit(path + ".", child, isinstance(child, nn.ModuleList | nn.Sequential))
@@ -103,8 +108,12 @@ def _shared(p: nn.Parameter) -> bool:
     return p.requires_grad and not is_distributed(p)
 
 
-def _own_numel(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters(recurse=False) if _shared(p))
+def _shape(p: nn.Parameter) -> tuple[int, ...]:
+    return tuple(p.shape)
+
+
+def _own_numel(module: nn.Module, shape_of) -> int:
+    return sum(math.prod(shape_of(p)) for p in module.parameters(recurse=False) if _shared(p))
 
 
 def _assign_params(model, trainable, chosen) -> list[UnitPlan]:
@@ -146,9 +155,13 @@ def _params_outside_units(module: nn.Module, unit_ids: set[int]) -> set[int]:
 
 
 def plan_groups(
-    plans: Sequence[UnitPlan], world_size: int, buffer_max_size: int
+    plans: Sequence[UnitPlan],
+    world_size: int,
+    buffer_max_size: int,
+    shape_of: Callable[[nn.Parameter], tuple[int, ...]] | None = None,
 ) -> list[tuple[UnitPlan, tuple[BucketLayout, ...]]]:
-    """Each unit's flat buckets: one per dtype, split further at ``buffer_max_size`` elements.
+    """Each unit's flat buckets: one per dtype, split further at ``buffer_max_size`` elements
+    (``shape_of`` as for ``plan_units``).
 
     >>> import torch
     >>> from torch import nn
@@ -158,8 +171,9 @@ def plan_groups(
     >>> [(plan.name, [b.numel for b in buckets]) for plan, buckets in groups]
     [('0', [16, 4]), ('1', [10])]
     """
+    shape_of = shape_of or _shape
     out = []
     for plan in plans:
-        specs = [ParamSpec(n, tuple(p.shape), p.dtype, p.device) for n, p in plan.params]
+        specs = [ParamSpec(n, tuple(shape_of(p)), p.dtype, p.device) for n, p in plan.params]
         out.append((plan, plan_buckets(specs, world_size, buffer_max_size)))
     return out
