@@ -126,7 +126,7 @@ def test_the_parser_reads_markers_and_outputs():
     )
     a, b, c = readme_snippets(text)
     assert (a.section, a.nproc, a.output, a.skip) == ("A", 3, "1\n", None)
-    assert (b.section, b.nproc, b.output, b.skip) == ("B", None, None, None)
-    assert c.skip == "a signature"
+    assert (b.section, b.nproc, b.output, b.skip) == ("B 1", None, None, None)
+    assert (c.section, c.skip) == ("B 2", "a signature")  # one section, two blocks: two ids
     with pytest.raises(AssertionError, match="say why"):
         readme_snippets("<!-- run: skip -->\n```python\nf()\n```\n")
