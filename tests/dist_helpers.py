@@ -24,3 +24,15 @@ def run_distributed(fn, world_size: int, *args) -> None:
             join=True,
             start_method="fork",
         )
+
+
+def run_torchrun(script, nproc: int, *args: str, cwd=None, timeout: int = 300):
+    """``torchrun --standalone --nproc-per-node N script args`` as a user runs it, one thread
+    per rank; returns the finished ``subprocess.CompletedProcess`` (stdout and stderr as text)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", str(nproc), str(script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)

@@ -2,12 +2,10 @@
 `dist.init_process_group()` and no backend (torch names that group 'undefined': gloo for CPU
 tensors, NCCL for CUDA ones), training every level and saving and loading a checkpoint."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+from dist_helpers import run_torchrun
 
 SCRIPT = textwrap.dedent(
     """
@@ -42,22 +40,7 @@ SCRIPT = textwrap.dedent(
 def test_readme_example_under_torchrun_without_a_backend(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(script),
-            str(tmp_path / "ckpt"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    done = run_torchrun(script, 2, str(tmp_path / "ckpt"))
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):  # one line each (the ranks share stdout: whole lines only)
         assert f"rank {rank} done, still initialized: False" in done.stdout, done.stdout

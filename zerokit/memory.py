@@ -107,12 +107,19 @@ def estimate(
     if mixed_precision is True and not paper:
         mixed_precision = MixedPrecision(param_dtype=torch.bfloat16)
     if isinstance(mixed_precision, MixedPrecision):
+        full, shard = _full_and_shard_numel(
+            model_or_num_params, level, world_size, buffer_max_size, segment_size
+        )
         if mixed_precision.param_dtype is not None:
-            full, shard = _full_and_shard_numel(
-                model_or_num_params, level, world_size, buffer_max_size, segment_size
-            )
             return _estimate_policy(mixed_precision, level, world_size, full, shard, optimizer)
-        mixed_precision = False  # a policy that changes nothing
+        reduce = mixed_precision.gradient_reduce_dtype()
+        if reduce is not None and reduce.itemsize != 4 and level == "os":
+            # fp32 compute; the full gradient in reduce_dtype beside the fp32 piece the
+            # optimizer reads ('os_g'/'p_g_os' reduce into fp32 shards: nothing changes)
+            state = 4 * STATE_PER_PARAM[optimizer]
+            grads = shard * world_size * reduce.itemsize + shard * 4  # trainable ones only
+            return MemoryEstimate(full * 4, grads, shard * state)
+        mixed_precision = False  # compute in the parameters' own dtype: nothing changes
     param_bytes = grad_bytes = 2 if mixed_precision else 4
     # mixed precision keeps fp32 master weights in the optimizer: 4 bytes more per element
     state_bytes = 4 * STATE_PER_PARAM[optimizer] + (4 if mixed_precision else 0)
@@ -130,7 +137,7 @@ def estimate(
 
 def _estimate_policy(mp, level, world_size, full, shard, optimizer) -> MemoryEstimate:
     compute = mp.param_dtype.itemsize
-    reduce = mp.reduce_dtype.itemsize
+    reduce = mp.gradient_reduce_dtype().itemsize
     master = 4  # fp32 master weights
     state = 4 * STATE_PER_PARAM[optimizer]
     if level == "ddp":  # data parallel with fp32 masters beside the compute copy (torch AMP style)

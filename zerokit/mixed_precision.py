@@ -6,7 +6,9 @@ and backward run in it. The master copy is the rank's shard in the parameters' o
 (``bucket.shard_data``, fp32), the only thing the optimizer updates; after each step the
 updated shard is cast into the compute copy, which the all-gather then spreads (stage 3
 gathers the compute dtype directly: half the bytes). Gradients arrive in ``param_dtype`` and
-are reduced in ``reduce_dtype`` into fp32 gradient shards.
+are reduced in ``reduce_dtype`` into fp32 gradient shards. A policy with only ``reduce_dtype``
+computes in the parameters' own dtype and reduces in ``reduce_dtype`` (e.g. bf16 reduction of
+fp32 training: half the bytes sent).
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class MixedPrecision:
     """A mixed-precision policy for ``group_sharded_parallel(..., mixed_precision=...)``.
 
-    >>> MixedPrecision(param_dtype=torch.bfloat16).reduce_dtype
+    >>> MixedPrecision(param_dtype=torch.bfloat16).gradient_reduce_dtype()
     torch.float32
+    >>> MixedPrecision(reduce_dtype=torch.bfloat16).gradient_reduce_dtype()
+    torch.bfloat16
+    >>> MixedPrecision().gradient_reduce_dtype() is None  # the parameters' own dtype
+    True
     """
 
     param_dtype: torch.dtype | None = None
@@ -32,9 +38,11 @@ class MixedPrecision:
     ``torch.bfloat16`` or ``torch.float16``; None keeps the parameters' own dtype. Frozen
     floating-point parameters are cast to it too (they have no master copy: they never
     change); buffers and non-float parameters are left alone."""
-    reduce_dtype: torch.dtype = torch.float32
-    """dtype gradients are averaged across ranks in. fp32 (the default) for accuracy; the
-    ``param_dtype`` halves the gradient bytes sent."""
+    reduce_dtype: torch.dtype | None = None
+    """dtype gradients are averaged across ranks in, whatever ``param_dtype`` is (the reduced
+    gradient shards the optimizer reads stay in the master weights' dtype). None: fp32 when
+    ``param_dtype`` is set (for accuracy), else the parameters' own dtype. ``torch.bfloat16``
+    halves the gradient bytes sent, at bf16's rounding of the average."""
     cast_forward_inputs: bool = True
     """Cast the floating-point tensors passed to the model's forward to ``param_dtype`` (as
     FSDP2 does), so a float32 batch meets bf16 weights. Integer inputs (token ids) are left
@@ -47,6 +55,12 @@ class MixedPrecision:
     low-precision copy, their floating inputs are cast up and their outputs back down to
     ``param_dtype``. BatchNorm by default: its kernel needs its weight in the dtype of its
     running statistics, which stay fp32."""
+
+    def gradient_reduce_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in; None means the parameters' own dtype."""
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        return torch.float32 if self.param_dtype is not None else None
 
     def __post_init__(self):
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):

@@ -65,8 +65,7 @@ def build(
         and any(True for _ in m.parameters())
     ]
     _cast_frozen_params(model, mp.param_dtype, keep=full_precision)
-    # None (the parameters' own dtype) unless a policy changes the compute dtype
-    reduce_dtype = mp.reduce_dtype if mp.param_dtype is not None else None
+    reduce_dtype = mp.gradient_reduce_dtype()  # None: the parameters' own dtype
     replicas = opts.replica_group
     if opts.level == "os":
         reduction = AllReduce(group, replicas)

@@ -65,6 +65,34 @@ def _features_split(size: int, layout: HybridLayout, what: str, even: bool, stri
     return TPSplit.of(0, size, layout.tp_degree, stride, what)
 
 
+def _check_width(x: torch.Tensor, layer: nn.Module, want: int, full: bool) -> None:
+    """Refuse an input whose features do not fit the layer, saying what to pass instead (a
+    bare matmul error names neither the layer nor the split)."""
+    got = x.shape[-1] if x.dim() else None
+    if got == want:
+        return
+    name, tp = type(layer).__name__, layer.layout.tp_degree
+    wanted = "the full input" if full else f"this rank's slice of the input ({tp} tp ranks)"
+    message = (
+        f"{name}(in_features={layer.in_features}) takes {wanted}, [..., {want}]; "
+        f"got [..., {got}]"
+    )
+    local = layer.weight.shape[1]
+    if isinstance(layer, RowParallelLinear) and full and got == local:
+        message += (
+            ": that is one rank's slice; pass input_is_parallel=True when the input is the "
+            "output of a ColumnParallelLinear(gather_output=False)"
+        )
+    elif isinstance(layer, RowParallelLinear) and not full and got == layer.in_features:
+        message += ": that is the full input; pass input_is_parallel=False to split it here"
+    elif isinstance(layer, ColumnParallelLinear) and tp > 1 and got * tp == layer.in_features:
+        message += (
+            ": that is one rank's slice; gather it first (gather_output=True on the layer that "
+            "made it), or use a RowParallelLinear(input_is_parallel=True) here"
+        )
+    raise ValueError(message)
+
+
 class ColumnParallelLinear(TensorParallelLayer):
     """``y = x W^T + b`` with W's output rows (and b) split across the tp ranks.
 
@@ -109,6 +137,7 @@ class ColumnParallelLinear(TensorParallelLayer):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _check_width(x, self, self.in_features, full=True)
         if self.sequence_parallel:  # x: [s/t, b, in] -> [s, b, out/tp]
             return _SequenceGatheredLinear.apply(x, self.weight, self.bias, self.tp_group)
         y = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)  # [..., out/tp]
@@ -157,6 +186,8 @@ class RowParallelLinear(TensorParallelLayer):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        full = not self.input_is_parallel
+        _check_width(x, self, self.in_features if full else self.weight.shape[1], full)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)  # [..., in/tp]
         if self.sequence_parallel:  # [s, b, in/tp] -> [s/t, b, out]
