@@ -1,8 +1,8 @@
 """The wrapped model: the user's module, converted in place to also be a ``ShardedModule``.
 
 As FSDP2 does, the model keeps its object identity, forward and ``state_dict`` keys; its class
-becomes a subclass of the original that adds ``no_sync()`` and DDP's
-``require_backward_grad_sync`` switch. Stages 1-2 keep full parameters on
+becomes a subclass of the original that adds ``no_sync()``, DDP's
+``require_backward_grad_sync`` switch and DDP's ``.module`` (the model itself). Stages 1-2 keep full parameters on
 every rank (views of the flat buckets), so ``state_dict``/``load_state_dict`` work unchanged;
 stage 3 adds state_dict hooks that gather on demand (``hooks.py``).
 """
@@ -58,9 +58,16 @@ class ShardedModule:
         self._zerokit.reduce_unsynced()
 
 
+def _itself(model: nn.Module) -> nn.Module:
+    return model
+
+
 def convert_module_(model: nn.Module, state: ShardState) -> nn.Module:
     cls = type(model)
-    model.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+    # DDP's ``model.module`` (nanoGPT's ``raw_model = model.module``, accelerate's unwrap): the
+    # model is converted in place, so it is its own module, unless it has an attribute so named
+    extra = {} if hasattr(model, "module") else {"module": property(_itself)}
+    model.__class__ = type(f"Sharded{cls.__name__}", (ShardedModule, cls), extra)
     model._zerokit = state
     return model
 
