@@ -44,12 +44,12 @@ class NanoGPT(nn.Module):
     def __init__(self, n_layer=2):
         super().__init__()
         self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(VOCAB, EMBD),
-                wpe=nn.Embedding(BLOCK, EMBD),
-                h=nn.ModuleList([Block() for _ in range(n_layer)]),
-                ln_f=nn.LayerNorm(EMBD),
-            )
+            {
+                "wte": nn.Embedding(VOCAB, EMBD),
+                "wpe": nn.Embedding(BLOCK, EMBD),
+                "h": nn.ModuleList([Block() for _ in range(n_layer)]),
+                "ln_f": nn.LayerNorm(EMBD),
+            }
         )
         self.lm_head = nn.Linear(EMBD, VOCAB, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT
@@ -145,7 +145,9 @@ def _nanogpt(rank, world, levels, compile_model):
     for level in levels:
         model, losses = train(level, rank, world, compile_model=compile_model)
         what = f"nanoGPT loop level={level} world={world} compiled={compile_model}"
-        torch.testing.assert_close(losses, ref_losses, atol=2e-5, rtol=0, msg=lambda m: what + m)
+        torch.testing.assert_close(
+            losses, ref_losses, atol=2e-5, rtol=0, msg=lambda m, what=what: what + m
+        )
         assert_same_params(model, ref_model, 2e-5, what)
     dist.barrier()
 
