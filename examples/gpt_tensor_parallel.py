@@ -27,11 +27,11 @@ def train(rank: int, world_size: int, args) -> None:
     torch.manual_seed(0)
     reference = GPT(cfg)  # one process, the plain model
     torch.manual_seed(0)  # the tp model holds its slices of the same values
-    model = GPT(dataclasses.replace(cfg, tensor_parallel=True))
+    model = GPT(dataclasses.replace(cfg, tensor_parallel=True), layout)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt, _ = zerokit.group_sharded_parallel(model, opt, args.level, group=layout.dp_group)
-    loss_fn = tp.ParallelCrossEntropy()  # on vocabulary-split logits
+    loss_fn = tp.ParallelCrossEntropy(layout=layout)  # on vocabulary-split logits
 
     per_rank = args.batch // layout.dp_degree
     mine = slice(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)

@@ -63,15 +63,16 @@ def _train(model, opt, batches, rank, world_size, level):
 GPT_CFG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8)
 
 
-def _gpt(tensor_parallel: bool, seed: int = 0):
+def _gpt(layout=None, seed: int = 0):
+    """The GPT, tensor-parallel over ``layout``'s tp ranks if one is given."""
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(**{**GPT_CFG.__dict__, "tensor_parallel": tensor_parallel}))
+    model = GPT(GPTConfig(**{**GPT_CFG.__dict__, "tensor_parallel": layout is not None}), layout)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=1e-6)
 
 
 def _train_gpt(model, opt, batches, layout):
     dp, r = (layout.dp_degree, layout.dp_rank) if layout else (1, 0)
-    loss_fn = tp.ParallelCrossEntropy() if layout else lm_loss
+    loss_fn = tp.ParallelCrossEntropy(layout=layout) if layout else lm_loss
     for x, y in batches:
         n = x.shape[0] // dp
         loss_fn(model(x[r * n : (r + 1) * n]), y[r * n : (r + 1) * n]).backward()
@@ -80,7 +81,7 @@ def _train_gpt(model, opt, batches, layout):
 
 
 def _gpt_reference():
-    model, opt = _gpt(False)
+    model, opt = _gpt()
     _train_gpt(model, opt, BATCHES, None)
     return model
 
@@ -96,7 +97,7 @@ def _save_all(rank, world_size, root):
         checkpoint.save(os.path.join(root, f"ws{world_size}-{level}"), model, opt)
     if world_size == 4:  # dp2 x tp2 GPT at 'p_g_os'
         layout = zerokit.init_hybrid_parallel(2, 2)
-        model, opt = _gpt(True)
+        model, opt = _gpt(layout)
         model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os", group=layout.dp_group)
         _train_gpt(model, opt, BATCHES[:BEFORE], layout)
         zerokit.save_group_sharded_model(model, os.path.join(root, "tp-gpt"), opt)
@@ -128,7 +129,7 @@ def _load_all(rank, world_size, root):
     gpt_ref = _gpt_reference()
     layout = zerokit.init_hybrid_parallel(world_size // 2, 2) if world_size % 2 == 0 else None
     for level in ("bare", "os") if layout is None else zerokit.LEVELS:
-        model, opt = _gpt(layout is not None, seed=7)
+        model, opt = _gpt(layout, seed=7)
         if level != "bare":
             group = layout.dp_group if layout else None
             model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, group=group)
@@ -192,9 +193,9 @@ def test_consolidate_gives_the_plain_model(saved, tmp_path):
 
     out = str(tmp_path / "gpt.safetensors")
     assert cli(["ckpt", "consolidate", os.path.join(saved, "tp-gpt"), out]) == 0
-    gpt, opt = _gpt(False)
+    gpt, opt = _gpt()
     _train_gpt(gpt, opt, BATCHES[:BEFORE], None)
-    plain_gpt, _ = _gpt(False, seed=9)
+    plain_gpt, _ = _gpt(seed=9)
     load_model(plain_gpt, out)
     for key, value in gpt.state_dict().items():
         torch.testing.assert_close(plain_gpt.state_dict()[key], value, atol=ATOL, rtol=0)

@@ -154,7 +154,7 @@ def _with_tp(rank, world_size):
     torch.manual_seed(0)
     ref = GPT(cfg)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**cfg.__dict__, "tensor_parallel": True}))
+    model = GPT(GPTConfig(**{**cfg.__dict__, "tensor_parallel": True}), layout)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)
     model, opt, _ = zerokit.group_sharded_parallel(
@@ -166,7 +166,7 @@ def _with_tp(rank, world_size):
         ref_opt.zero_grad()
         xs = local_slice(x, layout.dp_rank, layout.dp_degree)
         ys = local_slice(y, layout.dp_rank, layout.dp_degree)
-        zerokit.tensor_parallel.ParallelCrossEntropy()(model(xs), ys).backward()
+        zerokit.tensor_parallel.ParallelCrossEntropy(layout=layout)(model(xs), ys).backward()
         opt.step()
         opt.zero_grad()
     full = zerokit.tensor_parallel.gather_full_state_dict(model)

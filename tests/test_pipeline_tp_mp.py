@@ -12,6 +12,8 @@ in one stage's gradients makes every rank of every stage skip the step and halve
 torch.amp.GradScaler on stages not wrapped: fp32 equal to one process, and the same skip.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,15 +35,15 @@ CLIP = 0.5
 
 
 class MLPBlock(nn.Module):
-    """``x + fc2(gelu(fc1(ln(x))))``; ``tensor_parallel``: fc1 column-, fc2 row-parallel;
+    """``x + fc2(gelu(fc1(ln(x))))``; with a ``layout``: fc1 column-, fc2 row-parallel;
     ``sequence_parallel``: on this tp rank's block of positions ([T/tp, B, C]), the LayerNorm's
     parameters and fc2's bias then marked ``sequence_parallel``."""
 
-    def __init__(self, tensor_parallel: bool, sequence_parallel: bool = False):
+    def __init__(self, layout=None, sequence_parallel: bool = False):
         super().__init__()
         self.ln = nn.LayerNorm(DIM)
-        if tensor_parallel:
-            sp = {"sequence_parallel": sequence_parallel}
+        if layout is not None:
+            sp = {"sequence_parallel": sequence_parallel, "layout": layout}
             self.fc1 = tp.ColumnParallelLinear(DIM, HIDDEN, gather_output=False, **sp)
             self.fc2 = tp.RowParallelLinear(HIDDEN, DIM, input_is_parallel=True, **sp)
             for p in self.ln.parameters():
@@ -54,10 +56,6 @@ class MLPBlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
 
 
-def _tp_group():
-    return tp.current_layout().tp_group
-
-
 def to_sequence(x):  # [B, T, C] -> [T, B, C]
     return x.transpose(0, 1).contiguous()
 
@@ -66,14 +64,12 @@ def from_sequence(x):
     return x.transpose(0, 1).contiguous()
 
 
-def tp_to_sequence(x):  # [B, T, C] -> this tp rank's positions [T/tp, B, C]
-    return tp.scatter_to_sequence_parallel_region(to_sequence(x), _tp_group())
+def tp_to_sequence(group, x):  # [B, T, C] -> this tp rank's positions [T/tp, B, C]
+    return tp.scatter_to_sequence_parallel_region(to_sequence(x), group)
 
 
-def tp_from_sequence(x):  # replicated layers follow: their gradient is whole on every rank
-    gathered = tp.gather_from_sequence_parallel_region(
-        x, _tp_group(), tensor_parallel_output_grad=False
-    )
+def tp_from_sequence(group, x):  # replicated layers follow: their gradient is whole everywhere
+    gathered = tp.gather_from_sequence_parallel_region(x, group, tensor_parallel_output_grad=False)
     return from_sequence(gathered)
 
 
@@ -82,22 +78,26 @@ def head(emb, x):  # [B, T, C] -> [B, T, vocab]
 
 
 def tp_head(emb, x):  # this rank's vocabulary rows, logits gathered over tp
-    group = _tp_group()
+    group = emb.layout.tp_group
     return tp.gather_from_tp_region(F.linear(tp.copy_to_tp_region(x, group), emb.weight), group)
 
 
-def tp_layers(parallel: bool) -> list:
-    """Eight layers; the stages split them [0, 4, 8], inside the sequence-parallel region."""
+def tp_layers(layout=None) -> list:
+    """Eight layers; the stages split them [0, 4, 8], inside the sequence-parallel region.
+    With a ``layout``, tensor- and sequence-parallel; without, the plain model."""
+    parallel = layout is not None
     emb = tp.VocabParallelEmbedding if parallel else nn.Embedding
+    on = {"layout": layout} if parallel else {}
+    group = layout.tp_group if parallel else None
     return [
-        SharedLayerDesc("embed", emb, None, "weight", VOCAB, DIM),
-        LayerDesc(MLPBlock, parallel),
-        tp_to_sequence if parallel else to_sequence,
-        LayerDesc(MLPBlock, parallel, parallel),
-        LayerDesc(MLPBlock, parallel, parallel),
-        tp_from_sequence if parallel else from_sequence,
-        LayerDesc(MLPBlock, parallel),
-        SharedLayerDesc("embed", emb, tp_head if parallel else head, "weight", VOCAB, DIM),
+        SharedLayerDesc("embed", emb, None, "weight", VOCAB, DIM, **on),
+        LayerDesc(MLPBlock, layout),
+        functools.partial(tp_to_sequence, group) if parallel else to_sequence,
+        LayerDesc(MLPBlock, layout, parallel),
+        LayerDesc(MLPBlock, layout, parallel),
+        functools.partial(tp_from_sequence, group) if parallel else from_sequence,
+        LayerDesc(MLPBlock, layout),
+        SharedLayerDesc("embed", emb, tp_head if parallel else head, "weight", VOCAB, DIM, **on),
     ]
 
 
@@ -111,10 +111,10 @@ def _tp_pp(rank, world_size):
     layout = zerokit.init_hybrid_parallel(1, 2, pp_degree=2)
     assert (layout.pp_rank, layout.tp_rank) == divmod(rank, 2)
     batches = global_batches(3, batch=4, seq=SEQ, vocab=VOCAB)
-    init, ref_state, ref_losses = reference_run(tp_layers(False), batches, CLIP)
+    init, ref_state, ref_losses = reference_run(tp_layers(), batches, CLIP)
     for level in (None, "os_g"):
         what = f"tp2 x pp2 {'unwrapped' if level is None else level}"
-        pipe = PipelineModule(tp_layers(True), lm_loss, layout=layout, partition=[0, 4, 8])
+        pipe = PipelineModule(tp_layers(layout), lm_loss, layout=layout, partition=[0, 4, 8])
         assert set(pipe.shared_groups) == {"embed"}
         keys = pipe.stage.state_dict().keys()
         tp.load_full_state_dict(pipe.stage, {k: init[k] for k in keys})
@@ -134,7 +134,7 @@ def _tp_pp(rank, world_size):
             )
         x, y = batches[0]
         with torch.no_grad():  # the reference's final model on the first batch
-            model = PipelineStage(tp_layers(False), 0)
+            model = PipelineStage(tp_layers(), 0)
             model.load_state_dict(ref_state)
             want = lm_loss(model(x), y).item()
         got = pipe.eval_batch(batches[0], micro_batches=2).item()
@@ -161,9 +161,9 @@ def mp_layers() -> list:
     return [
         LayerDesc(nn.Embedding, VOCAB, DIM),
         plant,
-        LayerDesc(MLPBlock, False),
-        LayerDesc(MLPBlock, False),
-        LayerDesc(MLPBlock, False),
+        LayerDesc(MLPBlock),
+        LayerDesc(MLPBlock),
+        LayerDesc(MLPBlock),
         LayerDesc(nn.Linear, DIM, VOCAB),
     ]
 
@@ -209,7 +209,10 @@ def _masters(model) -> dict[str, list[tuple[int, torch.Tensor]]]:
 
 def _rms_over_world(pairs) -> float:
     sq = torch.tensor(
-        [sum(((a - b).double() ** 2).sum().item() for a, b in pairs), sum(a.numel() for a, _ in pairs)],
+        [
+            sum(((a - b).double() ** 2).sum().item() for a, b in pairs),
+            sum(a.numel() for a, _ in pairs),
+        ],
         dtype=torch.float64,
     )
     dist.all_reduce(sq)

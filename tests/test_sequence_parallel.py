@@ -74,8 +74,9 @@ def _check_layers_match_plain(layout):
     torch.manual_seed(3)
     plain = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
     torch.manual_seed(3)
-    col = tp.ColumnParallelLinear(8, 16, gather_output=False, sequence_parallel=True)
-    row = tp.RowParallelLinear(16, 8, input_is_parallel=True, sequence_parallel=True)
+    sp = {"sequence_parallel": True, "layout": layout}
+    col = tp.ColumnParallelLinear(8, 16, gather_output=False, **sp)
+    row = tp.RowParallelLinear(16, 8, input_is_parallel=True, **sp)
     assert row.bias.sequence_parallel is True and not hasattr(col.bias, "sequence_parallel")
     model = nn.Sequential(col, nn.GELU(), row)
     torch.manual_seed(4)
@@ -100,13 +101,13 @@ def _plain_config(explicit_attention: bool = False) -> GPTConfig:
                      explicit_attention=explicit_attention)  # fmt: skip
 
 
-def _make_pair(**options):
+def _make_pair(layout, **options):
     """The plain model (the same attention arithmetic) and the tp model with ``options``."""
     cfg = _plain_config(options.get("explicit_attention", False))
     torch.manual_seed(0)
     ref = GPT(cfg)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**cfg.__dict__, "tensor_parallel": True, **options}))
+    model = GPT(GPTConfig(**{**cfg.__dict__, "tensor_parallel": True, **options}), layout)
     return ref, model
 
 
@@ -120,7 +121,7 @@ def _adamw(model):
 
 def _check_training(layout, level: str | None, **options):
     what = f"tp={layout.tp_degree} dp={layout.dp_degree} level={level} {options}"
-    ref, model = _make_pair(sequence_parallel=True, **options)
+    ref, model = _make_pair(layout, sequence_parallel=True, **options)
     marked = [n for n, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
     assert len(marked) == 4 * 2 + 2, f"{what}: marked {marked}"  # ln_1, ln_2 per block; ln_f
     ref_opt, opt = _adamw(ref), _adamw(model)
@@ -128,7 +129,7 @@ def _check_training(layout, level: str | None, **options):
         model, opt, _ = zerokit.group_sharded_parallel(
             model, opt, level, group=layout.dp_group, **SMALL[level]
         )
-    loss_fn = tp.ParallelCrossEntropy()
+    loss_fn = tp.ParallelCrossEntropy(layout=layout)
     dp_rank, dp = layout.dp_rank, layout.dp_degree
     for step, (x, y) in enumerate(global_batches(STEPS, 4 * dp, seq=SEQ, vocab=VOCAB)):
         ref_loss = lm_loss(ref(x), y)
@@ -162,11 +163,15 @@ def _check_recompute_replays_dropout(layout):
     grads = {}
     for recompute in (None, "selective", "full"):
         _, model = _make_pair(
-            sequence_parallel=True, explicit_attention=True, dropout=0.3, recompute=recompute
+            layout,
+            sequence_parallel=True,
+            explicit_attention=True,
+            dropout=0.3,
+            recompute=recompute,
         )
         tp.model_parallel_random_seed(11, layout)
         x, y = global_batches(1, 4, seq=SEQ, vocab=VOCAB)[0]
-        tp.ParallelCrossEntropy()(model(x), y).backward()
+        tp.ParallelCrossEntropy(layout=layout)(model(x), y).backward()
         grads[recompute] = [p.grad for p in model.parameters()]
     for recompute in ("selective", "full"):
         for got, want in zip(grads[recompute], grads[None]):
@@ -181,7 +186,7 @@ def _tp2(rank, world_size):
     _check_training(layout, None, recompute="selective")
     _check_training(layout, None, recompute="full", explicit_attention=True)
     _check_recompute_replays_dropout(layout)
-    _, model = _make_pair(sequence_parallel=True)
+    _, model = _make_pair(layout, sequence_parallel=True)
     with pytest.raises(ValueError, match="7 is not divisible by 2"):
         model(torch.zeros(2, 7, dtype=torch.long))
 
@@ -204,11 +209,11 @@ def test_tp3_sequence_parallel_matches_one_process():
 # -- a checkpoint of the sequence-parallel GPT, into one process ------------------------------
 def _save_sequence_parallel(rank, world_size, root):
     layout = zerokit.init_hybrid_parallel(1, 2)
-    _, model = _make_pair(sequence_parallel=True)
+    _, model = _make_pair(layout, sequence_parallel=True)
     model, opt, _ = zerokit.group_sharded_parallel(
         model, _adamw(model), "p_g_os", group=layout.dp_group, **SMALL["p_g_os"]
     )
-    loss_fn = tp.ParallelCrossEntropy()
+    loss_fn = tp.ParallelCrossEntropy(layout=layout)
     for x, y in global_batches(3, 4, seq=SEQ, vocab=VOCAB):  # trained, so not the initial state
         loss_fn(model(x), y).backward()
         opt.step()
@@ -287,7 +292,7 @@ def _measure(rank, world_size):
     for name, (options, estimate_options) in SETTINGS.items():
         cfg = GPTConfig(vocab_size=16, block_size=S, n_layer=LAYERS, n_head=A, n_embd=H,
                         explicit_attention=True, dropout=0.1, **options)  # fmt: skip
-        got = measure_activations(GPT(cfg), torch.randint(0, 16, (B, S)))
+        got = measure_activations(GPT(cfg, layout), torch.randint(0, 16, (B, S)))
         assert got.layers == LAYERS
         measured = got.per_layer_bytes
         want = estimate_activations(S, B, H, A, LAYERS, bytes_per_value=4, **estimate_options)

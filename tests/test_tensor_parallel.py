@@ -69,9 +69,18 @@ def _check_layers_match_plain(layout):
     """Built after the same seed, each layer holds its slice of the plain layer, and output,
     input gradient and (gathered) weight gradients equal the plain layer's."""
     cases = [
-        (lambda: nn.Linear(DIM, 2 * DIM), lambda: tp.ColumnParallelLinear(DIM, 2 * DIM)),
-        (lambda: nn.Linear(2 * DIM, DIM), lambda: tp.RowParallelLinear(2 * DIM, DIM)),
-        (lambda: nn.Embedding(VOCAB, DIM), lambda: tp.VocabParallelEmbedding(VOCAB, DIM)),
+        (
+            lambda: nn.Linear(DIM, 2 * DIM),
+            lambda: tp.ColumnParallelLinear(DIM, 2 * DIM, layout=layout),
+        ),
+        (
+            lambda: nn.Linear(2 * DIM, DIM),
+            lambda: tp.RowParallelLinear(2 * DIM, DIM, layout=layout),
+        ),
+        (
+            lambda: nn.Embedding(VOCAB, DIM),
+            lambda: tp.VocabParallelEmbedding(VOCAB, DIM, layout=layout),
+        ),
     ]
     for make_plain, make_tp in cases:
         torch.manual_seed(3)
@@ -108,16 +117,16 @@ def _check_cross_entropy(layout):
     local = split.local(logits.detach(), layout.tp_rank).requires_grad_()
     for reduction in ("mean", "sum", "none"):
         want = F.cross_entropy(logits.transpose(1, 2), target, reduction=reduction)
-        got = tp.ParallelCrossEntropy(reduction)(local, target)
+        got = tp.ParallelCrossEntropy(reduction, layout=layout)(local, target)
         _assert_close(got, want, f"cross-entropy {reduction}", atol=1e-5)  # sum of 11: ~32
     weights = torch.linspace(0.5, 1.5, 12).view(4, 3)
     (F.cross_entropy(logits.transpose(1, 2), target, reduction="none") * weights).sum().backward()
-    (tp.ParallelCrossEntropy("none")(local, target) * weights).sum().backward()
+    (tp.ParallelCrossEntropy("none", layout=layout)(local, target) * weights).sum().backward()
     _assert_close(local.grad, split.local(logits.grad, layout.tp_rank), "cross-entropy grad", 1e-6)
 
 
 def _check_rng_tracker(layout):
-    tracker = tp.get_rng_state_tracker()
+    tracker = layout.rng
     tp.model_parallel_random_seed(1234, layout)
     before = torch.get_rng_state()
     x = torch.ones(64)
@@ -144,14 +153,14 @@ def _check_rng_tracker(layout):
 
 # -- training --------------------------------------------------------------------------------
 class Net(nn.Module):
-    """embedding -> column -> row -> linear; tensor_parallel splits the first three."""
+    """embedding -> column -> row -> linear; with a layout, tp splits the first three."""
 
-    def __init__(self, tensor_parallel: bool):
+    def __init__(self, layout=None):
         super().__init__()
-        if tensor_parallel:
-            self.emb = tp.VocabParallelEmbedding(VOCAB, DIM)
-            self.col = tp.ColumnParallelLinear(DIM, 2 * DIM, gather_output=False)
-            self.row = tp.RowParallelLinear(2 * DIM, DIM, input_is_parallel=True)
+        if layout is not None:
+            self.emb = tp.VocabParallelEmbedding(VOCAB, DIM, layout=layout)
+            self.col = tp.ColumnParallelLinear(DIM, 2 * DIM, gather_output=False, layout=layout)
+            self.row = tp.RowParallelLinear(2 * DIM, DIM, input_is_parallel=True, layout=layout)
         else:
             self.emb = nn.Embedding(VOCAB, DIM)
             self.col = nn.Linear(DIM, 2 * DIM)
@@ -162,20 +171,20 @@ class Net(nn.Module):
         return self.out(self.row(F.gelu(self.col(self.emb(idx)))))
 
 
-def _make_pair(kind: str):
+def _make_pair(kind: str, layout):
     """The plain model and the tp model, built after the same seed: the tp model draws the
     same values and keeps its slices."""
     if kind == "net":
         torch.manual_seed(0)
-        ref = Net(False)
+        ref = Net()
         torch.manual_seed(0)
-        return ref, Net(True), lm_loss
+        return ref, Net(layout), lm_loss
     cfg = GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=2, n_head=6, n_embd=DIM)
     torch.manual_seed(0)
     ref = GPT(cfg)
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**cfg.__dict__, "tensor_parallel": True}))
-    return ref, model, tp.ParallelCrossEntropy()
+    model = GPT(GPTConfig(**{**cfg.__dict__, "tensor_parallel": True}), layout)
+    return ref, model, tp.ParallelCrossEntropy(layout=layout)
 
 
 def _adamw(model):
@@ -184,7 +193,7 @@ def _adamw(model):
 
 def _check_training(layout, kind: str, level: str | None):
     what = f"{kind} tp={layout.tp_degree} dp={layout.dp_degree} level={level}"
-    ref, model, loss_fn = _make_pair(kind)
+    ref, model, loss_fn = _make_pair(kind, layout)
     _assert_same_state(tp.gather_full_state_dict(model), ref.state_dict(), f"{what}: init")
     ref_opt, opt = _adamw(ref), _adamw(model)
     if level is not None:
@@ -244,7 +253,7 @@ def _dp_x_tp(rank, world_size, gpt_levels=zerokit.LEVELS):
 
 def _overflow_on_one_tp_rank(layout):
     """fp16 under tp: an inf on one rank's slice makes all four ranks skip the step."""
-    _, model, loss_fn = _make_pair("gpt")
+    _, model, loss_fn = _make_pair("gpt", layout)
     policy = zerokit.MixedPrecision(param_dtype=torch.float16)
     model, opt, scaler = zerokit.group_sharded_parallel(
         model, _adamw(model), "os_g", group=layout.dp_group, mixed_precision=policy,
@@ -275,8 +284,8 @@ def test_dp2_x_tp2_matches_one_process():
 
 
 # -- errors ----------------------------------------------------------------------------------
-def test_tp_layer_before_the_layout_says_what_to_call():
-    with pytest.raises(RuntimeError, match=r"init_hybrid_parallel\(dp_degree, tp_degree\)"):
+def test_tp_layer_without_a_layout_says_what_to_pass():
+    with pytest.raises(TypeError, match=r"layout=zerokit.init_hybrid_parallel\(dp, tp\)"):
         tp.ColumnParallelLinear(4, 4)
 
 
@@ -290,14 +299,14 @@ def _errors(rank, world_size):
         zerokit.init_hybrid_parallel(1, 3)
     with pytest.raises(ValueError, match="use dp_degree=1"):
         zerokit.init_hybrid_parallel(2, 2)
-    zerokit.init_hybrid_parallel(1, 2)
+    layout = zerokit.init_hybrid_parallel(1, 2)
     with pytest.raises(ValueError, match="out_features = 5 must be divisible by the tp degree 2"):
-        tp.ColumnParallelLinear(4, 5, gather_output=True)
+        tp.ColumnParallelLinear(4, 5, gather_output=True, layout=layout)
     with pytest.raises(ValueError, match="in_features = 5 must be divisible"):
-        tp.RowParallelLinear(5, 4)
+        tp.RowParallelLinear(5, 4, layout=layout)
     with pytest.raises(ValueError, match="n_head 3 must be divisible by tp degree 2"):
-        GPT(GPTConfig(n_head=3, n_embd=12, tensor_parallel=True))
-    _, model, _ = _make_pair("net")
+        GPT(GPTConfig(n_head=3, n_embd=12, tensor_parallel=True), layout)
+    _, model, _ = _make_pair("net", layout)
     opt = _adamw(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"group=layout.dp_group"):
@@ -305,9 +314,9 @@ def _errors(rank, world_size):
     assert not hasattr(model, "_zerokit")
     with pytest.raises(KeyError, match=r"missing \['out.bias'\]"):
         tp.load_full_state_dict(
-            model, {k: v for k, v in Net(False).state_dict().items() if k != "out.bias"}
+            model, {k: v for k, v in Net().state_dict().items() if k != "out.bias"}
         )
-    wrong = Net(False).state_dict()
+    wrong = Net().state_dict()
     wrong["emb.weight"] = torch.zeros(VOCAB + 1, DIM)
     with pytest.raises(ValueError, match=r"emb.weight: the full tensor is \(14, 12\)"):
         tp.load_full_state_dict(model, wrong)

@@ -10,9 +10,9 @@ from .api import LEVELS, group_sharded_parallel, num_params
 from .clip import clip_grad_norm_
 from .config import ShardingConfig, load_config
 from .core.grad_placeholder import ShardedGradError
+from .layout import Layout, init_hybrid_parallel
 from .mixed_precision import MixedPrecision
 from .scaler import ShardedGradScaler
-from .tensor_parallel import init_hybrid_parallel
 
 
 def save_group_sharded_model(model, output: str, optimizer=None) -> None:
@@ -22,6 +22,7 @@ def save_group_sharded_model(model, output: str, optimizer=None) -> None:
 
 __all__ = [
     "LEVELS",
+    "Layout",
     "MixedPrecision",
     "ShardedGradError",
     "ShardedGradScaler",

@@ -41,11 +41,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .api import group_sharded_parallel
 from .launch import spawn_local
+from .layout import init_hybrid_parallel
 from .memory import PeakMemory, estimate, estimate_activations, measure, measure_activations
 from .mixed_precision import MixedPrecision
 from .models.gpt import synthetic_batch
 from .scaler import ShardedGradScaler
-from .tensor_parallel.topology import init_hybrid_parallel
 
 LEVELS = ("ddp", "os", "os_g", "p_g_os")
 PRECISION = {None: "fp32", "bf16": "bf16", "fp16": "fp16"}
@@ -475,7 +475,7 @@ def _measure_activations_rank(rank: int, world_size: int, cfg: ActivationsConfig
             dropout=ACTIVATION_DROPOUT, **options,
         )  # fmt: skip
         torch.manual_seed(0)
-        measured.append(measure_activations(GPT(gpt_cfg), idx).per_layer_bytes)
+        measured.append(measure_activations(GPT(gpt_cfg, layout), idx).per_layer_bytes)
     values = torch.tensor(measured, dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)  # the largest over ranks
     if rank == 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -12,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .. import tensor_parallel as tp
+from ..layout import as_layout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,10 +65,9 @@ class GPTConfig:
 
 
 @contextlib.contextmanager
-def _tracker_rewound(states: dict):
+def _tracker_rewound(tracker, states: dict):
     """Run a recomputation with the RNG tracker's streams as they were in forward, then put
     back their current states (torch's checkpoint rewinds only the default generator)."""
-    tracker = tp.get_rng_state_tracker()
     current, tracker._states = tracker._states, dict(states)
     try:
         yield
@@ -74,30 +75,35 @@ def _tracker_rewound(states: dict):
         tracker._states = current
 
 
-def _recompute_contexts():
-    return contextlib.nullcontext(), _tracker_rewound(dict(tp.get_rng_state_tracker()._states))
+def _recompute_contexts(tracker):
+    if tracker is None:  # no tensor parallelism: torch rewinds the default generator itself
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return contextlib.nullcontext(), _tracker_rewound(tracker, dict(tracker._states))
 
 
-def _checkpointed(fn, *args):
-    return checkpoint(fn, *args, use_reentrant=False, context_fn=_recompute_contexts)
+def _checkpointed(fn, *args, tracker=None):
+    contexts = functools.partial(_recompute_contexts, tracker)
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts)
 
 
 class Block(nn.Module):
     # No biases in the linear layers, as in most current GPTs. (A key bias would also have an
     # analytically zero gradient, softmax being shift-invariant, whose float noise Adam turns
     # into full-size steps that differ with summation order.)
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layout=None):
         super().__init__()
         C = cfg.n_embd
         self.head_dim = C // cfg.n_head
         self.cfg = cfg
+        self._rng = None  # the layout's random streams, under tensor parallelism
         self.ln_1 = nn.LayerNorm(C)
         self.ln_2 = nn.LayerNorm(C)
         if cfg.tensor_parallel:  # each tp rank: its heads, its quarter of the MLP
-            tp_degree = tp.current_layout().tp_degree
+            layout = as_layout(layout, "GPT(tensor_parallel=True)")
+            self._rng, tp_degree = layout.rng, layout.tp_degree
             if cfg.n_head % tp_degree:
                 raise ValueError(f"n_head {cfg.n_head} must be divisible by tp degree {tp_degree}")
-            sp = {"sequence_parallel": cfg.sequence_parallel}
+            sp = {"sequence_parallel": cfg.sequence_parallel, "layout": layout}
             self.qkv = tp.ColumnParallelLinear(C, 3 * C, False, gather_output=False, stride=3, **sp)
             self.proj = tp.RowParallelLinear(C, C, False, input_is_parallel=True, **sp)
             self.fc = tp.ColumnParallelLinear(C, 4 * C, False, gather_output=False, **sp)
@@ -119,7 +125,7 @@ class Block(nn.Module):
         q, k, v = (self._heads(t) for t in (q, k, v))  # each [B, nh/tp, T, hs]
         core = self._explicit_core if self.cfg.explicit_attention else self._sdpa_core
         if self.cfg.recompute == "selective":
-            y = _checkpointed(core, q, k, v)
+            y = _checkpointed(core, q, k, v, tracker=self._rng)
         else:
             y = core(q, k, v)
         y = y.permute(2, 0, 1, 3) if self.cfg.sequence_parallel else y.transpose(1, 2)
@@ -165,29 +171,34 @@ class Block(nn.Module):
         # CPU keeps a mask of x's dtype)
         if not self.cfg.tensor_parallel:
             return torch.native_dropout(x, self.cfg.dropout, True)[0]
-        with tp.get_rng_state_tracker().rng_state(tp.LOCAL_SEED if split else tp.GLOBAL_SEED):
+        with self._rng.rng_state(tp.LOCAL_SEED if split else tp.GLOBAL_SEED):
             return torch.native_dropout(x, self.cfg.dropout, True)[0]
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig = GPTConfig()):
+    def __init__(self, cfg: GPTConfig = GPTConfig(), layout=None):
+        """``layout``: the run's ``zerokit.Layout`` (or a DeviceMesh), needed with
+        ``tensor_parallel=True``."""
         super().__init__()
         self.cfg = cfg
+        if cfg.tensor_parallel:
+            layout = as_layout(layout, "GPT(tensor_parallel=True)")
+        self._rng = layout.rng if cfg.tensor_parallel else None
         # A tp model holds its slices of the plain model drawn from the same random state.
         plain = None
         if cfg.tensor_parallel:
             plain = GPT(replace(cfg, tensor_parallel=False, sequence_parallel=False))
         if cfg.tensor_parallel:
-            self.wte = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd)
+            self.wte = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, layout=layout)
         else:
             self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, layout) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         if cfg.tensor_parallel:  # vocabulary split like the embedding's
             self.lm_head = tp.ColumnParallelLinear(
                 cfg.n_embd, cfg.vocab_size, False, gather_output=False,
-                sequence_parallel=cfg.sequence_parallel,
+                sequence_parallel=cfg.sequence_parallel, layout=layout,
             )  # fmt: skip
             if cfg.sequence_parallel:
                 for p in self.ln_f.parameters():
@@ -221,7 +232,8 @@ class GPT(nn.Module):
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
-            x = _checkpointed(block, x) if self.cfg.recompute == "full" else block(x)
+            full = self.cfg.recompute == "full"
+            x = _checkpointed(block, x, tracker=self._rng) if full else block(x)
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

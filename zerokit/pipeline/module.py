@@ -24,7 +24,7 @@ from torch import nn
 
 from ..core.collectives import all_reduce_
 from ..core.state import state_of
-from ..tensor_parallel import topology
+from ..layout import Layout, as_layout
 from ..tensor_parallel.gather_batch import distributed_params
 from ..tensor_parallel.layers import (
     allreduce_sequence_parallel_grads,
@@ -80,8 +80,8 @@ class PipelineModule(nn.Module):
     """``layers`` (``LayerDesc``, ``SharedLayerDesc``, plain functions or modules) split into
     ``num_stages`` contiguous stages, by ``partition``: ``"parameters"`` (balanced parameter
     counts, counted on the meta device), ``"uniform"`` (layer counts) or boundaries
-    ``[0, b1, ..., len(layers)]``. The stages are ``layout.pp_group`` (default: the layout of
-    ``init_hybrid_parallel``, else the whole world, one stage per rank).
+    ``[0, b1, ..., len(layers)]``. The stages are ``layout.pp_group`` (a ``zerokit.Layout`` or
+    a DeviceMesh with a "pp" dim), else the whole world, one stage per rank.
 
     ``loss_fn(output, labels)`` runs on the last stage and must be a mean over the micro-batch.
     """
@@ -91,13 +91,13 @@ class PipelineModule(nn.Module):
         layers: Sequence[object],
         loss_fn: Callable,
         num_stages: int | None = None,
-        layout: topology.HybridLayout | None = None,
+        layout: Layout | None = None,
         partition: str | Sequence[int] = "parameters",
     ):
         super().__init__()
         layers = list(layers)
         self.loss_fn = loss_fn
-        self.layout = layout if layout is not None else topology._current
+        self.layout = as_layout(layout, "PipelineModule") if layout is not None else None
         self.group, self.stage_id, self.num_stages = self._place(num_stages)
         self.bounds = split_layers(layers, self.num_stages, partition)
         start, end = self.bounds[self.stage_id], self.bounds[self.stage_id + 1]
@@ -297,7 +297,7 @@ class PipelineModule(nn.Module):
         """The ranks that split the batch inside this stage (ZeRO's group and its replicas)."""
         if self.layout is None:
             return []
-        groups = (self.layout.zero_group, self.layout.replica_group)
+        groups = (self.layout.shard_group, self.layout.replica_group)
         return [g for g in groups if g is not None and g.size() > 1]
 
     def _data_size(self) -> int:
@@ -427,6 +427,5 @@ class PipelineModule(nn.Module):
             *self.stage.named_buffers(remove_duplicate=False),
         ]
         return {
-            name: (name, not any(name.startswith(prefix) for prefix in copies))
-            for name, _ in named
+            name: (name, not any(name.startswith(prefix) for prefix in copies)) for name, _ in named
         }

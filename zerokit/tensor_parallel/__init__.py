@@ -23,22 +23,15 @@ from .mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
-from .random import (
-    GLOBAL_SEED,
-    LOCAL_SEED,
-    RNGStatesTracker,
-    get_rng_state_tracker,
-    model_parallel_random_seed,
-)
+from .random import GLOBAL_SEED, LOCAL_SEED, RNGStatesTracker, model_parallel_random_seed
 from .state_dict import gather_full_state_dict, load_full_state_dict
-from .topology import HybridLayout, TPSplit, current_layout, init_hybrid_parallel
+from .topology import TPSplit
 
 __all__ = [
     "GLOBAL_SEED",
     "LOCAL_SEED",
     "BatchGatherLinear",
     "ColumnParallelLinear",
-    "HybridLayout",
     "ParallelCrossEntropy",
     "RNGStatesTracker",
     "RowParallelLinear",
@@ -47,13 +40,10 @@ __all__ = [
     "VocabParallelEmbedding",
     "allreduce_sequence_parallel_grads",
     "copy_to_tp_region",
-    "current_layout",
     "distributed_params",
     "gather_from_sequence_parallel_region",
     "gather_from_tp_region",
     "gather_full_state_dict",
-    "get_rng_state_tracker",
-    "init_hybrid_parallel",
     "is_distributed",
     "load_full_state_dict",
     "model_parallel_random_seed",

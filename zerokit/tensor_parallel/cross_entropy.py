@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from .topology import HybridLayout, current_layout
+from ..layout import Layout, as_layout
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -71,12 +71,12 @@ class ParallelCrossEntropy(nn.Module):
         reduction: str = "mean",
         ignore_index: int = -100,
         *,
-        layout: HybridLayout | None = None,
+        layout: Layout | None = None,
     ):
         super().__init__()
         if reduction not in ("mean", "sum", "none"):
             raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-        self.layout = layout or current_layout()
+        self.layout = as_layout(layout, "ParallelCrossEntropy")
         self.reduction, self.ignore_index = reduction, ignore_index
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..layout import Layout, as_layout
 from .mappings import (
     _gather_first,
     _reduce_scatter_first,
@@ -33,15 +34,15 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
 )
-from .topology import HybridLayout, TPSplit, current_layout
+from .topology import TPSplit
 
 
 class TensorParallelLayer(nn.Module):
     """Base of the layers below: the layout they use and how their parameters are split."""
 
-    def __init__(self, layout: HybridLayout | None):
+    def __init__(self, layout: Layout | None):
         super().__init__()
-        self.layout = layout or current_layout()
+        self.layout = as_layout(layout, type(self).__name__)
         self.tp_splits: dict[str, TPSplit] = {}  # parameter name -> its split
 
     @property
@@ -55,7 +56,7 @@ class TensorParallelLayer(nn.Module):
             self.tp_splits[name] = split
 
 
-def _features_split(size: int, layout: HybridLayout, what: str, even: bool, stride: int = 1):
+def _features_split(size: int, layout: Layout, what: str, even: bool, stride: int = 1):
     if even and size % (layout.tp_degree * stride):
         raise ValueError(
             f"{what} = {size} must be divisible by the tp degree {layout.tp_degree}"
@@ -74,8 +75,7 @@ def _check_width(x: torch.Tensor, layer: nn.Module, want: int, full: bool) -> No
     name, tp = type(layer).__name__, layer.layout.tp_degree
     wanted = "the full input" if full else f"this rank's slice of the input ({tp} tp ranks)"
     message = (
-        f"{name}(in_features={layer.in_features}) takes {wanted}, [..., {want}]; "
-        f"got [..., {got}]"
+        f"{name}(in_features={layer.in_features}) takes {wanted}, [..., {want}]; got [..., {got}]"
     )
     local = layer.weight.shape[1]
     if isinstance(layer, RowParallelLinear) and full and got == local:
@@ -113,7 +113,7 @@ class ColumnParallelLinear(TensorParallelLayer):
         *,
         stride: int = 1,
         sequence_parallel: bool = False,
-        layout: HybridLayout | None = None,
+        layout: Layout | None = None,
         device=None,
         dtype=None,
     ):
@@ -163,7 +163,7 @@ class RowParallelLinear(TensorParallelLayer):
         input_is_parallel: bool = False,
         *,
         sequence_parallel: bool = False,
-        layout: HybridLayout | None = None,
+        layout: Layout | None = None,
         device=None,
         dtype=None,
     ):
@@ -229,7 +229,7 @@ class VocabParallelEmbedding(TensorParallelLayer):
         num_embeddings: int,
         embedding_dim: int,
         *,
-        layout: HybridLayout | None = None,
+        layout: Layout | None = None,
         device=None,
         dtype=None,
     ):

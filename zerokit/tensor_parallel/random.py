@@ -1,85 +1,17 @@
-"""Named random-number streams for tensor parallelism (Paddle's ``get_rng_state_tracker``).
-
-Dropout inside a tensor-parallel region (on split activations) must differ across tp ranks,
-or every rank would drop the same features of its different slice; dropout on replicated
-activations must be identical on every tp rank, or the replicas drift apart. The tracker keeps
-one generator state per name; ``rng_state(name)`` swaps it in for the default generator (CPU,
-and the current CUDA device once CUDA is in use), runs the block, and keeps the advanced state.
-"""
+"""Seeding the layout's random streams for tensor parallelism (``zerokit.rng``)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
-from .topology import HybridLayout, current_layout
-
-LOCAL_SEED = "local_seed"  # differs across tp ranks: dropout on split activations
-GLOBAL_SEED = "global_seed"  # the same on every tp rank: dropout on replicated activations
+from ..rng import GLOBAL_SEED, LOCAL_SEED, RNGStatesTracker  # noqa: F401
 
 
-def _get_states() -> dict[str, torch.Tensor]:
-    states = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state()
-    return states
-
-
-def _set_states(states: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(states["cpu"])
-    if "cuda" in states:
-        torch.cuda.set_rng_state(states["cuda"])
-
-
-class RNGStatesTracker:
-    """Named generator states. ``add(name, seed)`` once, then ``with rng_state(name): ...``."""
-
-    def __init__(self):
-        self._states: dict[str, dict[str, torch.Tensor]] = {}
-        self._seeds: dict[int, str] = {}
-
-    def reset(self) -> None:
-        self._states.clear()
-        self._seeds.clear()
-
-    def add(self, name: str, seed: int) -> None:
-        if name in self._states:
-            raise ValueError(f"rng state {name!r} already exists; reset() the tracker first")
-        if seed in self._seeds:
-            raise ValueError(f"seed {seed} is already used by rng state {self._seeds[seed]!r}")
-        outer = _get_states()
-        torch.manual_seed(seed)
-        self._states[name] = _get_states()
-        self._seeds[seed] = name
-        _set_states(outer)
-
-    @contextlib.contextmanager
-    def rng_state(self, name: str = LOCAL_SEED) -> Iterator[None]:
-        if name not in self._states:
-            raise KeyError(f"no rng state named {name!r}; add it with add({name!r}, seed) first")
-        outer = _get_states()
-        _set_states(self._states[name])
-        try:
-            yield
-        finally:
-            self._states[name] = _get_states()
-            _set_states(outer)
-
-
-_TRACKER = RNGStatesTracker()
-
-
-def get_rng_state_tracker() -> RNGStatesTracker:
-    return _TRACKER
-
-
-def model_parallel_random_seed(seed: int, layout: HybridLayout | None = None) -> None:
+def model_parallel_random_seed(seed: int, layout) -> None:
     """Seed for a dp x tp run: the default generator (and ``GLOBAL_SEED``) with ``seed`` on
-    every rank, ``LOCAL_SEED`` with a seed of this tp rank's own."""
-    layout = layout or current_layout()
+    every rank, ``LOCAL_SEED`` with a seed of this tp rank's own, in ``layout.rng`` (the
+    layout owns its streams: no tracker is global)."""
     torch.manual_seed(seed)
-    _TRACKER.reset()
-    _TRACKER.add(GLOBAL_SEED, seed)
-    _TRACKER.add(LOCAL_SEED, seed + 1 + 1009 * (layout.tp_rank + 1))
+    layout.rng.reset()
+    layout.rng.add(GLOBAL_SEED, seed)
+    layout.rng.add(LOCAL_SEED, seed + 1 + 1009 * (layout.tp_rank + 1))

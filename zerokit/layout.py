@@ -1,0 +1,216 @@
+"""The layout of a run: which ranks hold which pipeline stage (pp), which ranks split a layer
+(tp), which ranks shard the ZeRO state between them, and which hold the same state (replicas).
+Built once by ``init_hybrid_parallel`` (or from a torch ``DeviceMesh``) and passed to whatever
+needs it: tensor-parallel layers, ``ParallelCrossEntropy``, ``PipelineModule``. Nothing here
+is module-level state: two layouts can live in one process.
+
+Paddle's hybrid order, pp outermost and tp innermost (tp varies fastest, as Megatron's):
+``rank = pp_rank * (dp * sharding * tp) + (dp_rank * sharding_degree + sharding_rank) *
+tp_degree + tp_rank``, so a tp group is a run of neighbouring ranks and a sharding group the
+next run out (on one node, where the frequent collectives belong), replicas are farther apart,
+and the stages of a pipeline farthest (only point-to-point traffic crosses them).
+
+ZeRO needs two roles from a layout, and these are their only names: ``shard_group`` (the ranks
+a tensor's state is sharded over: ``group_sharded_parallel(group=...)``) and ``replica_group``
+(the ranks holding the same shards, None without hybrid sharding: ``dp_group=``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from .rng import RNGStatesTracker
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The process groups of a pp x dp x sharding x tp run and this rank's place in them."""
+
+    dp_degree: int
+    tp_degree: int
+    dp_rank: int
+    tp_rank: int
+    dp_group: ProcessGroup
+    """The ranks of the dp dimension: with ``sharding_degree == 1`` every rank holding the same
+    tensor-parallel slices (ZeRO shards across them); with ``sharding_degree > 1`` the replicas
+    of one sharding rank."""
+    tp_group: ProcessGroup
+    """Ranks that together hold one copy of every tensor-parallel layer."""
+    sharding_degree: int = 1
+    sharding_rank: int = 0
+    sharding_group: ProcessGroup | None = None
+    """Hybrid sharding: the ranks ZeRO shards across inside one replica (None when 1)."""
+    pp_degree: int = 1
+    pp_rank: int = 0
+    """This rank's pipeline stage."""
+    pp_group: ProcessGroup | None = None
+    """The stages of this rank's pipeline, in stage order (None when ``pp_degree == 1``)."""
+    rng: RNGStatesTracker = field(default_factory=RNGStatesTracker, compare=False)
+    """Named random streams of this layout (``LOCAL_SEED`` differs across tp ranks,
+    ``GLOBAL_SEED`` does not); seeded by ``tensor_parallel.model_parallel_random_seed``."""
+
+    @property
+    def shard_group(self) -> ProcessGroup:
+        """The ranks ZeRO shards a tensor's state over: ``group_sharded_parallel(group=...)``."""
+        return self.sharding_group if self.sharding_group is not None else self.dp_group
+
+    @property
+    def replica_group(self) -> ProcessGroup | None:
+        """The ranks holding the same shards (``dp_group=``); None without hybrid sharding."""
+        return self.dp_group if self.sharding_degree > 1 else None
+
+
+def init_hybrid_parallel(
+    dp_degree: int, tp_degree: int, sharding_degree: int = 1, pp_degree: int = 1
+) -> Layout:
+    """Build the pp, dp, sharding and tp process groups (collective: every rank calls it, after
+    ``torch.distributed.init_process_group``) and return them as a ``Layout``, to pass to
+    whatever needs it (``layout=``).
+
+    ``sharding_degree == 1`` (the two-argument call): ZeRO shards across ``layout.dp_group``.
+    ``sharding_degree > 1``: hybrid sharding, ``group_sharded_parallel(..., group=
+    layout.sharding_group, dp_group=layout.dp_group)``: state sharded inside each sharding group
+    (one node) and replicated across the ``dp_degree`` replicas. At 4 ranks, dp 2 x sharding 2:
+    sharding groups {0,1},{2,3}; dp groups {0,2},{1,3}.
+
+    ``pp_degree > 1``: pipeline parallelism, outermost: every dp, sharding and tp group lies
+    inside one stage, and ``layout.pp_group`` holds the stages of one pipeline. At 4 ranks,
+    pp 2 x dp 2: stage 0 is ranks {0,1}, stage 1 {2,3}; dp groups {0,1},{2,3}; pp groups
+    {0,2},{1,3}.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "init_hybrid_parallel needs a process group: call "
+            "torch.distributed.init_process_group (or launch with torchrun) first"
+        )
+    world = dist.get_world_size()
+    degrees = {
+        "dp_degree": dp_degree,
+        "tp_degree": tp_degree,
+        "sharding_degree": sharding_degree,
+        "pp_degree": pp_degree,
+    }
+    bad = {k: v for k, v in degrees.items() if not isinstance(v, int) or v < 1}
+    if bad:
+        raise ValueError(f"degrees must be integers >= 1, got {bad}")
+    if world % tp_degree:
+        raise ValueError(f"tp_degree {tp_degree} does not divide the world size {world}")
+    if world % (tp_degree * pp_degree):
+        raise ValueError(
+            f"tp_degree * pp_degree = {tp_degree * pp_degree} does not divide the world size "
+            f"{world}"
+        )
+    if pp_degree * dp_degree * sharding_degree * tp_degree != world:
+        raise ValueError(
+            f"pp_degree * dp_degree * sharding_degree * tp_degree = {pp_degree} * {dp_degree} * "
+            f"{sharding_degree} * {tp_degree} = "
+            f"{pp_degree * dp_degree * sharding_degree * tp_degree}, but the world size is "
+            f"{world}; use dp_degree={world // (tp_degree * sharding_degree * pp_degree)}"
+        )
+    stage_size = dp_degree * sharding_degree * tp_degree
+    pp_rank, in_stage = divmod(dist.get_rank(), stage_size)
+    outer, tp_rank = divmod(in_stage, tp_degree)
+    dp_rank, sharding_rank = divmod(outer, sharding_degree)
+
+    def rank_of(d: int, s: int, t: int, p: int = pp_rank) -> int:
+        return p * stage_size + (d * sharding_degree + s) * tp_degree + t
+
+    D, S, T = range(dp_degree), range(sharding_degree), range(tp_degree)
+    # new_group is collective over the whole world: every rank creates every group of every
+    # stage, in the same order, and keeps those of its own stage.
+    for p in range(pp_degree):
+        groups = _stage_groups(rank_of, p, D, S, T, sharding_degree > 1)
+        if p == pp_rank:
+            tp_groups, sharding_groups, dp_groups = groups
+    pp_groups = (
+        {
+            (d, s, t): dist.new_group([rank_of(d, s, t, p) for p in range(pp_degree)])
+            for d in D
+            for s in S
+            for t in T
+        }
+        if pp_degree > 1
+        else None
+    )
+    return Layout(
+        dp_degree,
+        tp_degree,
+        dp_rank,
+        tp_rank,
+        dp_groups[sharding_rank, tp_rank],
+        tp_groups[dp_rank, sharding_rank],
+        sharding_degree,
+        sharding_rank,
+        sharding_groups[dp_rank, tp_rank] if sharding_groups else None,
+        pp_degree,
+        pp_rank,
+        pp_groups[dp_rank, sharding_rank, tp_rank] if pp_groups else None,
+    )
+
+
+def _stage_groups(rank_of, p: int, D: range, S: range, T: range, sharded: bool):
+    """Stage ``p``'s tp, sharding and dp groups (collective: every rank builds every stage's)."""
+    tp = {(d, s): dist.new_group([rank_of(d, s, t, p) for t in T]) for d in D for s in S}
+    sharding = (
+        {(d, t): dist.new_group([rank_of(d, s, t, p) for s in S]) for d in D for t in T}
+        if sharded
+        else None
+    )
+    dp = {(s, t): dist.new_group([rank_of(d, s, t, p) for d in D]) for s in S for t in T}
+    return tp, sharding, dp
+
+
+def as_layout(layout, what: str = "this layer") -> Layout:
+    """``layout`` itself, or the layout of a ``DeviceMesh`` with dims named among "pp", "dp",
+    "shard" and "tp"; refuses None, saying what to pass."""
+    if isinstance(layout, Layout):
+        return layout
+    if layout is None:
+        raise TypeError(
+            f"{what} needs the run's layout: pass layout=zerokit.init_hybrid_parallel(dp, tp) "
+            "(or a torch DeviceMesh with dims named 'dp', 'tp', ...); there is no global default"
+        )
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(layout, DeviceMesh):
+        return from_device_mesh(layout)
+    raise TypeError(f"{what}: layout must be a zerokit Layout or a DeviceMesh, got {layout!r}")
+
+
+def from_device_mesh(mesh) -> Layout:
+    """The layout of a torch ``DeviceMesh`` whose dims are named among "pp", "dp", "shard" and
+    "tp" (any order; a missing dim has degree 1). Its groups are the mesh's own."""
+    names = mesh.mesh_dim_names or ()
+    unknown = set(names) - {"pp", "dp", "shard", "tp"}
+    if not names or unknown:
+        raise ValueError(
+            f"a DeviceMesh used as a layout needs dims named among 'pp', 'dp', 'shard', 'tp'; "
+            f"got {names}"
+        )
+
+    def dim(name: str):
+        if name not in names:
+            return 1, 0, None
+        return mesh.size(names.index(name)), mesh.get_local_rank(name), mesh.get_group(name)
+
+    (pp, pp_rank, pp_group), (tp, tp_rank, tp_group) = dim("pp"), dim("tp")
+    (dp, dp_rank, dp_group), (shard, shard_rank, shard_group) = dim("dp"), dim("shard")
+    if dp_group is None or tp_group is None:  # a dimension of one: this rank alone
+        alone = _singleton_group()
+        dp_group, tp_group = dp_group or alone, tp_group or alone
+    return Layout(
+        dp, tp, dp_rank, tp_rank, dp_group, tp_group,
+        shard, shard_rank, shard_group if shard > 1 else None,
+        pp, pp_rank, pp_group if pp > 1 else None,
+    )  # fmt: skip
+
+
+def _singleton_group() -> ProcessGroup:
+    """A group of this rank alone. ``new_group`` is collective over the world, so every rank
+    creates every rank's group, in the same order, and keeps its own."""
+    me = dist.get_rank()
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    return groups[me]
