@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import presence
+from .eager import eager
 from .group import ShardGroup
 from .state import ShardState
 
@@ -83,18 +84,21 @@ def register_hooks(model: nn.Module, state: ShardState, units: list[tuple[nn.Mod
         ]
 
 
+@eager
 def _grad_ready(ref, param: torch.Tensor) -> None:
     state = ref()
     if state is not None:
         state.grad_ready(param)
 
 
+@eager
 def _root_pre_forward(ref, module, args) -> None:
     state = ref()
     if state is not None:
         state.root_pre_forward()
 
 
+@eager
 def _root_post_forward(ref, module, args, output) -> None:
     state = ref()
     if state is None:
@@ -105,12 +109,14 @@ def _root_post_forward(ref, module, args, output) -> None:
         tensor.register_hook(functools.partial(_begin_backward, ref))
 
 
+@eager
 def _begin_backward(ref, grad: torch.Tensor) -> None:
     state = ref()
     if state is not None:
         state.begin_backward()
 
 
+@eager
 def _unit_pre_forward(ref, k: int, module, args, kwargs):
     state = ref()
     if state is None:
@@ -131,6 +137,7 @@ def _unit_pre_forward(ref, k: int, module, args, kwargs):
     )
 
 
+@eager
 def _unit_post_forward(ref, k: int, module, args, output):
     state = ref()
     if state is None:
@@ -143,6 +150,7 @@ def _unit_post_forward(ref, k: int, module, args, output):
     return None
 
 
+@eager
 def _unit_pre_backward(ref, k: int, grad: torch.Tensor) -> None:
     state = ref()
     if state is not None:
