@@ -3,6 +3,8 @@
 Hooks hold the state through a weak reference: the model owns its state (``model._zerokit``),
 and a hook that held it strongly would close a cycle (model -> hooks -> state -> buckets ->
 parameters), which only the garbage collector can free, late, after the process group.
+Every entry point is ``@eager``: under ``torch.compile`` it runs as one opaque call, never
+traced (``eager.py`` says why).
 
 Which hook fires when, in one step (units U1..Uk in forward order; R the model itself):
 
