@@ -27,6 +27,7 @@ from .clip import global_grad_norm
 from .config import ShardingConfig, resolve_level
 from .core import checks
 from .core.build import CoreOptions, build
+from .core.compiled import plain_names, unwrap_compiled
 from .core.state import state_of
 from .core.units import plan_units
 from .memory import format_bytes, measure
@@ -61,7 +62,9 @@ def group_sharded_parallel(
     ``model`` across ``group``.
 
     Every rank of ``group`` must call this with the same model architecture. The model and the
-    optimizer are converted in place and returned, with ``scaler`` unchanged.
+    optimizer are converted in place and returned, with ``scaler`` unchanged. A model already
+    compiled (``torch.compile(model)``) is returned as given, compiled, with the module inside
+    it sharded and ``state_dict`` names free of ``_orig_mod.``.
 
     Args:
         model: the model to train; its trainable parameters must all be on one device. A
@@ -103,9 +106,13 @@ def group_sharded_parallel(
             clipping, a loss scaler (fp16) or ``step(closure)``, which need every gradient
             before any update: those are refused.
     """
+<<<<<<< HEAD
     pipe = model if isinstance(model, PipelineModule) else None
     if pipe is not None:
         model = pipe.stage  # a rank holds, runs and shards only its own stage
+=======
+    compiled, model = model, unwrap_compiled(model)  # shard the module torch.compile wraps
+>>>>>>> compile
     level = resolve_level(level)
     group = _resolve_group(group)
     _check_member(group, "group")
@@ -194,12 +201,20 @@ def group_sharded_parallel(
         replica_group=dp_group if dp_group is not None and dp_group.size() > 1 else None,
     )
     state = build(model, optimizer, plans, options)
+<<<<<<< HEAD
     state.grad_norm = global_grad_norm
+=======
+    state.hook_handles += plain_names(compiled)  # no "_orig_mod." in state_dict names
+>>>>>>> compile
     if step_in_backward:
         state.enable_step_in_backward(optimizer)
     if group.rank() == 0 and (dp_group is None or dp_group.rank() == 0):
         _log_wrap(state, optimizer, named, model)
+<<<<<<< HEAD
     return pipe if pipe is not None else model, optimizer, scaler
+=======
+    return compiled, optimizer, scaler
+>>>>>>> compile
 
 
 def num_params(model: nn.Module) -> int:

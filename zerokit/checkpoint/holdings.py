@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import optimizer_params_of
+from ..core.compiled import plain_name
 from ..core.state import state_of
 from ..tensor_parallel.gather_batch import distributed_params
 from ..tensor_parallel.layers import tensor_parallel_params
@@ -105,8 +106,8 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
     if pipe is not None:
         model = pipe.stage
 
-    def global_name(name: str) -> str:
-        return checkpoint_names[name][0] if pipe is not None else name
+    def global_name(name: str) -> str:  # a compiled module's "_orig_mod." never shows
+        return checkpoint_names[name][0] if pipe is not None else plain_name(name)
 
     written = dict(checkpoint_names.values())  # global name -> whether this stage writes it
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import presence
+from .eager import eager
 
 # torch 2.13 renamed the flat-tensor collectives and deprecated the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -56,6 +57,7 @@ class Pending:
         self._epilogue = chained
         return self
 
+    @eager
     def finish(self) -> None:
         for work in self._works:
             presence.wait(work, self._group)
@@ -83,6 +85,7 @@ def communication_device(group: ProcessGroup) -> torch.device:
     return torch.device("cpu") if _is_gloo(group, "cpu") else torch.device("cuda")
 
 
+@eager
 def start_all_reduce_mean(tensor: torch.Tensor, group: ProcessGroup) -> Pending:
     """Average ``tensor`` in place across ``group``."""
     size = group.size()
@@ -92,6 +95,7 @@ def start_all_reduce_mean(tensor: torch.Tensor, group: ProcessGroup) -> Pending:
     return Pending([work], lambda: tensor.div_(size), group)
 
 
+@eager
 def start_reduce_scatter_mean(
     full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, accumulate: bool
 ) -> Pending:
@@ -124,6 +128,7 @@ def start_reduce_scatter_mean(
     return Pending(works, epilogue, group)
 
 
+@eager
 def start_all_gather_(full: torch.Tensor, group: ProcessGroup) -> Pending:
     """Fill the 1-D ``full`` in place from every rank's own chunk of it."""
     size = group.size()
@@ -140,6 +145,7 @@ def start_all_gather_(full: torch.Tensor, group: ProcessGroup) -> Pending:
     return Pending(works, group=group)
 
 
+@eager
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM):
     """Blocking (bounded) in-place all-reduce; a no-op at world size 1."""
     if group.size() > 1:
@@ -147,6 +153,7 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = d
     return tensor
 
 
+@eager
 def broadcast_(tensor: torch.Tensor, group: ProcessGroup, group_src: int = 0) -> torch.Tensor:
     """Blocking in-place broadcast from the group's rank ``group_src``; a no-op at world size 1."""
     if group.size() > 1:
@@ -155,6 +162,7 @@ def broadcast_(tensor: torch.Tensor, group: ProcessGroup, group_src: int = 0) ->
     return tensor
 
 
+@eager
 def all_gather_bytes(data: bytes, group: ProcessGroup | None) -> list[bytes]:
     """Every rank's ``data``, in rank order (no pickle: raw bytes in uint8 tensors)."""
     if group is None or group.size() == 1:

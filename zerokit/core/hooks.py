@@ -3,6 +3,8 @@
 Hooks hold the state through a weak reference: the model owns its state (``model._zerokit``),
 and a hook that held it strongly would close a cycle (model -> hooks -> state -> buckets ->
 parameters), which only the garbage collector can free, late, after the process group.
+Every entry point is ``@eager``: under ``torch.compile`` it runs as one opaque call, never
+traced (``eager.py`` says why).
 
 Which hook fires when, in one step (units U1..Uk in forward order; R the model itself):
 
@@ -35,6 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import presence
+from .eager import eager
 from .grad_placeholder import is_placeholder
 from .group import ShardGroup
 from .state import ShardState
@@ -95,6 +98,7 @@ def register_hooks(model: nn.Module, state: ShardState, units: list[tuple[nn.Mod
         ]
 
 
+@eager
 def _drop_placeholder(param_ref, grad: torch.Tensor) -> None:
     """Before autograd accumulates into ``param.grad``: a placeholder left by the last
     backward stands for gradients the group keeps itself, so autograd must start afresh."""
@@ -116,24 +120,28 @@ def _root_param_holders(model: nn.Module, state: ShardState) -> list[nn.Module]:
     ]
 
 
+@eager
 def _root_unit_used(ref, module, args) -> None:
     state = ref()
     if state is not None:
         state.root_unit_used()
 
 
+@eager
 def _grad_ready(ref, param: torch.Tensor) -> None:
     state = ref()
     if state is not None:
         state.grad_ready(param)
 
 
+@eager
 def _root_pre_forward(ref, module, args) -> None:
     state = ref()
     if state is not None:
         state.root_pre_forward()
 
 
+@eager
 def _root_post_forward(ref, module, args, output) -> None:
     state = ref()
     if state is None:
@@ -144,12 +152,14 @@ def _root_post_forward(ref, module, args, output) -> None:
         tensor.register_hook(functools.partial(_begin_backward, ref))
 
 
+@eager
 def _begin_backward(ref, grad: torch.Tensor) -> None:
     state = ref()
     if state is not None:
         state.begin_backward()
 
 
+@eager
 def _unit_pre_forward(ref, k: int, module, args, kwargs):
     state = ref()
     if state is None:
@@ -170,6 +180,7 @@ def _unit_pre_forward(ref, k: int, module, args, kwargs):
     )
 
 
+@eager
 def _unit_post_forward(ref, k: int, module, args, output):
     state = ref()
     if state is None:
@@ -182,6 +193,7 @@ def _unit_post_forward(ref, k: int, module, args, output):
     return None
 
 
+@eager
 def _unit_pre_backward(ref, k: int, grad: torch.Tensor) -> None:
     state = ref()
     if state is not None:
