@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import ShardingConfig, resolve_level
+from .config import ShardingConfig, debug_agreement, resolve_level
 from .core import checks
 from .core.build import CoreOptions, build
 from .core.state import state_of
@@ -179,6 +179,7 @@ def group_sharded_parallel(
         group=group,
         buffer_max_size=buffer_max_size,
         sync_comm=sync_comm,
+        debug_agreement=debug_agreement(config),
         sync_buffers=sync_buffers,
         offload=offload,
         mixed_precision=mixed_precision,
