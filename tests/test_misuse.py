@@ -13,6 +13,7 @@ from models import make_model, make_optimizer
 from torch import nn
 
 import zerokit
+from zerokit import ShardingConfig
 from zerokit.core.agreement import AgreementError, CollectiveTimeout
 
 
@@ -162,17 +163,26 @@ class DifferentShapes(nn.Module):
 
 
 def _rank_dependent_order(rank, world_size):
+    # by default: the one check after each forward refuses it before any backward or step
     torch.manual_seed(0)
     model = SameShapes()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os")
+    with pytest.raises(RuntimeError, match="different orders"):
+        model(torch.randn(2, 4))
+    # debug mode: refused at the first gather that differs
+    debug = ShardingConfig(debug_agreement=True)
+    torch.manual_seed(0)
+    model = SameShapes()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os", config=debug)
     with pytest.raises(RuntimeError, match="gathering different units"):
         model(torch.randn(2, 4))
     # units of different shapes: refused before the gather (it used to abort inside gloo)
     torch.manual_seed(0)
     model = DifferentShapes()
     model, opt, _ = zerokit.group_sharded_parallel(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), "p_g_os"
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "p_g_os", config=debug
     )
     with pytest.raises(RuntimeError, match="gathering different units"):
         model(torch.randn(2, 4))
@@ -209,7 +219,9 @@ def _a_rank_is_elsewhere(rank, world_size, case):
             ):
                 opt.step()
     elif rank == 0:  # one more batch, or a state dict on rank 0 only
-        with pytest.raises(CollectiveTimeout, match=r"(forward|state_dict).*rank 1 is at call"):
+        with pytest.raises(
+            CollectiveTimeout, match=r"forward.*rank 1 is at call|state_dict.*rank 1 of 2 did not"
+        ):
             _step(model, opt) if case == "extra batch" else model.state_dict()
     else:
         time.sleep(8)  # alive, but not in the call

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .clip import global_grad_norm
-from .config import ShardingConfig, resolve_level
+from .config import ShardingConfig, debug_agreement, resolve_level
 from .core import checks
 from .core.build import CoreOptions, build
 from .core.compiled import plain_names, unwrap_compiled
@@ -106,13 +106,10 @@ def group_sharded_parallel(
             clipping, a loss scaler (fp16) or ``step(closure)``, which need every gradient
             before any update: those are refused.
     """
-<<<<<<< HEAD
     pipe = model if isinstance(model, PipelineModule) else None
     if pipe is not None:
         model = pipe.stage  # a rank holds, runs and shards only its own stage
-=======
     compiled, model = model, unwrap_compiled(model)  # shard the module torch.compile wraps
->>>>>>> compile
     level = resolve_level(level)
     group = _resolve_group(group)
     _check_member(group, "group")
@@ -194,6 +191,7 @@ def group_sharded_parallel(
         group=group,
         buffer_max_size=buffer_max_size,
         sync_comm=sync_comm,
+        debug_agreement=debug_agreement(config),
         sync_buffers=sync_buffers,
         offload=offload,
         mixed_precision=mixed_precision,
@@ -201,20 +199,13 @@ def group_sharded_parallel(
         replica_group=dp_group if dp_group is not None and dp_group.size() > 1 else None,
     )
     state = build(model, optimizer, plans, options)
-<<<<<<< HEAD
     state.grad_norm = global_grad_norm
-=======
     state.hook_handles += plain_names(compiled)  # no "_orig_mod." in state_dict names
->>>>>>> compile
     if step_in_backward:
         state.enable_step_in_backward(optimizer)
     if group.rank() == 0 and (dp_group is None or dp_group.rank() == 0):
         _log_wrap(state, optimizer, named, model)
-<<<<<<< HEAD
-    return pipe if pipe is not None else model, optimizer, scaler
-=======
-    return compiled, optimizer, scaler
->>>>>>> compile
+    return pipe if pipe is not None else compiled, optimizer, scaler
 
 
 def num_params(model: nn.Module) -> int:

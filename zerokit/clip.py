@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .core import presence
+from .core.agreement import meet
 from .core.collectives import all_reduce_
 from .core.state import state_of
 from .tensor_parallel.gather_batch import distributed_params
@@ -32,6 +33,11 @@ def counted_grads(model: nn.Module, state, tp_group):
             split = tensor_parallel_params(model)
             owned = [(p, g) for p, g in owned if id(p) in split]
     return owned, groups, to_scale
+
+_EVERY_RANK = (
+    ". clip_grad_norm_ is collective (the norm is summed over the ranks' shards): call it on "
+    "every rank, after backward and before optimizer.step()"
+)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -62,6 +68,9 @@ def global_grad_norm(
     if state is not None:
         state.check_ready_for_step()
         presence.mark(state.process_group, call)
+        # before any collective: a rank that clips alone waits here, named, instead of
+        # pairing its all-reduce with another call's collectives on the other ranks
+        meet(call, state.process_group, _EVERY_RANK)
     elif tp_group is None:
         raise TypeError(
             "clip_grad_norm_ takes a model returned by zerokit.group_sharded_parallel or one "

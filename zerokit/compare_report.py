@@ -244,7 +244,7 @@ def write_activations_plot(report: dict, path: str) -> None:
     for offset, key, label, style in (
         (-0.2, "measured_per_layer", "measured", {"color": "tab:blue"}),
         (0.2, "estimated_per_layer", "estimated", {"color": "tab:blue", "alpha": 0.4,
-                                                   "hatch": "//"}),  # fmt: skip
+                                                   "hatch": "//"}),
     ):
         values = [r[key] for r in rows]
         ax.bar([x + offset for x in xs], [v / scale for v in values], 0.38, label=label,

@@ -23,11 +23,19 @@ class ShardingConfig:
     Adadelta, Adamax, ASGD, NAdam, RAdam, RMSprop or Rprop) updates each element from that
     element's gradient and state alone, so stepping shards is exact. Unknown optimizers are
     refused otherwise."""
+    debug_agreement: bool = False
+    """Debug mode for level 'p_g_os': before every gather the ranks check (one blocking
+    all-reduce and a host sync) that they gather the same unit, so a module that runs on some
+    ranks only is named at once. Off by default: it costs a collective per gather. Without it
+    a rank that gathers alone is named by the bounded wait (``CollectiveTimeout`` after
+    ``$ZEROKIT_COLLECTIVE_TIMEOUT``) and a different unit order by the one check after each
+    forward. ``$ZEROKIT_DEBUG_AGREEMENT=1`` turns it on without changing code."""
 
 
 #: stage numbers (DeepSpeed's names) and Paddle's level names, to the level
 LEVEL_ALIASES = {1: "os", 2: "os_g", 3: "p_g_os", "1": "os", "2": "os_g", "3": "p_g_os"}
 LEVEL_ENV = "ZEROKIT_LEVEL"
+DEBUG_AGREEMENT_ENV = "ZEROKIT_DEBUG_AGREEMENT"
 CONFIG_KEYS = (
     "level",
     "offload",
@@ -37,6 +45,11 @@ CONFIG_KEYS = (
     "sync_comm",
     "mixed_precision",
 )
+
+
+def debug_agreement(config: ShardingConfig) -> bool:
+    """``config.debug_agreement``, or ``$ZEROKIT_DEBUG_AGREEMENT`` set to 1."""
+    return config.debug_agreement or os.environ.get(DEBUG_AGREEMENT_ENV, "").strip() == "1"
 
 
 def resolve_level(level) -> str:

@@ -23,6 +23,7 @@ from .reading import CheckpointReader, resolve
 from .saving import (
     agree_on,
     gather_json,
+    mark_call,
     model_fingerprint,
     raise_any,
     world_group,
@@ -62,6 +63,7 @@ def load(
     seconds (default ``$ZEROKIT_COLLECTIVE_TIMEOUT`` or 60).
     """
     group = world_group()
+    mark_call("zerokit.checkpoint.load()", model, group)
     with alive(group):
         reader, error, h = None, None, None
         try:

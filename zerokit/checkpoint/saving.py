@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core import presence
 from ..core.agreement import AgreementError, CollectiveTimeout, agree_all, alive, gather
+from ..core.state import state_of
 from . import extra as extra_state
 from .holdings import Holdings, collect
 from .index import (
@@ -49,6 +51,15 @@ from .streaming import write_safetensors
 
 def world_group():
     return dist.group.WORLD if dist.is_initialized() else None
+
+
+def mark_call(call: str, model: nn.Module, group) -> None:
+    """Tell the other ranks this one is in ``call`` (the world and the model's own group), so
+    a rank that waits for it elsewhere names the call."""
+    state = state_of(model)
+    groups = [g for g in (group, state.process_group if state else None) if g is not None]
+    for g in {id(g): g for g in groups}.values():
+        presence.mark(g, call)
 
 
 def _rank() -> int:
@@ -304,6 +315,7 @@ def save(
     """
     path = os.path.abspath(os.fspath(path))
     group = world_group()
+    mark_call("zerokit.checkpoint.save()", model, group)
     with alive(group):
         _save(path, model, optimizer, extra, group, timeout)
 

@@ -39,6 +39,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from . import presence, teardown
 from .collectives import all_gather_bytes
 
 DEFAULT_TIMEOUT = 60.0
@@ -134,7 +135,7 @@ def _absent(store, key: str, group: ProcessGroup, size: int) -> list[int]:
     ]
 
 
-def _arrive(what: str, group: ProcessGroup, timeout: float) -> None:
+def _arrive(what: str, group: ProcessGroup, timeout: float, hint: str = "") -> None:
     """Meet every rank of ``group`` in the store, or raise ``CollectiveTimeout``."""
     store = _store()
     number = _calls.get(group, 0)
@@ -159,7 +160,8 @@ def _arrive(what: str, group: ProcessGroup, timeout: float) -> None:
     verdict = store.get(f"{key}verdict").decode()
     if verdict != "ok":
         members = dist.get_process_group_ranks(group)
-        missing = [members[r] for r in json.loads(verdict.removeprefix("missing "))]
+        absent = json.loads(verdict.removeprefix("missing "))
+        missing = [members[r] for r in absent]
         me_global = members[me]
         if me_global in missing:
             message = (
@@ -169,11 +171,26 @@ def _arrive(what: str, group: ProcessGroup, timeout: float) -> None:
         else:
             message = (
                 f"{what}: {_ranks(missing)} of {size} did not make this call within {timeout:g} s "
-                f"(every rank must call it; the timeout is the timeout argument or "
-                f"${TIMEOUT_ENV})"
+                f"({presence.where(group, absent)}; every rank must call it; the timeout is the "
+                f"timeout argument or ${TIMEOUT_ENV}){hint}"
             )
+        teardown.timed_out(timeout)
         raise CollectiveTimeout(message, missing)
     store.delete_key(f"{key}here/{me}")  # the verdict and count stay: a few bytes per call
+
+
+def meet(what: str, group: ProcessGroup | None, hint: str = "") -> None:
+    """Every rank of ``group`` reaches ``what`` (a user-facing call), or ``CollectiveTimeout``
+    on every rank that came, naming the absent ranks (``hint`` appended: what to do). Meets
+    in the store only: no collective, nothing paired with another call's collectives. For the
+    entry points that are not every step's path (clipping, state dicts, evaluation), so that a
+    rank that makes the call alone waits there instead of pairing its collectives with
+    another call's on the other ranks."""
+    if not dist.is_initialized():
+        return
+    group = group if group is not None else dist.group.WORLD
+    if group.size() > 1:
+        _arrive(what, group, collective_timeout(), hint)
 
 
 def gather(

@@ -37,6 +37,7 @@ class CoreOptions:
     mixed_precision: MixedPrecision
     tp_group: ProcessGroup | None
     replica_group: ProcessGroup | None = None  # hybrid sharding: replicas of this shard group
+    debug_agreement: bool = False  # 'p_g_os': check before every gather that ranks agree
 
 
 def build(
@@ -113,6 +114,7 @@ def build(
         tp_group=opts.tp_group,
         replica_group=replicas,
         sync_comm=opts.sync_comm,
+        debug_agreement=opts.debug_agreement,
         frozen=[(n, p) for n, p in model.named_parameters() if not p.requires_grad],
     )
     convert_module_(model, state)

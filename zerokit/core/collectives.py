@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import presence
+from . import presence, teardown
 from .eager import eager
+from .teardown import hand
 
 # torch 2.13 renamed the flat-tensor collectives and deprecated the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -91,7 +92,7 @@ def start_all_reduce_mean(tensor: torch.Tensor, group: ProcessGroup) -> Pending:
     size = group.size()
     if size == 1:
         return Pending([])
-    work = dist.all_reduce(tensor, group=group, async_op=True)
+    work = dist.all_reduce(hand(tensor), group=group, async_op=True)
     return Pending([work], lambda: tensor.div_(size), group)
 
 
@@ -112,12 +113,13 @@ def start_reduce_scatter_mean(
         # One in-place reduce per owner: each chunk is summed into its owner's copy of it, so no
         # receive buffer exists (an all-to-all would need one of (N-1)/N the bucket's size).
         works = [
-            dist.reduce(chunks[r], group_dst=r, group=group, async_op=True) for r in range(size)
+            dist.reduce(hand(chunks[r]), group_dst=r, group=group, async_op=True)
+            for r in range(size)
         ]
         reduced = chunks[group.rank()]
     else:
         reduced = torch.empty(shard.numel(), dtype=full.dtype, device=full.device)
-        works = [_reduce_scatter(reduced, full, group=group, async_op=True)]
+        works = [_reduce_scatter(hand(reduced), hand(full), group=group, async_op=True)]
 
     def epilogue() -> None:
         if size > 1:
@@ -137,11 +139,12 @@ def start_all_gather_(full: torch.Tensor, group: ProcessGroup) -> Pending:
     chunks = full.view(size, -1)
     if _is_gloo(group, full.device):
         works = [
-            dist.broadcast(chunks[r], group_src=r, group=group, async_op=True) for r in range(size)
+            dist.broadcast(hand(chunks[r]), group_src=r, group=group, async_op=True)
+            for r in range(size)
         ]
     else:
         own = chunks[group.rank()]
-        works = [_all_gather(full, own, group=group, async_op=True)]
+        works = [_all_gather(hand(full), hand(own), group=group, async_op=True)]
     return Pending(works, group=group)
 
 
@@ -149,7 +152,8 @@ def start_all_gather_(full: torch.Tensor, group: ProcessGroup) -> Pending:
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM):
     """Blocking (bounded) in-place all-reduce; a no-op at world size 1."""
     if group.size() > 1:
-        presence.wait(dist.all_reduce(tensor, op=op, group=group, async_op=True), group)
+        work = dist.all_reduce(hand(tensor), op=op, group=group, async_op=True)
+        presence.wait(work, group)
     return tensor
 
 
@@ -157,7 +161,7 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = d
 def broadcast_(tensor: torch.Tensor, group: ProcessGroup, group_src: int = 0) -> torch.Tensor:
     """Blocking in-place broadcast from the group's rank ``group_src``; a no-op at world size 1."""
     if group.size() > 1:
-        work = dist.broadcast(tensor, group_src=group_src, group=group, async_op=True)
+        work = dist.broadcast(hand(tensor), group_src=group_src, group=group, async_op=True)
         presence.wait(work, group)
     return tensor
 
@@ -169,11 +173,11 @@ def all_gather_bytes(data: bytes, group: ProcessGroup | None) -> list[bytes]:
         return [data]
     device = communication_device(group)
     length = torch.tensor([len(data)], dtype=torch.long, device=device)
-    lengths = [torch.empty_like(length) for _ in range(group.size())]
-    dist.all_gather(lengths, length, group=group)
+    lengths = teardown.hand_all([torch.empty_like(length) for _ in range(group.size())])
+    dist.all_gather(lengths, hand(length), group=group)
     longest = max(int(n) for n in lengths)
     mine = torch.zeros(longest, dtype=torch.uint8, device=device)
     mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
-    gathered = [torch.empty_like(mine) for _ in lengths]
-    dist.all_gather(gathered, mine, group=group)
+    gathered = teardown.hand_all([torch.empty_like(mine) for _ in lengths])
+    dist.all_gather(gathered, hand(mine), group=group)
     return [bytes(t[: int(n)].cpu().tolist()) for t, n in zip(gathered, lengths)]

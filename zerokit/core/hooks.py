@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from . import presence
+from .agreement import meet
 from .eager import eager
 from .grad_placeholder import is_placeholder
 from .group import ShardGroup
@@ -90,10 +91,12 @@ def register_hooks(model: nn.Module, state: ShardState, units: list[tuple[nn.Mod
             )
         io = _GatherForIO(ref)
         handles += [
-            model.register_state_dict_pre_hook(io.gather),
+            model.register_state_dict_pre_hook(functools.partial(io.gather, "model.state_dict()")),
             # torch tags this hook with an attribute, which a bound method cannot take
             model.register_state_dict_post_hook(functools.partial(_GatherForIO.after_save, io)),
-            model.register_load_state_dict_pre_hook(io.gather),
+            model.register_load_state_dict_pre_hook(
+                functools.partial(io.gather, "model.load_state_dict()")
+            ),
             model.register_load_state_dict_post_hook(io.after_load),
         ]
 
@@ -204,6 +207,15 @@ def _grad_outputs(output) -> list[torch.Tensor]:
     return [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+_COLLECTIVE_STATE_DICT = (
+    ". At level 'p_g_os' state_dict() and load_state_dict() gather every unit's parameters: "
+    "they are collective, every rank must call them. To save from one rank, call "
+    "zerokit.checkpoint.save(path, model, optimizer) on every rank (zerokit.checkpoint."
+    "consolidate makes one file of it), or call model.state_dict() on every rank and save "
+    "it on rank 0 only"
+)
+
+
 class _GatherForIO:
     """'p_g_os' ``state_dict``/``load_state_dict``: full tensors under the original keys,
     gathered on demand and freed again."""
@@ -212,9 +224,10 @@ class _GatherForIO:
         self._ref = ref
         self._was_sharded: list[ShardGroup] = []
 
-    def gather(self, *args, **kwargs) -> None:
+    def gather(self, call: str, *args, **kwargs) -> None:
         state = self._ref()
-        presence.mark(state.process_group, "model.state_dict() / load_state_dict()")
+        presence.mark(state.process_group, call)
+        meet(call, state.process_group, _COLLECTIVE_STATE_DICT)
         self._was_sharded = [g for g in state.groups if g.gathered_numel() == 0]
         for g in state.groups:
             g.unshard()

@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from . import teardown
+
 _counts: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
 _where: weakref.WeakKeyDictionary[ProcessGroup, str] = weakref.WeakKeyDictionary()
 
@@ -37,6 +39,26 @@ def mark(group: ProcessGroup, what: str) -> None:
     dist.distributed_c10d._get_default_store().set(_key(group, group.rank()), _where[group])
 
 
+def where(group: ProcessGroup, ranks: list[int]) -> str:
+    """Where the group's ``ranks`` (group ranks) last were, e.g. "rank 1 is at call #2
+    (optimizer.step())"."""
+    store, members = dist.distributed_c10d._get_default_store(), dist.get_process_group_ranks(group)
+    return "; ".join(_at(members[r], _mark_of(store, group, r)) for r in ranks)
+
+
+def _mark_of(store, group: ProcessGroup, r: int) -> str:
+    try:
+        key = _key(group, r)
+        return store.get(key).decode() if store.check([key]) else "0 nothing"
+    except RuntimeError:  # the store is gone: its host (global rank 0) has left
+        return "? (unknown: the job's store is gone, rank 0 has left)"
+
+
+def _at(global_rank: int, mark: str) -> str:
+    n, _, what = mark.partition(" ")
+    return f"rank {global_rank} is at call #{n} ({what})"
+
+
 def wait(work, group: ProcessGroup) -> None:
     """``work.wait()``, bounded by the collective timeout."""
     from .agreement import collective_timeout  # agreement imports collectives, which import this
@@ -45,12 +67,20 @@ def wait(work, group: ProcessGroup) -> None:
     try:
         work.wait(timedelta(seconds=timeout))
     except RuntimeError as e:
-        if "timed out" not in str(e).lower():
-            raise
-        raise _timed_out(group, timeout) from None
+        # Timed out, or gloo's transport failed because the rank paired with this one left
+        # ("Connection reset by peer") or sent another collective ("data size doesn't
+        # match"): either way some rank is in another call. Name it, not the socket.
+        timed_out = "timed out" in str(e).lower()
+        failed = (
+            None if timed_out else "the collective failed: a rank in it left or is in another one"
+        )
+        error = _timed_out(group, timeout, failed)
+        teardown.abandoned(error.call)
+        teardown.timed_out(timeout)
+        raise error from None
 
 
-def _timed_out(group: ProcessGroup, timeout: float):
+def _timed_out(group: ProcessGroup, timeout: float, failed: str | None = None):
     from .agreement import CollectiveTimeout
 
     store = dist.distributed_c10d._get_default_store()
@@ -61,22 +91,22 @@ def _timed_out(group: ProcessGroup, timeout: float):
     for r, global_rank in enumerate(members):
         if r == group.rank():
             continue
-        theirs = (
-            store.get(_key(group, r)).decode() if store.check([_key(group, r)]) else "0 nothing"
-        )
+        theirs = _mark_of(store, group, r)
         if theirs != mine:
-            n, _, what = theirs.partition(" ")
-            elsewhere.append((global_rank, f"rank {global_rank} is at call #{n} ({what})"))
+            elsewhere.append((global_rank, _at(global_rank, theirs)))
     if elsewhere:
         detail = "; ".join(text for _, text in elsewhere)
     else:
         detail = (
             "every rank reached it, but the collective did not complete (a rank-dependent branch?)"
         )
+    waited = f"waited {timeout:g} s for the other ranks" if failed is None else failed
     message = (
-        f"{call} (zerokit call #{count} on this group): waited {timeout:g} s for the other "
-        f"ranks; {detail}. Every rank must make the same calls in the same order. A rank busy "
+        f"{call} (zerokit call #{count} on this group): {waited}; {detail}. Every rank must "
+        "make the same calls in the same order. A rank busy "
         "elsewhere for longer (e.g. evaluating on rank 0 only) needs a larger "
         "$ZEROKIT_COLLECTIVE_TIMEOUT"
     )
-    return CollectiveTimeout(message, [g for g, _ in elsewhere])
+    error = CollectiveTimeout(message, [g for g, _ in elsewhere])
+    error.call = call
+    return error

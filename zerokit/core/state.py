@@ -28,9 +28,16 @@ from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 
 from . import checks, presence
+from .agreement import meet
 from .collectives import Pending, all_reduce_
 from .flat_param import FlatParamBucket
 from .group import Phase, ShardGroup
+
+_NO_GRAD_FORWARD = "the model's forward under torch.no_grad()"
+_NO_GRAD_HINT = (
+    ". At level 'p_g_os' every forward gathers the parameters from every rank: run evaluation "
+    "(e.g. an estimate_loss() under no_grad) on every rank, and average or print on rank 0"
+)
 
 #: most groups whose reductions are in flight at once; the oldest is finished before another
 #: starts, which bounds the staging memory of backward (see docs/ARCHITECTURE.md)
@@ -50,6 +57,7 @@ class ShardState:
         tp_group: ProcessGroup | None = None,
         replica_group: ProcessGroup | None = None,
         sync_comm: bool = False,
+        debug_agreement: bool = False,
         frozen: list[tuple[str, nn.Parameter]] = (),
     ):
         self._model = weakref.ref(model)  # the model holds this state: no strong cycle back
@@ -86,7 +94,7 @@ class ShardState:
         self._stepper: weakref.ref | None = None
         self._unsynced = False  # no_sync() gradients are waiting for a synchronised backward
         self._prefetched: ShardGroup | None = None  # 'p_g_os': gathered ahead of its use
-        if level == "p_g_os":
+        if level == "p_g_os" and debug_agreement:  # a collective per gather: debug mode only
             check = functools.partial(_check_same_gather, weakref.ref(self))  # no cycle
             for g in groups:
                 g.before_gather = check
@@ -219,7 +227,14 @@ class ShardState:
     def root_pre_forward(self) -> None:
         if not self.in_backward:
             checks.check_params_intact(self.buckets, self._frozen)
-            presence.mark(self.process_group, "the model's forward")
+            if self.level == "p_g_os" and not torch.is_grad_enabled():
+                # evaluation: a forward that gathers outside the training steps. If one rank
+                # runs it alone (on rank 0 only), it waits here, named, instead of pairing its
+                # gathers with the other ranks' next training forward
+                presence.mark(self.process_group, _NO_GRAD_FORWARD)
+                meet(_NO_GRAD_FORWARD, self.process_group, _NO_GRAD_HINT)
+            else:
+                presence.mark(self.process_group, "the model's forward")
         if not self.in_backward and not self._graph_pending:
             self.forward_order = []
         if self.root_group is not None:

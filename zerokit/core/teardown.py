@@ -1,0 +1,123 @@
+"""How a process that used zerokit's collectives ends: cleanly after success, at once after an
+abandoned collective.
+
+Note (why the end of a script could abort): gloo runs each collective on a worker thread of
+its own, which still holds the collective's work, and so the tensors it was given, for a
+moment after ``wait()`` has returned in Python. Dropping that last reference to a tensor that
+has a Python object takes the GIL (torch 2.13 releases the Python object when its C++
+reference count falls back to one). If the main thread has meanwhile reached interpreter
+finalization, the worker is terminated inside ``take_gil`` while unwinding a ``noexcept``
+destructor: "terminate called without an active exception", exit status -6, after every
+result was delivered. So every tensor zerokit hands to a collective is a fresh view recorded
+here (weakly); its Python object dies exactly when the last holder, Python or gloo's worker,
+lets go. At exit (``atexit`` runs while the interpreter is still intact) the main thread
+waits, the GIL released, until every handed tensor has died: then no worker holds one.
+
+Note (why a timed-out collective ends the process at once): gloo has no abort. A collective
+that timed out stays queued in the worker, which would wait for it up to the process group's
+own timeout (30 minutes by default) when the group is destroyed at exit. So after a
+``CollectiveTimeout`` the exit handler flushes the standard streams and leaves with
+``os._exit(1)`` instead of finalizing; the other ranks, which time out too, do the same,
+so no rank is left reading from a closed connection. A rank that timed out first waits (at
+most ``MAX_EXIT_WAIT`` s, never past its collective timeout) until every rank has reported
+its own error or left, each leaving word in the store: torchrun stops every rank as soon as
+one fails, and each rank's error should be printed, not only the first one's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+#: how long the exit waits for gloo's workers to let go of finished collectives
+SETTLE_SECONDS = 5.0
+
+_handed: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+_abandoned: list[str] = []  # the calls whose collectives were given up (timed out)
+_registered = False
+_exit_wait: float | None = None  # set once this process has raised CollectiveTimeout
+_EXIT_KEY = "zerokit/exit"
+#: the longest a rank that timed out waits at exit for the others to report theirs
+MAX_EXIT_WAIT = 20.0
+
+
+def hand(tensor: torch.Tensor) -> torch.Tensor:
+    """A fresh view of ``tensor`` to give to a collective (same memory), watched until gloo's
+    worker and Python both drop it."""
+    _register()
+    view = tensor.view(tensor.shape)
+    _handed.add(view)
+    return view
+
+
+def hand_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``hand`` for tensors made for the collective alone (no view needed)."""
+    _register()
+    for t in tensors:
+        _handed.add(t)
+    return tensors
+
+
+def abandoned(call: str) -> None:
+    """A collective of ``call`` was given up: this process must not wait for it at exit."""
+    _register()
+    _abandoned.append(call)
+
+
+def timed_out(timeout: float) -> None:
+    """This process raised ``CollectiveTimeout``: at exit it waits (bounded) for the other
+    ranks to leave or report theirs, so that under torchrun, which stops every rank as soon
+    as one fails, each rank's own error is printed."""
+    global _exit_wait
+    _register()
+    _exit_wait = min(timeout, MAX_EXIT_WAIT)
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        atexit.register(_at_exit)
+        _registered = True
+
+
+def _at_exit() -> None:
+    _leave_word()
+    if _abandoned:
+        print(
+            f"zerokit: leaving without destroying the process group: a collective of "
+            f"{_abandoned[0]} timed out and is still queued in gloo, which cannot abort it",
+            file=sys.stderr,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while len(_handed) and time.monotonic() < deadline:
+        time.sleep(0.001)  # releases the GIL: the worker may need it to drop the tensors
+
+
+def _leave_word() -> None:
+    """Say in the store that this rank is leaving; after a timeout, wait for the others."""
+    if not dist.is_initialized():
+        return
+    try:
+        store, me, size = _store(), dist.get_rank(), dist.get_world_size()
+        store.set(f"{_EXIT_KEY}/{me}", "done" if _exit_wait is None else "timed out")
+        if _exit_wait is None:
+            return
+        deadline = time.monotonic() + _exit_wait
+        keys = [f"{_EXIT_KEY}/{r}" for r in range(size)]
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except RuntimeError:  # the store is gone: the job is over
+        pass
+
+
+def _store():
+    return dist.distributed_c10d._get_default_store()
