@@ -123,11 +123,18 @@ def _root_param_holders(model: nn.Module, state: ShardState) -> list[nn.Module]:
     ]
 
 
-@eager
 def _root_unit_used(ref, module, args) -> None:
+    """Traced by torch.compile (not ``eager``): inside the model's forward the root unit is
+    gathered, the check is a guard and the hook adds no graph break; only a call outside the
+    forward after a backward freed the root unit runs the eager gather."""
     state = ref()
-    if state is not None:
-        state.root_unit_used()
+    if state is not None and not state.root_gathered:
+        _gather_root(state)
+
+
+@eager
+def _gather_root(state: ShardState) -> None:
+    state.root_unit_used()
 
 
 @eager

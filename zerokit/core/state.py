@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 from . import checks, presence
 from .agreement import meet
 from .collectives import Pending, all_reduce_
-from .flat_param import FlatParamBucket
+from .flat_param import FlatParamBucket, Storage
 from .group import Phase, ShardGroup
 
 _NO_GRAD_FORWARD = "the model's forward under torch.no_grad()"
@@ -258,6 +258,14 @@ class ShardState:
             return
         self._graph_pending = True
         self._order_agreed = self._agree_on_order()
+
+    @property
+    def root_gathered(self) -> bool:
+        """The root unit's parameters are usable now (always, below 'p_g_os')."""
+        group = self.root_group
+        return group is None or all(
+            not b.shards_params or b.storage is Storage.GATHERED for b in group.buckets
+        )
 
     def root_unit_used(self) -> None:
         """A submodule holding root-unit parameters runs. Inside the model's forward or backward

@@ -38,10 +38,19 @@ import torch.distributed as dist
 #: how long the exit waits for gloo's workers to let go of finished collectives
 SETTLE_SECONDS = 5.0
 
-_handed: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
-_abandoned: list[str] = []  # the calls whose collectives were given up (timed out)
-_registered = False
-_exit_wait: float | None = None  # set once this process has raised CollectiveTimeout
+
+class _ProcessExit:
+    """What this process's exit must wait for. Process-wide by nature (``atexit`` is), so one
+    instance per process; it holds no process group."""
+
+    def __init__(self):
+        self.handed: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        self.abandoned: list[str] = []  # the calls whose collectives were given up
+        self.registered = False
+        self.wait: float | None = None  # set once this process has raised CollectiveTimeout
+
+
+_exit = _ProcessExit()
 _EXIT_KEY = "zerokit/exit"
 #: the longest a rank that timed out waits at exit for the others to report theirs
 MAX_EXIT_WAIT = 20.0
@@ -52,7 +61,7 @@ def hand(tensor: torch.Tensor) -> torch.Tensor:
     worker and Python both drop it."""
     _register()
     view = tensor.view(tensor.shape)
-    _handed.add(view)
+    _exit.handed.add(view)
     return view
 
 
@@ -60,45 +69,43 @@ def hand_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``hand`` for tensors made for the collective alone (no view needed)."""
     _register()
     for t in tensors:
-        _handed.add(t)
+        _exit.handed.add(t)
     return tensors
 
 
 def abandoned(call: str) -> None:
     """A collective of ``call`` was given up: this process must not wait for it at exit."""
     _register()
-    _abandoned.append(call)
+    _exit.abandoned.append(call)
 
 
 def timed_out(timeout: float) -> None:
     """This process raised ``CollectiveTimeout``: at exit it waits (bounded) for the other
     ranks to leave or report theirs, so that under torchrun, which stops every rank as soon
     as one fails, each rank's own error is printed."""
-    global _exit_wait
     _register()
-    _exit_wait = min(timeout, MAX_EXIT_WAIT)
+    _exit.wait = min(timeout, MAX_EXIT_WAIT)
 
 
 def _register() -> None:
-    global _registered
-    if not _registered:
+    if not _exit.registered:
         atexit.register(_at_exit)
-        _registered = True
+        _exit.registered = True
 
 
 def _at_exit() -> None:
     _leave_word()
-    if _abandoned:
+    if _exit.abandoned:
         print(
             f"zerokit: leaving without destroying the process group: a collective of "
-            f"{_abandoned[0]} timed out and is still queued in gloo, which cannot abort it",
+            f"{_exit.abandoned[0]} timed out and is still queued in gloo, which cannot abort it",
             file=sys.stderr,
         )
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
     deadline = time.monotonic() + SETTLE_SECONDS
-    while len(_handed) and time.monotonic() < deadline:
+    while len(_exit.handed) and time.monotonic() < deadline:
         time.sleep(0.001)  # releases the GIL: the worker may need it to drop the tensors
 
 
@@ -108,10 +115,10 @@ def _leave_word() -> None:
         return
     try:
         store, me, size = _store(), dist.get_rank(), dist.get_world_size()
-        store.set(f"{_EXIT_KEY}/{me}", "done" if _exit_wait is None else "timed out")
-        if _exit_wait is None:
+        store.set(f"{_EXIT_KEY}/{me}", "done" if _exit.wait is None else "timed out")
+        if _exit.wait is None:
             return
-        deadline = time.monotonic() + _exit_wait
+        deadline = time.monotonic() + _exit.wait
         keys = [f"{_EXIT_KEY}/{r}" for r in range(size)]
         while not store.check(keys) and time.monotonic() < deadline:
             time.sleep(0.05)
