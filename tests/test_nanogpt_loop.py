@@ -155,3 +155,10 @@ def _nanogpt(rank, world, levels, compile_model):
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_nanogpt_train_loop_unchanged(world):
     run_distributed(_nanogpt, world, ("os", "os_g", "p_g_os"), False)
+
+
+@pytest.mark.slow
+def test_nanogpt_train_loop_compiled():
+    """The same loop with nanoGPT's ``model = torch.compile(model)`` after wrapping (inductor
+    on CPU: slow, so one world size and the two sharded levels)."""
+    run_distributed(_nanogpt, 2, ("os_g", "p_g_os"), True)
