@@ -12,7 +12,7 @@ stage's gradients skips the step on every stage and halves the scale everywhere.
 import pytest
 import torch
 from dist_helpers import run_distributed
-from models import VOCAB, global_batches, loss_fn, pipeline_reference
+from models import PLANT, VOCAB, global_batches, loss_fn, pipeline_reference, plant
 from torch import nn
 
 import zerokit
@@ -120,15 +120,6 @@ def test_dp2_pp2_forward_backward_public_clip_step_equals_one_process():
 
 
 # -- loss scaling --------------------------------------------------------------------------------
-PLANT = [False]  # set on one rank: the gradient into stage 0's first block becomes inf
-
-
-def plant(x):
-    if PLANT[0] and x.requires_grad:
-        x.register_hook(lambda g: g * float("inf"))
-    return x
-
-
 def scaled_layers() -> list:
     """Untied (a tied weight would carry the inf to the last stage by itself): split [0, 3, 5]."""
     return [
