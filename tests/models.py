@@ -95,6 +95,17 @@ def local_slice(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tenso
     return tensor[rank * per_rank : (rank + 1) * per_rank]
 
 
+PLANT = [False]  # set on one rank: the gradient through ``plant`` becomes inf in the next backward
+
+
+def plant(x):
+    """A pipeline layer (a function between layers): with PLANT set, the gradient flowing back
+    here is inf, so the layers before it get inf gradients (a planted fp16 overflow)."""
+    if PLANT[0] and x.requires_grad:
+        x.register_hook(lambda g: g * float("inf"))
+    return x
+
+
 def pipeline_reference(layers, batches, loss=loss_fn, clip=None):
     """A pipeline's layers all in one process (``PipelineStage(layers, 0)``), SGD with
     momentum, optionally clipped to ``clip``: the initial state, the final state, the losses

@@ -222,7 +222,7 @@ def test_estimate_shows_what_hybrid_sharding_holds(level):
 def test_compare_shows_what_hybrid_sharding_holds():
     from zerokit.compare import CompareConfig, run_compare
 
-    cfg = dict(model="models:tiny_gpt", nproc=4, steps=2, batch=4)
+    cfg = {"model": "models:tiny_gpt", "nproc": 4, "steps": 2, "batch": 4}
     full = run_compare(CompareConfig(**cfg), progress=lambda _: None)
     hybrid = run_compare(CompareConfig(**cfg, sharding_degree=2), progress=lambda _: None)
     assert hybrid["sharding_degree"] == 2

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dist_helpers import run_distributed
-from models import global_batches, pipeline_reference
+from models import PLANT, global_batches, pipeline_reference, plant
 from torch import nn
 
 import zerokit
@@ -147,16 +147,6 @@ def test_tp2_pp2_tensor_parallel_stages():
 
 
 # -- mixed precision ---------------------------------------------------------------------------
-PLANT = [False]  # set on one rank: stage 0's gradients become inf in the next backward
-
-
-def plant(x):
-    """Stage 0, between layers: with PLANT set, the gradient flowing back here is inf."""
-    if PLANT[0] and x.requires_grad:
-        x.register_hook(lambda g: g * float("inf"))
-    return x
-
-
 def mp_layers() -> list:
     return [
         LayerDesc(nn.Embedding, VOCAB, DIM),

@@ -10,6 +10,7 @@ from .core import presence
 from .core.agreement import meet
 from .core.collectives import all_reduce_
 from .core.state import state_of
+from .grad_scope import grad_scope
 from .tensor_parallel.gather_batch import distributed_params
 from .tensor_parallel.layers import tensor_parallel_params, tp_group_of
 
@@ -42,10 +43,12 @@ _EVERY_RANK = (
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Clip the gradients of a model wrapped by ``group_sharded_parallel`` (or of a bare
-    tensor-parallel model), like ``torch.nn.utils.clip_grad_norm_`` on the plain model;
-    returns the total norm.
+    tensor-parallel model, or of a ``PipelineModule`` or its stage, wrapped or not), like
+    ``torch.nn.utils.clip_grad_norm_`` on the plain model; returns the total norm.
 
-    Collective: every rank must call it (after backward, before ``optimizer.step()``).
+    Collective: every rank must call it (after backward, before ``optimizer.step()``); for a
+    pipeline, every rank of every stage (the norm is the whole model's: summed over the
+    stages, a tied weight counted on its first stage only).
 
     Rank-local (``is_distributed``) parameters hold a different slice on each rank: their
     squares are summed over the ranks that share them (a ``BatchGatherLinear``'s group, else
@@ -62,7 +65,11 @@ def global_grad_norm(
     model: nn.Module, norm_type: float = 2.0, only: set[int] | None = None, *, call: str
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The norm one process would compute over the gradients of ``model`` (of the parameters
-    whose ids are in ``only``, if given), and every buffer a clip must scale. Collective."""
+    whose ids are in ``only``, if given: torch's clip over those parameters alone), and every
+    buffer a clip must scale. Collective."""
+    scope = grad_scope(model) if only is None else None
+    if scope is not None:  # a pipeline: this rank's stage, and the stages holding the rest
+        model = scope.holder
     state = state_of(model)
     tp_group = state.tp_group if state is not None else tp_group_of(model)
     if state is not None:
@@ -71,20 +78,27 @@ def global_grad_norm(
         # before any collective: a rank that clips alone waits here, named, instead of
         # pairing its all-reduce with another call's collectives on the other ranks
         meet(call, state.process_group, _EVERY_RANK)
-    elif tp_group is None:
+    elif tp_group is None and scope is None:
         raise TypeError(
-            "clip_grad_norm_ takes a model returned by zerokit.group_sharded_parallel or one "
-            "with tensor-parallel layers; use torch.nn.utils.clip_grad_norm_ for a plain model"
+            "clip_grad_norm_ takes a model returned by zerokit.group_sharded_parallel, one "
+            "with tensor-parallel layers or a PipelineModule; use "
+            "torch.nn.utils.clip_grad_norm_ for a plain model"
         )
+    left_out = scope.left_out if scope is not None else frozenset()
+
+    def counted(p: nn.Parameter) -> bool:
+        return (only is None or id(p) in only) and id(p) not in left_out
+
     owned, groups, to_scale = counted_grads(model, state, tp_group)
     local: dict[int, tuple] = {}  # id(group) -> (group, its rank-local gradients)
     if state is not None:
         for d in distributed_params(model).values():
-            if d.param.grad is not None and (only is None or id(d.param) in only):
+            if d.param.grad is not None and counted(d.param):
                 group = d.group if d.group is not None else state.process_group
                 local.setdefault(id(group), (group, []))[1].append(d.param.grad)
-    grads = [g for p, g in owned if only is None or id(p) in only]
-    device = grads[0].device if grads else next(model.parameters()).device
+    grads = [g for p, g in owned if counted(p)]
+    first = next(model.parameters(), None)  # a stage of functions only holds none
+    device = grads[0].device if grads else first.device if first is not None else "cpu"
     norm_type = float(norm_type)
     is_max = norm_type == float("inf")
     op = dist.ReduceOp.MAX if is_max else dist.ReduceOp.SUM
@@ -108,6 +122,8 @@ def global_grad_norm(
         all_reduce_(part, group, op=op)
         total = torch.maximum(total, part) if is_max else total + part
         to_scale = [*to_scale, *local_grads]
+    for group in scope.across if scope is not None else ():  # the other stages' sums
+        all_reduce_(total, group, op=op)
     if not is_max:
         total = total.pow(1.0 / norm_type)
     return total, to_scale

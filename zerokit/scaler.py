@@ -6,8 +6,8 @@ another apply it, and the replicas would part. Here the check covers this rank's
 pieces (every element once across the group) and one MAX all-reduce makes the answer the same
 everywhere: every rank skips the same step and halves the scale together. With tensor
 parallelism, tp ranks hold different gradients too, so the flag is also reduced over the tp
-group. Rank-local (``is_distributed``) parameters' gradients, in no bucket, are unscaled and
-checked too.
+group, and for a pipeline's stage over the pipeline (every stage skips together). Rank-local
+(``is_distributed``) parameters' gradients, in no bucket, are unscaled and checked too.
 """
 
 from __future__ import annotations
@@ -19,6 +19,18 @@ from .core.checks import is_distributed
 from .core.collectives import all_reduce_
 from .core.optimizer import optimizer_params_of
 from .core.state import state_of
+from .grad_scope import grad_scope
+
+
+def agree_found_inf(grads: list[torch.Tensor], groups, device: torch.device) -> bool:
+    """Whether any of ``grads`` on any rank of ``groups`` holds an inf/nan: the same answer on
+    every rank of them (one MAX all-reduce per group, on ``device``). Collective."""
+    found = torch.zeros((), device=device)
+    for g in grads:
+        found = torch.maximum(found, (~torch.isfinite(g)).any().float().to(device))
+    for group in groups:
+        all_reduce_(found, group, op=dist.ReduceOp.MAX)
+    return bool(found.item())
 
 
 class ShardedGradScaler:
@@ -37,9 +49,9 @@ class ShardedGradScaler:
         self.scale_value = float(init_scale)
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.enabled = growth_interval, enabled
-        self._growth_tracker = 0
+        self._good_steps = 0
         self._unscaled: set[int] = set()
-        self._found_inf: dict[int, bool] = {}
+        self._overflowed: dict[int, bool] = {}
 
     @classmethod
     def like(cls, scaler) -> ShardedGradScaler:
@@ -87,15 +99,13 @@ class ShardedGradScaler:
         for buffer in [*state.grads_to_scale(), *local]:
             buffer.mul_(inv)
         grads = [g for _, g in state.owned_grad_pieces()] + local
+        scope = grad_scope(state.model)
+        # every rank of the ZeRO group (its replicas, the tp group, the pipeline) skips; agreed
         # where the group communicates (NCCL: the GPU), even if the shards are offloaded
-        device = state.communication_device
-        found = torch.zeros((), device=device)
-        for g in grads:
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float().to(device))
-        for group in state.agree_groups:  # every rank of the ZeRO group (and tp group) skips
-            all_reduce_(found, group, op=dist.ReduceOp.MAX)
+        groups = [*state.agree_groups, *(scope.across if scope is not None else ())]
+        found = agree_found_inf(grads, groups, state.communication_device)
         self._unscaled.add(id(optimizer))
-        self._found_inf[id(optimizer)] = bool(found.item())
+        self._overflowed[id(optimizer)] = found
 
     def step(self, optimizer, *args, **kwargs):
         """``optimizer.step()`` unless some rank found inf/nan gradients (then every rank skips)."""
@@ -103,7 +113,7 @@ class ShardedGradScaler:
             return optimizer.step(*args, **kwargs)
         if id(optimizer) not in self._unscaled:
             self.unscale_(optimizer)
-        if self._found_inf[id(optimizer)]:
+        if self._overflowed[id(optimizer)]:
             return None
         return optimizer.step(*args, **kwargs)
 
@@ -111,19 +121,19 @@ class ShardedGradScaler:
         """Halve the scale after a skipped step; grow it after ``growth_interval`` good ones."""
         if not self.enabled:
             return
-        if any(self._found_inf.values()):
+        if any(self._overflowed.values()):
             self.scale_value *= self.backoff_factor
-            self._growth_tracker = 0
-        elif self._found_inf:
-            self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
+            self._good_steps = 0
+        elif self._overflowed:
+            self._good_steps += 1
+            if self._good_steps == self.growth_interval:
                 self.scale_value *= self.growth_factor
-                self._growth_tracker = 0
+                self._good_steps = 0
         self._unscaled.clear()
-        self._found_inf.clear()
+        self._overflowed.clear()
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale_value, "growth_tracker": self._growth_tracker}
+        return {"scale": self.scale_value, "growth_tracker": self._good_steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale_value, self._growth_tracker = float(state["scale"]), int(state["growth_tracker"])
+        self.scale_value, self._good_steps = float(state["scale"]), int(state["growth_tracker"])

@@ -107,6 +107,11 @@ class ShardState:
 
     # -- the public protocol -----------------------------------------------------------------
     @property
+    def model(self) -> nn.Module:
+        """The wrapped model (held weakly: the model holds this state)."""
+        return self._model()
+
+    @property
     def step_in_backward(self) -> bool:
         return self._stepper is not None
 

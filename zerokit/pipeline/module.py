@@ -1,13 +1,18 @@
 """``PipelineModule``: a model given as a list of layer descriptions, split by depth across the
-stages of a pipeline; this rank builds and runs only its own stage.
+stages of a pipeline; this rank builds and runs only its own stage. It is a schedule, not an
+engine: ``forward_backward`` runs the micro-batches and ``finalize_grads``; clipping, loss
+scaling and the step are the same public calls as without a pipeline.
 
->>> import torch
+>>> import torch, zerokit
 >>> from torch import nn
 >>> pipe = PipelineModule([LayerDesc(nn.Linear, 4, 8), nn.Tanh(), LayerDesc(nn.Linear, 8, 1)],
 ...                       loss_fn=nn.functional.mse_loss)  # one stage: no process group needed
 >>> opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
 >>> x, y = torch.randn(6, 4), torch.randn(6, 1)
->>> loss = pipe.train_batch((x, y), opt, schedule="1f1b", micro_batches=3)
+>>> loss = pipe.forward_backward((x, y), schedule="1f1b", micro_batches=3)
+>>> norm = zerokit.clip_grad_norm_(pipe, 1.0)  # the whole model's norm, over every stage
+>>> opt.step(); opt.zero_grad()
+>>> loss = pipe.train_batch((x, y), opt, schedule="1f1b", micro_batches=3)  # the same, composed
 >>> loss.shape
 torch.Size([])
 """
@@ -22,15 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.collectives import all_reduce_
+from ..clip import clip_grad_norm_
 from ..core.state import state_of
+from ..grad_scope import GradScope
 from ..layout import Layout, as_layout
-from ..tensor_parallel.gather_batch import distributed_params
-from ..tensor_parallel.layers import (
-    allreduce_sequence_parallel_grads,
-    tp_group_of,
-)
+from ..scaler import ShardedGradScaler, agree_found_inf
+from ..tensor_parallel.layers import tp_group_of
 from .describe import LayerDesc, SharedLayerDesc
+from .finalize import finalize_grads
 from .p2p import Mailbox
 from .partition import partition as split_layers
 from .schedules import execute
@@ -40,18 +44,30 @@ from .schedules import schedule as make_schedule
 class PipelineStage(nn.Module):
     """One stage's layers, run in order. Layers are named by their index in the whole model
     (``layers.<i>``), shared ones by key (``shared.<key>``), so names do not depend on the
-    split. This is the module to wrap with ``group_sharded_parallel``."""
+    split. This is the module to wrap with ``group_sharded_parallel``.
 
-    def __init__(self, items: Sequence[object], first_index: int):
+    ``group``: the pipeline's stages (None: the stage is the whole model); ``copies``: keys of
+    the tied weights this stage holds a later copy of. Both only say what the stage's
+    gradients are a part of (``grad_scope``), for clipping and loss scaling."""
+
+    def __init__(
+        self,
+        items: Sequence[object],
+        first_index: int,
+        group: dist.ProcessGroup | None = None,
+        copies: Sequence[str] = (),
+    ):
         super().__init__()
         self.layers = nn.ModuleDict()
         self.shared = nn.ModuleDict()
         self._runs: list[tuple[str, str, Callable | None]] = []  # (where, name, forward_func)
+        tied_attr = {}  # key -> the name of its tied parameter
         for offset, item in enumerate(items):
             name = str(first_index + offset)
             if isinstance(item, SharedLayerDesc):
                 if item.key not in self.shared:
                     self.shared[item.key] = item.build()
+                tied_attr[item.key] = item.shared_weight_attr
                 self._runs.append(("shared", item.key, item.forward_func))
             elif isinstance(item, LayerDesc):
                 self.layers[name] = item.build()
@@ -65,6 +81,8 @@ class PipelineStage(nn.Module):
                 raise TypeError(
                     f"layer {name}: expected a LayerDesc, module or function, got {item!r}"
                 )
+        self._across = (group,) if group is not None else ()
+        self._copies = {key: tied_attr[key] for key in copies}
 
     def forward(self, x):
         for where, name, func in self._runs:
@@ -74,6 +92,12 @@ class PipelineStage(nn.Module):
                 layer = getattr(self, where)[name]
                 x = func(layer, x) if func is not None else layer(x)
         return x
+
+    def grad_scope(self) -> GradScope:
+        """This stage's gradients are a part of the pipeline's: norms and overflow flags are
+        reduced over ``group`` too, and a later copy of a tied weight is not counted again."""
+        left_out = frozenset(id(getattr(self.shared[k], a)) for k, a in self._copies.items())
+        return GradScope(self, self._across, left_out)
 
 
 class PipelineModule(nn.Module):
@@ -101,9 +125,12 @@ class PipelineModule(nn.Module):
         self.group, self.stage_id, self.num_stages = self._place(num_stages)
         self.bounds = split_layers(layers, self.num_stages, partition)
         start, end = self.bounds[self.stage_id], self.bounds[self.stage_id + 1]
-        self.stage = PipelineStage(layers[start:end], start)
+        tied = self._tied_stages(layers)
+        copies = [k for k, where in tied.items() if self.stage_id in where[1:]]
+        across = self.group if self.num_stages > 1 else None
+        self.stage = PipelineStage(layers[start:end], start, across, copies)
         self.mailbox = Mailbox(self.group, self.stage_id, self.num_stages)
-        self.shared_groups = self._tie(layers)
+        self.shared_groups = self._tie(layers, tied)
         self._tied = {  # key -> this stage's copy of the tied weight
             k: getattr(self.stage.shared[k], self._shared_attr(layers, k))
             for k in self.shared_groups
@@ -130,17 +157,22 @@ class PipelineModule(nn.Module):
     def _stage_of(self, index: int) -> int:
         return next(s for s in range(self.num_stages) if index < self.bounds[s + 1])
 
-    def _tie(self, layers: list[object]) -> dict[str, tuple[dist.ProcessGroup, bool]]:
-        """For each shared key on several stages, the group of this pipeline position's ranks
-        on those stages (every rank creates every such group, in order), and whether this rank
-        holds the first copy. Starts the copies equal: broadcast from the first stage."""
+    def _tied_stages(self, layers: list[object]) -> dict[str, list[int]]:
+        """Each shared key on several stages -> those stages, in order (from the bounds)."""
         stages: dict[str, list[int]] = {}
         for i, item in enumerate(layers):
             if isinstance(item, SharedLayerDesc):
                 s = self._stage_of(i)
                 if s not in stages.setdefault(item.key, []):
                     stages[item.key].append(s)
-        tied = {k: v for k, v in sorted(stages.items()) if len(v) > 1}
+        return {k: v for k, v in sorted(stages.items()) if len(v) > 1}
+
+    def _tie(
+        self, layers: list[object], tied: dict[str, list[int]]
+    ) -> dict[str, tuple[dist.ProcessGroup, bool]]:
+        """For each shared key on several stages, the group of this pipeline position's ranks
+        on those stages (every rank creates every such group, in order), and whether this rank
+        holds the first copy. Starts the copies equal: broadcast from the first stage."""
         if not tied:
             return {}
         stage_size = dist.get_world_size() // self.num_stages
@@ -178,30 +210,31 @@ class PipelineModule(nn.Module):
             "self.stage(x) runs this rank's stage alone"
         )
 
-    def train_batch(
+    def grad_scope(self) -> GradScope:
+        """This rank's gradients: its stage's, a part of the pipeline's (``zerokit.clip_grad_norm_``
+        and ``ShardedGradScaler`` reduce over the stages through this)."""
+        return self.stage.grad_scope()
+
+    def forward_backward(
         self,
         batch: tuple[torch.Tensor, torch.Tensor],
-        optimizer: torch.optim.Optimizer,
         schedule: str = "1f1b",
         micro_batches: int = 1,
-        clip_norm: float | None = None,
         scaler=None,
     ) -> torch.Tensor:
-        """One whole step on this rank's ``(inputs, labels)``: forward and backward of every
-        micro-batch in the schedule's order, tied gradients summed across stages, optional
-        clipping to a global norm ``clip_norm``, ``optimizer.step()``, ``optimizer.zero_grad()``.
-        Returns the mean loss over the global batch (every data-parallel rank's), on every rank.
-        Collective over every rank of the layout.
+        """Forward and backward of every micro-batch of this rank's ``(inputs, labels)`` in the
+        schedule's order, then ``finalize_grads`` (tied weights summed across stages, the
+        sequence-parallel sum, the data-parallel reduction): the stage's gradients are then
+        its part of the whole model's, ready for ``zerokit.clip_grad_norm_(pipe, ...)`` and
+        ``optimizer.step()``. Returns the mean loss over the global batch (every data-parallel
+        rank's), unscaled, on every rank. Collective over every rank of the layout.
 
-        Tensor-parallel layers inside a stage: the norm counts each element once (replicated
-        parameters on tp rank 0), and a stage not wrapped by ZeRO has its ``sequence_parallel``
-        marked gradients summed over the tp group (ZeRO does that for a wrapped one).
-
-        ``scaler`` (fp16): the one ``group_sharded_parallel`` returned for a wrapped stage (a
-        ``zerokit.ShardedGradScaler``), or a ``torch.amp.GradScaler`` for a stage not wrapped.
-        The last stage's loss is scaled for backward, the gradients unscaled before clipping,
-        and whether any is inf/nan is agreed over the pipeline too: every stage skips the step
-        together, and the scaler is updated. The returned loss is unscaled."""
+        ``scaler`` (fp16): the last stage's loss is scaled for backward with ``scaler.scale``.
+        A wrapped stage takes the ``zerokit.ShardedGradScaler`` ``group_sharded_parallel``
+        returned (its ``unscale_`` agrees an overflow over the pipeline too); a stage not
+        wrapped a ``torch.amp.GradScaler``, to which an overflow on any stage is shown in this
+        stage's own gradients (see ``_show_overflow``). Then ``scaler.unscale_(opt)``,
+        clip, ``scaler.step(opt)``, ``scaler.update()`` as without a pipeline."""
         state = state_of(self.stage)
         if state is None and self._data_size() > 1:
             raise RuntimeError(
@@ -214,8 +247,8 @@ class PipelineModule(nn.Module):
         inputs, labels = batch
         actions = make_schedule(schedule, self.num_stages, self.stage_id, micro_batches)
         # Under ZeRO every backward but the stage's last runs in no_sync(); with tied weights
-        # all of them do, and the stage is reduced after their copies' gradients are summed.
-        reduce_after = state is not None and bool(self.shared_groups)
+        # all of them do, and finalize_grads reduces the stage after their copies are summed.
+        deferred = state is not None and bool(self.shared_groups)
         xs, ys = inputs.tensor_split(micro_batches), labels.tensor_split(micro_batches)
         weights = [len(y) / len(labels) for y in ys]  # mean over the batch from micro-batch means
         held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -235,7 +268,7 @@ class PipelineModule(nn.Module):
 
         def backward(i: int, last: bool) -> None:
             x, out = held.pop(i)
-            quiet = state is not None and (not last or reduce_after)
+            quiet = state is not None and (not last or deferred)
             with self.stage.no_sync() if quiet else contextlib.nullcontext():
                 grad = None if self.is_last else self.mailbox.recv(self.stage_id + 1)
                 torch.autograd.backward(out, grad)
@@ -245,22 +278,39 @@ class PipelineModule(nn.Module):
 
         execute(actions, forward, backward)
         self.mailbox.finish()
-        if state is None:  # a wrapped stage's marked gradients are summed over tp by ZeRO
-            allreduce_sequence_parallel_grads(self.stage)
-        self._sum_tied_grads(state)
-        if reduce_after:
-            self.stage.reduce_gradients()
+        tied = [(self._tied[k], group) for k, (group, _) in self.shared_groups.items()]
+        finalize_grads(self.stage, tied, deferred)
+        if isinstance(scaler, torch.amp.GradScaler):
+            self._show_overflow(scaler)
+        return self._global_loss(losses)
+
+    def train_batch(
+        self,
+        batch: tuple[torch.Tensor, torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        schedule: str = "1f1b",
+        micro_batches: int = 1,
+        clip_norm: float | None = None,
+        scaler=None,
+    ) -> torch.Tensor:
+        """One whole step, composed of the public calls a loop of one's own would make:
+        ``forward_backward``; with a ``scaler``, ``scaler.unscale_(optimizer)``; with
+        ``clip_norm``, ``zerokit.clip_grad_norm_(self, clip_norm)`` (the whole model's norm);
+        ``scaler.step(optimizer)`` and ``scaler.update()`` (every stage skips together on an
+        overflow anywhere), else ``optimizer.step()``; ``optimizer.zero_grad()``. Returns
+        ``forward_backward``'s loss."""
+        loss = self.forward_backward(batch, schedule, micro_batches, scaler=scaler)
         if scaler is not None:
-            self._unscale(scaler, optimizer, state)
+            scaler.unscale_(optimizer)  # clip the true gradients
         if clip_norm is not None:
-            self._clip(clip_norm, state)
+            clip_grad_norm_(self, clip_norm)
         if scaler is not None:
-            scaler.step(optimizer)  # skipped on every rank when any rank found inf/nan
+            scaler.step(optimizer)
             scaler.update()
         else:
             optimizer.step()
         optimizer.zero_grad()
-        return self._global_loss(losses)
+        return loss
 
     @torch.no_grad()
     def eval_batch(
@@ -314,102 +364,36 @@ class PipelineModule(nn.Module):
             dist.all_reduce(total, group=group)
         return total / self._data_size()
 
-    def _sum_tied_grads(self, state) -> None:
-        """Note: the copies of a tied weight are separate parameters on separate stages, each
-        given the gradient of its own uses; one process's gradient is their sum."""
-        if not self.shared_groups:
-            return
-        # Under ZeRO the gradients are still autograd's full tensors (every backward ran in
-        # no_sync()); the stage reduces them across its data-parallel ranks afterwards.
-        buckets = state.buckets if state is not None else []
-        shapes = {id(p): s.shape for b in buckets for p, s in zip(b.params, b.layout.slots)}
-        for key, (group, _) in self.shared_groups.items():
-            weight = self._tied[key]
-            if weight.grad is None:  # full shape even where ZeRO left the parameter empty
-                shape = shapes.get(id(weight), weight.shape)
-                weight.grad = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-            dist.all_reduce(weight.grad, group=group)
-
     def _check_scaler(self, scaler, state) -> None:
         if scaler is None:
             return
-        if state is not None and not hasattr(scaler, "_found_inf"):
+        if state is not None and not isinstance(scaler, ShardedGradScaler):
             raise TypeError(
                 "the stage is wrapped by group_sharded_parallel: pass the scaler it returned "
-                "(a zerokit.ShardedGradScaler), not "
-                f"{type(scaler).__name__}"
+                f"(a zerokit.ShardedGradScaler), not {type(scaler).__name__}"
             )
-        if state is None and not hasattr(scaler, "_per_optimizer_states"):
+        if state is None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(
                 "a stage not wrapped by group_sharded_parallel takes a torch.amp.GradScaler; "
                 f"got {type(scaler).__name__} (a ShardedGradScaler needs a wrapped stage)"
             )
 
-    def _unscale(self, scaler, optimizer, state) -> None:
-        """``scaler.unscale_(optimizer)``, then the found-inf flag agreed over the pipeline (and
-        for a stage not wrapped, its tp group), written back where ``scaler.step`` reads it."""
+    def _show_overflow(self, scaler: torch.amp.GradScaler) -> None:
+        """Note: torch's ``GradScaler`` decides to skip from the gradients its ``unscale_``
+        sees, and has no public way to be told that another rank overflowed. So an inf/nan in
+        any stage's gradients (or any tp rank's) is agreed here and written into this stage's
+        first gradient as a nan: every stage's ``unscale_`` then finds one, ``step`` skips and
+        ``update`` backs off alike on every stage. The step is skipped, so that gradient is
+        never applied; ``zero_grad`` clears it."""
         if not scaler.is_enabled():
             return
-        scaler.unscale_(optimizer)  # a wrapped stage's: agreed over its ZeRO, replica, tp groups
+        grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
         groups = [self.group] if self.num_stages > 1 else []
-        if state is not None:
-            found = torch.tensor(float(scaler._found_inf[id(optimizer)]))
-        else:  # torch.amp.GradScaler: this rank's flags, one per device
-            flags = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-            found = torch.zeros(())
-            for flag in flags.values():
-                found = torch.maximum(found, flag.detach().float().cpu())
-            tp_group = tp_group_of(self.stage)
-            if tp_group is not None:
-                groups.append(tp_group)
-        for group in groups:
-            all_reduce_(found, group, op=dist.ReduceOp.MAX)
-        if state is not None:
-            scaler._found_inf[id(optimizer)] = bool(found.item())
-        else:
-            for flag in flags.values():
-                flag.fill_(found.item())
-
-    def _clip(self, max_norm: float, state) -> None:
-        """Clip to the norm of the whole model's gradient: each stage's norm as
-        ``zerokit.clip_grad_norm_`` counts it (every element once: ZeRO's owned pieces, a
-        replicated parameter of a tensor-parallel stage on tp rank 0 only, summed over the ZeRO
-        and tp groups), squared and summed over the pipeline; a tied weight is counted on its
-        first stage only (a later copy's square, counted the same way, is taken out)."""
-        skip = {id(self._tied[k]) for k, (_, first) in self.shared_groups.items() if not first}
-        tp_group = state.tp_group if state is not None else tp_group_of(self.stage)
-        if state is None and tp_group is None:  # a plain stage
-            grads = [p.grad for p in self.stage.parameters() if p.grad is not None]
-            square = torch.zeros((), dtype=torch.float64, device=self._device())
-            for p in self.stage.parameters():
-                if p.grad is not None and id(p) not in skip:
-                    square += p.grad.double().pow(2).sum()
-            to_scale = grads
-        else:
-            from ..clip import clip_grad_norm_, counted_grads
-
-            # max_norm=inf: the norm, every gradient scaled by 1
-            square = clip_grad_norm_(self.stage, float("inf")).double() ** 2
-            owned, groups, to_scale = counted_grads(self.stage, state, tp_group)
-            if state is not None:  # rank-local parameters: clip_grad_norm_ counted them too
-                to_scale += [
-                    d.param.grad
-                    for d in distributed_params(self.stage).values()
-                    if d.param.grad is not None
-                ]
-            copy = torch.zeros((), dtype=torch.float64, device=square.device)
-            for param, grad in owned:
-                if id(param) in skip:
-                    copy += grad.double().pow(2).sum().to(square.device)
-            if skip:  # over the groups the norm was summed over: the same sum on every rank
-                for group in groups:
-                    all_reduce_(copy, group)
-            square = square - copy
-        if self.num_stages > 1:
-            all_reduce_(square, self.group)
-        coef = (max_norm / (square.clamp(min=0).sqrt() + 1e-6)).clamp(max=1.0)
-        for g in to_scale:
-            g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        tp_group = tp_group_of(self.stage)
+        if tp_group is not None:
+            groups.append(tp_group)
+        if agree_found_inf(grads, groups, self._device()) and grads:
+            grads[0].fill_(float("nan"))
 
     def checkpoint_names(self) -> dict[str, tuple[str, bool]]:
         """For ``zerokit.checkpoint``: each parameter and buffer of this stage, by its name in
