@@ -32,7 +32,9 @@ class Net(pl.LightningModule):
     def __init__(self, lr: float = 0.05):
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.net = nn.Sequential(
+            nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)
+        )
         self.gain = nn.Parameter(torch.ones(2))  # the LightningModule's own (root unit)
         self.syncs: list = []
         self.compute_dtypes: list = []
@@ -142,7 +144,9 @@ def main() -> None:
     # a checkpoint of one level resumed at another
     other = f"zerokit_{levels[-1]}"
     ckpts = os.path.join(args.out, "ckpt-cross")
-    results["cross"] = run_resume(f"zerokit_{levels[0]}", args.devices, ckpts, resume_strategy=other)[1]
+    results["cross"] = run_resume(
+        f"zerokit_{levels[0]}", args.devices, ckpts, resume_strategy=other
+    )[1]
     results["bf16"] = run_short(other, args.devices, "bf16-mixed")
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         torch.save(results, os.path.join(args.out, "results.pt"))

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("lightning")
 
-import lightning_run as run  # noqa: E402
-import torch  # noqa: E402
+import lightning_run as run
+import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LEVELS = ("os", "os_g", "p_g_os")
@@ -89,6 +89,19 @@ def test_trainer_three_ranks(tmp_path, reference):
     check(launch(tmp_path, 3, ("os_g", "p_g_os")), reference, ("os_g", "p_g_os"))
 
 
+@pytest.mark.slow
+def test_trainer_under_torchrun(tmp_path, reference):
+    """torchrun starts the ranks (Lightning launches none): the same results."""
+    from dist_helpers import run_torchrun
+
+    script = os.path.join(HERE, "lightning_run.py")
+    done = run_torchrun(
+        script, 2, str(tmp_path), "--levels", "os,p_g_os", cwd=tmp_path, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    check(torch.load(os.path.join(tmp_path, "results.pt")), reference, ("os", "p_g_os"))
+
+
 def test_import_zerokit_imports_no_lightning():
     code = (
         "import sys, zerokit, zerokit.integrations; "
@@ -107,7 +120,7 @@ def test_refused_options_named():
     for name, level in [("zerokit", "p_g_os"), ("zerokit_os", "os"), ("zerokit_os_g", "os_g"),
                         ("zerokit_p_g_os", "p_g_os")]:  # fmt: skip
         assert StrategyRegistry[name]["init_params"] == {"level": level}
-    kw = dict(accelerator="cpu", devices=2, logger=False)
+    kw = {"accelerator": "cpu", "devices": 2, "logger": False}
     with pytest.raises(ValueError, match="sync_batchnorm"):
         Trainer(strategy=ZeroKitStrategy("os"), sync_batchnorm=True, **kw)
     with pytest.raises(ValueError, match="precision='bf16-true'"):
