@@ -1,0 +1,131 @@
+"""ZeroKitStrategy in Lightning's Trainer equals one process with Lightning's default strategy.
+
+One launch of tests/lightning_run.py (``python script.py``, Lightning's own launcher starting
+the ranks) trains every level; the references train here, in one process, on the same global
+batches. Tolerance 2e-5 (fp32; AdamW over 4 steps).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import lightning_run as run
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LEVELS = ("os", "os_g", "p_g_os")
+TOL = 2e-5
+
+
+def launch(tmp_path, devices: int, levels=LEVELS) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, os.path.join(HERE, "lightning_run.py"), str(tmp_path)]
+    cmd += ["--devices", str(devices), "--levels", ",".join(levels)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-6000:]
+    return torch.load(os.path.join(tmp_path, "results.pt"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The scenarios in this process: Lightning's default single-device strategy."""
+    ckpts = str(tmp_path_factory.mktemp("ref-ckpt"))
+    return {
+        "clip_accum": run.run_clip_accum("auto", 1),
+        "unclipped": run.run_clip_accum("auto", 1, clip=None)[0],
+        "resume": run.run_resume("auto", 1, ckpts)[0],
+        "fp32": run.run_short("auto", 1, "32-true")[0],
+    }
+
+
+def assert_close(got: dict, want: dict, what: str, tol: float = TOL) -> None:
+    assert got.keys() == want.keys(), what
+    for name in want:
+        err = (got[name].float() - want[name].float()).abs().max().item()
+        assert err <= tol, f"{what}: {name} differs from one process by {err:.3g}"
+
+
+def check(results: dict, reference: dict, levels) -> None:
+    for level in levels:
+        got, syncs = results[("clip_accum", level)]
+        assert_close(got, reference["clip_accum"][0], f"{level} clip+accumulate")
+        # 2 micro-batches per step: the first accumulates locally, the second reduces
+        assert syncs == [False, True] * 4, f"{level}: sync per backward {syncs}"
+        unbroken, resumed = results[("resume", level)]
+        assert_close(unbroken, reference["resume"], f"{level} 2 epochs")
+        assert_close(resumed, reference["resume"], f"{level} resumed from epoch 0")
+    assert_close(results["cross"], reference["resume"], f"{levels[0]} resumed at {levels[-1]}")
+
+
+def test_trainer_two_ranks_every_level(tmp_path, reference):
+    results = launch(tmp_path, 2)
+    check(results, reference, LEVELS)
+    # the clip bound: without it one process ends elsewhere (else the test proves nothing)
+    clipped, unclipped = reference["clip_accum"][0], reference["unclipped"]
+    assert max((clipped[k] - unclipped[k]).abs().max().item() for k in clipped) > 1e-3
+    # bf16-mixed: computed in bf16 copies (no autocast), fp32 master weights, which moved
+    # from the start as the fp32 run's did, up to bf16's rounding (AdamW's early steps are
+    # nearly lr * sign(grad), so compare the mean change, not each element)
+    bf16, dtypes = results["bf16"]
+    assert dtypes == ["torch.bfloat16"]
+    start, fp32 = run.fresh(2).state_dict(), reference["fp32"]
+    for name in fp32:
+        assert bf16[name].dtype == torch.float32, name
+        moved = (fp32[name] - start[name]).abs().mean()
+        assert (bf16[name] - fp32[name]).abs().mean() <= 0.2 * moved, name
+    # ModelCheckpoint wrote zerokit checkpoints: directories of shards and an index
+    ckpt = tmp_path / "ckpt-os" / "epoch=0-step=2.ckpt"
+    assert (ckpt / "index.json").is_file()
+
+
+@pytest.mark.slow
+def test_trainer_three_ranks(tmp_path, reference):
+    """Uneven shards: 132 parameters over 3 ranks."""
+    check(launch(tmp_path, 3, ("os_g", "p_g_os")), reference, ("os_g", "p_g_os"))
+
+
+@pytest.mark.slow
+def test_trainer_under_torchrun(tmp_path, reference):
+    """torchrun starts the ranks (Lightning launches none): the same results."""
+    from dist_helpers import run_torchrun
+
+    script = os.path.join(HERE, "lightning_run.py")
+    done = run_torchrun(
+        script, 2, str(tmp_path), "--levels", "os,p_g_os", cwd=tmp_path, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    check(torch.load(os.path.join(tmp_path, "results.pt")), reference, ("os", "p_g_os"))
+
+
+def test_import_zerokit_imports_no_lightning():
+    code = (
+        "import sys, zerokit, zerokit.integrations; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(HERE))
+
+
+def test_refused_options_named():
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from zerokit.integrations.lightning import ZeroKitStrategy
+
+    for name, level in [("zerokit", "p_g_os"), ("zerokit_os", "os"), ("zerokit_os_g", "os_g"),
+                        ("zerokit_p_g_os", "p_g_os")]:  # fmt: skip
+        assert StrategyRegistry[name]["init_params"] == {"level": level}
+    kw = {"accelerator": "cpu", "devices": 2, "logger": False}
+    with pytest.raises(ValueError, match="sync_batchnorm"):
+        Trainer(strategy=ZeroKitStrategy("os"), sync_batchnorm=True, **kw)
+    with pytest.raises(ValueError, match="precision='bf16-true'"):
+        Trainer(strategy=ZeroKitStrategy("os"), precision="bf16-true", **kw)
+    with pytest.raises(TypeError, match="find_unused_parameters"):
+        ZeroKitStrategy("os", find_unused_parameters=True)
+    with pytest.raises(ValueError, match="unknown level"):
+        ZeroKitStrategy("zero3")
