@@ -238,7 +238,6 @@ def test_tied_embedding_across_stages_under_zero():
     run_distributed(_tied_zero, 4)
 
 
-
 # -- the built-in GPT as a pipeline --------------------------------------------------------------
 GPT_CFG = GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=2, n_head=2, n_embd=8)
 

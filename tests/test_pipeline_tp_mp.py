@@ -130,7 +130,11 @@ def _tp_pp(rank, world_size):
         assert full.keys() == keys
         for name, value in full.items():
             torch.testing.assert_close(
-                value, ref_state[name], atol=ATOL, rtol=0, msg=lambda m, n=name: f"{what}: {n}: {m}"
+                value,
+                ref_state[name],
+                atol=ATOL,
+                rtol=0,
+                msg=lambda m, n=name, w=what: f"{w}: {n}: {m}",
             )
         x, y = batches[0]
         with torch.no_grad():  # the reference's final model on the first batch
@@ -300,7 +304,7 @@ def _amp_scaler(rank, world_size):
     for name, value in pipe.stage.state_dict().items():
         assert torch.equal(value, before[name]), f"rank {rank} stepped {name} on an inf"
     assert scaler.get_scale() == scale / 2, scaler.get_scale()
-    with pytest.raises(TypeError, match="torch.amp.GradScaler"):
+    with pytest.raises(TypeError, match=r"torch\.amp\.GradScaler"):
         pipe.train_batch(batches[0], opt, scaler=zerokit.ShardedGradScaler())
 
 

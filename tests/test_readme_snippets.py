@@ -92,7 +92,11 @@ def _run(snippet: Snippet, tmp_path: Path) -> subprocess.CompletedProcess:
 
     env = {**os.environ, **ENV_THREADS}
     return subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=300,
     )
 

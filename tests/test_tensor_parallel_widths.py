@@ -20,10 +20,18 @@ def _check_widths(rank, world_size):
     column = tp.ColumnParallelLinear(16, 4, layout=layout)
     assert splitting(full).shape == parallel(part).shape == column(full).shape == (3, 4)
     cases = [
-        (splitting, part, r"takes the full input, \[\.\.\., 16\]; got \[\.\.\., 8\].*"
-         r"pass input_is_parallel=True"),
-        (parallel, full, r"slice of the input \(2 tp ranks\), \[\.\.\., 8\]; got \[\.\.\., 16\]"
-         r".*pass input_is_parallel=False"),
+        (
+            splitting,
+            part,
+            r"takes the full input, \[\.\.\., 16\]; got \[\.\.\., 8\].*"
+            r"pass input_is_parallel=True",
+        ),
+        (
+            parallel,
+            full,
+            r"slice of the input \(2 tp ranks\), \[\.\.\., 8\]; got \[\.\.\., 16\]"
+            r".*pass input_is_parallel=False",
+        ),
         (column, part, r"ColumnParallelLinear\(in_features=16\).*got \[\.\.\., 8\].*gather it"),
         (splitting, torch.randn(3, 5), r"RowParallelLinear\(in_features=16\) takes the full"),
     ]

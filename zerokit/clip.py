@@ -35,6 +35,7 @@ def counted_grads(model: nn.Module, state, tp_group):
             owned = [(p, g) for p, g in owned if id(p) in split]
     return owned, groups, to_scale
 
+
 _EVERY_RANK = (
     ". clip_grad_norm_ is collective (the norm is summed over the ranks' shards): call it on "
     "every rank, after backward and before optimizer.step()"

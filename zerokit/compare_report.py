@@ -243,8 +243,12 @@ def write_activations_plot(report: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for offset, key, label, style in (
         (-0.2, "measured_per_layer", "measured", {"color": "tab:blue"}),
-        (0.2, "estimated_per_layer", "estimated", {"color": "tab:blue", "alpha": 0.4,
-                                                   "hatch": "//"}),
+        (
+            0.2,
+            "estimated_per_layer",
+            "estimated",
+            {"color": "tab:blue", "alpha": 0.4, "hatch": "//"},
+        ),
     ):
         values = [r[key] for r in rows]
         ax.bar([x + offset for x in xs], [v / scale for v in values], 0.38, label=label,

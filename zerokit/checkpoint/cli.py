@@ -44,8 +44,7 @@ def add_parser(commands) -> None:
     consolidate_cmd.add_argument(
         "--optimizer",
         metavar="PATH",
-        help="also write the optimizer state (a .safetensors file) (default: none, the model "
-        "only)",
+        help="also write the optimizer state (a .safetensors file) (default: none, the model only)",
     )
 
 
