@@ -47,9 +47,12 @@ def _levels(rank, world_size, toml_path, json_path):
         model = make_model("gpt")
         zerokit.group_sharded_parallel(model, make_optimizer("sgd", model))
     for path in (toml_path, json_path):
-        options = zerokit.load_config(path)
+        config = zerokit.load_config(path)
+        assert isinstance(config, zerokit.ShardingConfig)
         model = make_model("gpt")
-        model, _, _ = zerokit.group_sharded_parallel(model, make_optimizer("sgd", model), **options)
+        model, _, _ = zerokit.group_sharded_parallel(
+            model, make_optimizer("sgd", model), config=config
+        )
         state = state_of(model)
         assert state.level == "os_g" and all(b.data.dtype == torch.bfloat16 for b in state.buckets)
 
@@ -103,3 +106,16 @@ def test_a_config_with_an_unknown_key_is_refused(tmp_path):
     path.write_text(json.dumps({"mixed_precision": "int8"}))
     with pytest.raises(ValueError, match="'bf16' or 'fp16'"):
         zerokit.load_config(path)
+
+
+def test_one_config_paddle_arguments_fill_it():
+    """Paddle's keyword arguments and ``ShardingConfig`` are one mechanism: an argument fills
+    the config, the same value given both ways is accepted, two values are refused."""
+    from zerokit.config import merge_arguments
+
+    config = merge_arguments(None, level="os_g", sync_comm=True, exclude_layer=None)
+    assert (config.level, config.sync_comm, config.exclude_layer) == ("os_g", True, ())
+    same = merge_arguments(zerokit.ShardingConfig(sync_comm=True), sync_comm=True)
+    assert same.sync_comm
+    with pytest.raises(ValueError, match="segment_size is given twice"):
+        merge_arguments(zerokit.ShardingConfig(segment_size=10), segment_size=20)

@@ -24,7 +24,13 @@ import torch.distributed as dist
 from torch import nn
 
 from .clip import global_grad_norm
-from .config import ShardingConfig, debug_agreement, resolve_level
+from .config import (
+    LEVEL_ALIASES,
+    ShardingConfig,
+    debug_agreement,
+    merge_arguments,
+    resolve_level,
+)
 from .core import checks
 from .core.build import CoreOptions, build
 from .core.compiled import plain_names, unwrap_compiled
@@ -98,7 +104,9 @@ def group_sharded_parallel(
         exclude_layer: stage 3: modules (or module classes) kept whole on every rank.
         mixed_precision: a ``MixedPrecision`` policy: compute in ``param_dtype``, reduce
             gradients in ``reduce_dtype``, fp32 master weights only as the rank's shard.
-        config: rarely used knobs (``ShardingConfig``), e.g. the stage-3 wrap policy.
+        config: every knob in one ``ShardingConfig`` (also what ``zerokit.load_config``
+            returns); the keyword arguments above of the same names fill it, and a knob
+            given both ways with different values is refused.
         step_in_backward: levels 'os_g' and 'p_g_os': step each unit's pieces as soon as its
             gradients are reduced, inside backward, and free its gradient shard at once, so the
             gradients of the whole model never exist together (4/N bytes per parameter less
@@ -110,7 +118,18 @@ def group_sharded_parallel(
     if pipe is not None:
         model = pipe.stage  # a rank holds, runs and shards only its own stage
     compiled, model = model, unwrap_compiled(model)  # shard the module torch.compile wraps
-    level = resolve_level(level)
+    # Paddle's positional signature is a thin layer: its knobs fill the one ShardingConfig
+    config = merge_arguments(
+        config, level=LEVEL_ALIASES.get(level, level), mixed_precision=mixed_precision,
+        offload=offload, sync_buffers=sync_buffers, buffer_max_size=buffer_max_size,
+        segment_size=segment_size, sync_comm=sync_comm, exclude_layer=exclude_layer,
+        step_in_backward=step_in_backward,
+    )  # fmt: skip
+    level = resolve_level(LEVEL_ALIASES.get(config.level, config.level))
+    offload, sync_buffers, sync_comm = config.offload, config.sync_buffers, config.sync_comm
+    buffer_max_size, segment_size = config.buffer_max_size, config.segment_size
+    exclude_layer, step_in_backward = config.exclude_layer, config.step_in_backward
+    mixed_precision = config.mixed_precision
     group = _resolve_group(group)
     _check_member(group, "group")
     if dp_group is not None:

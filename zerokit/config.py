@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,6 +13,32 @@ from torch import nn
 
 @dataclass(frozen=True, kw_only=True)
 class ShardingConfig:
+    """Every knob of ``group_sharded_parallel`` beyond the model, the optimizer, the scaler and
+    the groups, in one place. ``group_sharded_parallel``'s keyword arguments of the same names
+    (Paddle's signature) fill one of these; ``load_config`` reads one from a file."""
+
+    level: str | None = None
+    """``'os'``, ``'os_g'``, ``'p_g_os'`` (or 1, 2, 3); None: the ``level`` argument, else
+    ``$ZEROKIT_LEVEL``."""
+    mixed_precision: Any = None
+    """A ``zerokit.MixedPrecision`` policy; None: fp32."""
+    offload: bool = False
+    """Keep the fp32 master shards and optimizer state in CPU memory and step there (a no-op
+    when the model is already on the CPU)."""
+    sync_buffers: bool = False
+    """Broadcast rank 0's buffers to every rank before each forward."""
+    buffer_max_size: int = 2**23
+    """Most elements per flat bucket (one collective per bucket)."""
+    segment_size: int = 2**20
+    """A module whose own parameters reach this many elements becomes a unit of its own."""
+    sync_comm: bool = False
+    """Finish each collective at once instead of overlapping it with compute (the least
+    memory in backward, paid for in time)."""
+    exclude_layer: tuple = ()
+    """Level 'p_g_os': modules (or module classes) kept whole on every rank."""
+    step_in_backward: bool = False
+    """Levels 'os_g', 'p_g_os': step each unit as soon as its gradients are reduced, inside
+    backward (no global-norm clipping or loss scaler then)."""
     wrap: tuple[type[nn.Module], ...] = ()
     """Module classes whose instances become units: a unit's gradients are reduced together
     as soon as its backward is done, and at level 'p_g_os' its parameters are gathered and
@@ -32,6 +59,34 @@ class ShardingConfig:
     forward. ``$ZEROKIT_DEBUG_AGREEMENT=1`` turns it on without changing code."""
 
 
+#: the knobs ``group_sharded_parallel`` also takes as arguments (Paddle's signature)
+ARGUMENT_KNOBS = (
+    "level", "mixed_precision", "offload", "sync_buffers", "buffer_max_size", "segment_size",
+    "sync_comm", "exclude_layer", "step_in_backward",
+)  # fmt: skip
+
+
+def merge_arguments(config: ShardingConfig | None, **arguments) -> ShardingConfig:
+    """``config`` with the knobs given as ``group_sharded_parallel`` arguments filled in. A
+    knob given both ways, with different values, is refused: nothing is silently overridden."""
+    config = config or ShardingConfig()
+    defaults = ShardingConfig()
+    changes = {}
+    for name, value in arguments.items():
+        if name == "exclude_layer":
+            value = tuple(value or ())
+        if value == getattr(defaults, name):
+            continue
+        held = getattr(config, name)
+        if held != getattr(defaults, name) and held != value:
+            raise ValueError(
+                f"{name} is given twice, as an argument ({value!r}) and in config "
+                f"({held!r}): give it once"
+            )
+        changes[name] = value
+    return replace(config, **changes)
+
+
 #: stage numbers (DeepSpeed's names) and Paddle's level names, to the level
 LEVEL_ALIASES = {1: "os", 2: "os_g", 3: "p_g_os", "1": "os", "2": "os_g", "3": "p_g_os"}
 LEVEL_ENV = "ZEROKIT_LEVEL"
@@ -43,6 +98,8 @@ CONFIG_KEYS = (
     "buffer_max_size",
     "segment_size",
     "sync_comm",
+    "step_in_backward",
+    "debug_agreement",
     "mixed_precision",
 )
 
@@ -70,12 +127,12 @@ def resolve_level(level) -> str:
     return LEVEL_ALIASES.get(level, level)
 
 
-def load_config(path: str | os.PathLike) -> dict:
-    """``group_sharded_parallel`` keyword arguments from a small TOML or JSON file:
-
-    ``level`` (a name or a stage number), ``offload``, ``sync_buffers``, ``buffer_max_size``,
-    ``segment_size``, ``sync_comm`` and ``mixed_precision`` (``"bf16"``, ``"fp16"`` or none).
-    Use it as ``group_sharded_parallel(model, opt, **zerokit.load_config("zerokit.toml"))``.
+def load_config(path: str | os.PathLike) -> ShardingConfig:
+    """A ``ShardingConfig`` from a small TOML or JSON file: ``level`` (a name or a stage
+    number), ``offload``, ``sync_buffers``, ``buffer_max_size``, ``segment_size``,
+    ``sync_comm``, ``step_in_backward``, ``debug_agreement`` and ``mixed_precision``
+    (``"bf16"``, ``"fp16"`` or none). Use it as
+    ``group_sharded_parallel(model, opt, config=zerokit.load_config("zerokit.toml"))``.
     """
     import json
 
@@ -102,4 +159,4 @@ def load_config(path: str | os.PathLike) -> dict:
         if precision not in dtypes:
             raise ValueError(f"{path}: mixed_precision must be 'bf16' or 'fp16', got {precision!r}")
         out["mixed_precision"] = MixedPrecision(param_dtype=dtypes[precision])
-    return out
+    return ShardingConfig(**out)
