@@ -151,13 +151,14 @@ def group_sharded_parallel(
             "dp_group size": dp_group.size() if dp_group is not None else None,
             "exclude_layer": _describe_modules(model, exclude_layer or ()),
             "mixed_precision": repr(mixed_precision),
-            "config": repr(config),
             "step_in_backward": step_in_backward,
             "parameters": checks.layout_summary(model),
             "optimizer": (
                 type(optimizer).__name__,
                 [len(g["params"]) for g in optimizer.param_groups],
             ),
+            # the knobs not compared above (those are named on their own when they differ)
+            "config": repr([config.wrap, config.elementwise_optimizer, config.debug_agreement]),
         },
         [group] + ([dp_group] if dp_group is not None else []),
     )

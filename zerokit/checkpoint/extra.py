@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .index import CheckpointError, _dict, _int, _keys, _list, _need, dtype_from_name, dtype_name
+from .fields import CheckpointError, _dict, _int, _keys, _list, _need, dtype_from_name, dtype_name
 from .streaming import SAFETENSORS_DTYPES
 
 MAX_DEPTH = 64

@@ -18,10 +18,19 @@ import json
 import math
 import re
 
-import torch
-
 from ..tensor_parallel.topology import TPSplit
-from .streaming import SAFETENSORS_DTYPES
+from .extra import validate_extra
+from .fields import (  # noqa: F401  (re-exported: the index's error and names)
+    _DTYPES,
+    CheckpointError,
+    _dict,
+    _int,
+    _keys,
+    _list,
+    _need,
+    dtype_from_name,
+    dtype_name,
+)
 
 FORMAT = "zerokit-checkpoint"
 FORMAT_VERSION = 2
@@ -30,21 +39,6 @@ MAX_INDEX_BYTES = 1 << 30
 _SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.safetensors$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _LEVEL = re.compile(r"^[a-z][a-z_]{0,31}$")
-_DTYPES = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as it is; the message names the file or tensor."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str, what: str) -> torch.dtype:
-    if not isinstance(name, str) or name not in _DTYPES:
-        raise CheckpointError(f"{what}: unknown dtype {name!r}")
-    return _DTYPES[name]
 
 
 def split_from_json(tp: dict | None) -> TPSplit | None:
@@ -115,31 +109,6 @@ def parse_index(raw: bytes, where: str) -> dict:
 
 
 # -- validation: every field, before anything is allocated ------------------------------------
-def _need(ok: bool, message: str) -> None:
-    if not ok:
-        raise CheckpointError(message)
-
-
-def _int(value, what: str, low: int = 0) -> int:
-    _need(type(value) is int and value >= low, f"{what} must be an integer >= {low}, got {value!r}")
-    return value
-
-
-def _dict(value, what: str) -> dict:
-    _need(isinstance(value, dict), f"{what} must be an object, got {type(value).__name__}")
-    return value
-
-
-def _list(value, what: str) -> list:
-    _need(isinstance(value, list), f"{what} must be a list, got {type(value).__name__}")
-    return value
-
-
-def _keys(value: dict, what: str, required: set[str], optional: frozenset = frozenset()) -> None:
-    missing, extra = required - value.keys(), value.keys() - required - optional
-    _need(not missing and not extra, f"{what}: missing {sorted(missing)}, unknown {sorted(extra)}")
-
-
 def is_finite_number(value) -> bool:
     return type(value) in (int, float) and math.isfinite(value)
 
@@ -196,7 +165,6 @@ def validate(index: dict) -> None:
         _need(alias not in tensors, f"alias {alias!r} is also a saved tensor")
     if index.get("optimizer") is not None:
         _check_optimizer(_dict(index["optimizer"], "optimizer"), tensors, index["aliases"])
-    from .extra import validate_extra  # the extra state's own format
 
     validate_extra(_dict(index.get("extra", {}), "extra"), files, used)
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import teardown
+from .timeouts import CollectiveTimeout, collective_timeout
 
 _counts: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
 _where: weakref.WeakKeyDictionary[ProcessGroup, str] = weakref.WeakKeyDictionary()
@@ -61,8 +62,6 @@ def _at(global_rank: int, mark: str) -> str:
 
 def wait(work, group: ProcessGroup) -> None:
     """``work.wait()``, bounded by the collective timeout."""
-    from .agreement import collective_timeout  # agreement imports collectives, which import this
-
     timeout = collective_timeout()
     try:
         work.wait(timedelta(seconds=timeout))
@@ -81,8 +80,6 @@ def wait(work, group: ProcessGroup) -> None:
 
 
 def _timed_out(group: ProcessGroup, timeout: float, failed: str | None = None):
-    from .agreement import CollectiveTimeout
-
     store = dist.distributed_c10d._get_default_store()
     members = dist.get_process_group_ranks(group)
     mine = _where.get(group, "0 (no zerokit call)")

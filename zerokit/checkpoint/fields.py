@@ -1,0 +1,49 @@
+"""The checkpoint index's field checks and dtype names: what ``index`` (the index's own format)
+and ``extra`` (the extra state's) both validate with, below both so neither imports the other."""
+
+from __future__ import annotations
+
+import torch
+
+from .streaming import SAFETENSORS_DTYPES
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used as it is; the message names the file or tensor."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str, what: str) -> torch.dtype:
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise CheckpointError(f"{what}: unknown dtype {name!r}")
+    return _DTYPES[name]
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise CheckpointError(message)
+
+
+def _int(value, what: str, low: int = 0) -> int:
+    _need(type(value) is int and value >= low, f"{what} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _dict(value, what: str) -> dict:
+    _need(isinstance(value, dict), f"{what} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _list(value, what: str) -> list:
+    _need(isinstance(value, list), f"{what} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _keys(value: dict, what: str, required: set[str], optional: frozenset = frozenset()) -> None:
+    missing, extra = required - value.keys(), value.keys() - required - optional
+    _need(not missing and not extra, f"{what}: missing {sorted(missing)}, unknown {sorted(extra)}")
