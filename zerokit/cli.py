@@ -253,6 +253,13 @@ def _add_verify_parser(commands) -> None:
     )
     verify.add_argument("--mixed-precision", choices=["bf16", "fp16"], help="default: fp32")
     verify.add_argument(
+        "--optimizer",
+        choices=["sgd", "adamw"],
+        default=VerifyConfig.optimizer,
+        help="sgd: momentum 0.9; Adam's update hides a gradient's scale (default %(default)s)",
+    )
+    verify.add_argument("--lr", type=float, default=VerifyConfig.lr, help="default %(default)s")
+    verify.add_argument(
         "--tolerance",
         type=float,
         help="fp32: largest element difference (default 2e-5); mixed precision: factor over "
@@ -270,6 +277,8 @@ def _verify(args) -> int:
         seq=args.seq,
         mixed_precision=args.mixed_precision,
         tolerance=args.tolerance,
+        optimizer=args.optimizer,
+        lr=args.lr,
     )
     try:
         if in_torchrun():

@@ -43,6 +43,10 @@ from .workload import Workload, build_workload, load_factory
 
 FP32_TOLERANCE = 2e-5
 MIXED_PRECISION_FACTOR = 4.0
+OPTIMIZERS = {
+    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
+    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr),
+}
 LOW = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _RMS_FLOOR = 1e-9  # a one-process run that stayed exact: the distributed one must nearly too
 
@@ -66,8 +70,11 @@ class VerifyConfig:
     tolerance: float | None = None
     """fp32: the largest element difference allowed; mixed precision: the factor over the
     one-process run's distance from exact training. None: 2e-5 / 4."""
-    lr: float = 1e-3
-    """AdamW's learning rate, as ``zerokit compare`` trains."""
+    optimizer: str = "sgd"
+    """'sgd' (momentum 0.9) or 'adamw'. SGD by default: Adam's update is nearly blind to a
+    gradient's scale, so a sum where a mean belongs (or a missing part of one) would pass."""
+    lr: float = 0.01
+    """The learning rate."""
 
     @property
     def judged_tolerance(self) -> float:
@@ -86,6 +93,10 @@ def check_config(cfg: VerifyConfig) -> None:
         raise ValueError(f"--steps must be at least 1, got {cfg.steps}")
     if cfg.batch < 1 or cfg.batch % cfg.nproc:
         raise ValueError(f"--batch {cfg.batch} must divide evenly across {cfg.nproc} ranks")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr must be positive, got {cfg.lr}")
     if cfg.tolerance is not None and not cfg.tolerance > 0:
         raise ValueError(f"--tolerance must be positive, got {cfg.tolerance}")
     build_workload(
@@ -111,6 +122,7 @@ def run_verify(cfg: VerifyConfig, progress: Callable[[str], None] = print) -> di
         "backend": backend,
         "batch": cfg.batch,
         "precision": cfg.mixed_precision or "fp32",
+        "optimizer": f"{cfg.optimizer} lr {cfg.lr:g}",
         "tolerance": cfg.judged_tolerance,
         "steps": steps,
     }
@@ -127,11 +139,11 @@ def _verify_rank(rank: int, world_size: int, cfg: VerifyConfig, out: str) -> Non
     low = LOW[cfg.mixed_precision]
     one_process = dist.new_group([0])  # every rank takes part in making it
     # rank 0's references start from the model every rank starts from (the wrap broadcasts it)
-    exact = _Trainer(copy.deepcopy(model), cfg.lr) if rank == 0 else None
+    exact = _Trainer(copy.deepcopy(model), cfg) if rank == 0 else None
     same_policy = None
     if low is not None and rank == 0:
-        same_policy = _Trainer(copy.deepcopy(model), cfg.lr, cfg.level, low, one_process)
-    dist_run = _Trainer(model, cfg.lr, cfg.level, low, None)
+        same_policy = _Trainer(copy.deepcopy(model), cfg, cfg.level, low, one_process)
+    dist_run = _Trainer(model, cfg, cfg.level, low, None)
     per_rank = cfg.batch // world_size
     mine = slice(rank * per_rank, (rank + 1) * per_rank)
     rows = []
@@ -151,10 +163,10 @@ def _verify_rank(rank: int, world_size: int, cfg: VerifyConfig, out: str) -> Non
 
 
 class _Trainer:
-    """One model and its AdamW: plain (no level) or wrapped at ``level`` over ``group``."""
+    """One model and its optimizer: plain (no level) or wrapped at ``level`` over ``group``."""
 
-    def __init__(self, model, lr, level=None, low=None, group=None):
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    def __init__(self, model, cfg: VerifyConfig, level=None, low=None, group=None):
+        self.optimizer = OPTIMIZERS[cfg.optimizer](model.parameters(), cfg.lr)
         self.scaler = None
         if level is not None:
             scaler = ShardedGradScaler() if low == torch.float16 else None
@@ -222,7 +234,7 @@ def judge(report: dict) -> dict:
             worst = max(tensors, key=lambda n: tensors[n]["max_abs"])
             value = tensors[worst]["max_abs"]
         per_step.append((row["step"], worst, value))
-        if value > tol and first_bad is None:
+        if not value <= tol and first_bad is None:  # NaN is beyond too
             first_bad = {"step": row["step"], "tensor": worst, "value": value}
     _, worst, value = per_step[-1]
     return {
@@ -253,7 +265,7 @@ def format_report(report: dict, verdict: dict) -> str:
     )
     lines = [
         f"{report['model']}: level '{level}' on {n} {report['backend']} ranks against one "
-        f"process, global batch {report['batch']}, {report['precision']}",
+        f"process, global batch {report['batch']}, {report['precision']}, {report['optimizer']}",
         f"{'step':>4}  {'loss (1 process)':>16}  {'loss (' + str(n) + ' ranks)':>15}  "
         f"{'loss diff':>9}  {'param diff':>10}  worst tensor",
     ]
