@@ -32,3 +32,11 @@ def with_dropout():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(FEATURES, 32), nn.Dropout(0.5), nn.Linear(32, 1))
     return model, regression_batch
+
+
+def tiny_gpt():
+    """The built-in GPT, tiny: a tied embedding in the root unit, two blocks as units."""
+    from zerokit.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))

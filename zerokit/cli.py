@@ -25,6 +25,8 @@ from .compare_report import (
     write_activations_plot,
     write_plot,
 )
+from .plan import PlanConfig, make_plan
+from .plan_report import format_plan
 from .verify import VerifyConfig, format_report, judge, run_verify
 
 COMPARE_DESCRIPTION = """\
@@ -138,11 +140,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     add_ckpt_parser(commands)
     _add_verify_parser(commands)
+    _add_plan_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "ckpt":
         return run_ckpt(args)
     if args.command == "verify":
         return _verify(args)
+    if args.command == "plan":
+        return _plan(args)
 
     if args.activations:
         return _activations(args)
@@ -293,6 +298,76 @@ def _verify(args) -> int:
     verdict = judge(report)
     print(format_report(report, verdict), flush=True)
     return 0 if verdict["passed"] else 1
+
+
+PLAN_DESCRIPTION = """\
+Dry run of an N-rank job on this CPU: the model is built on fake tensors (meta storage: no
+bytes), zerokit's own unit planning and bucket layout are run for --world ranks, and from them
+it prints per rank (alike ranks grouped) the memory by category, as `zerokit compare` measures
+it (params, grads, optimizer), beside the largest transient (gathered units, staged gradients)
+and the activations of a rank's micro-batch; then every collective of one training step (op,
+group size, calls, bytes) and the bytes each rank sends, beside the ZeRO paper's volume.
+
+--model pkg.module:factory: as for `zerokit compare` (see `zerokit compare --help`); the
+factory runs under torch's FakeTensorMode, so a 7B model costs no memory.
+--json PATH: {"params", "world", "level", "ranks": [{"rank", "memory": {"params", "grads",
+"optimizer", "transient", "activations"}, "collectives": [{"op", "group_size", "calls",
+"bytes"}], "bytes_per_step"}]} (bytes per entry summed over its calls).
+"""
+
+
+def _add_plan_parser(commands) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="dry run of an N-rank job on this CPU: memory per rank and every collective",
+        description=PLAN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("--model", metavar="PKG.MODULE:FACTORY", help="default: built-in GPT")
+    plan.add_argument("--world", type=int, required=True, help="ranks of the job")
+    plan.add_argument("--level", required=True, choices=LEVELS)
+    plan.add_argument(
+        "--sharding-degree", type=int, help="hybrid sharding: shard over groups of this many"
+    )
+    plan.add_argument("--tp", type=int, default=1, help="tensor parallel degree (only 1 yet)")
+    plan.add_argument("--pp", type=int, default=1, help="pipeline stages (only 1 yet)")
+    plan.add_argument(
+        "--batch", type=int, help="global rows, split across ranks (default: one per rank)"
+    )
+    plan.add_argument(
+        "--seq", type=int, default=PlanConfig.seq, help="token models (default %(default)s)"
+    )
+    plan.add_argument("--mixed-precision", choices=["bf16", "fp16"], help="default: fp32")
+    plan.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+
+
+def _plan(args) -> int:
+    try:
+        for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
+            if value != 1:
+                raise ValueError(
+                    f"{flag} {value}: plan covers data parallelism (ZeRO, hybrid sharding) so "
+                    f"far; {flag} other than 1 is not planned yet"
+                )
+        report = make_plan(
+            PlanConfig(
+                world=args.world,
+                level=args.level,
+                model=args.model,
+                sharding_degree=args.sharding_degree,
+                batch=args.batch,
+                seq=args.seq,
+                mixed_precision=args.mixed_precision,
+            )
+        )
+    except ValueError as e:
+        print(f"zerokit plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(report), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":
