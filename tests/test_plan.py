@@ -18,6 +18,7 @@ from dist_helpers import run_distributed
 from zerokit import LEVELS, MixedPrecision, ShardedGradScaler, cli, group_sharded_parallel
 from zerokit.memory import format_bytes, measure
 from zerokit.plan import LOW, PlanConfig, plan_with_calls
+from zerokit.tensor_parallel.topology import init_hybrid_parallel
 from zerokit.workload import build_workload, load_factory
 
 MODEL = "verify_models:tiny_gpt"
@@ -99,7 +100,7 @@ def _group_arg_positions_are_right():
     assert params[2] == "group"
 
 
-def _real_step_equals_plan(rank, world_size, precision):
+def _real_step_equals_plan(rank, world_size, precision, degree=None):
     _group_arg_positions_are_right()
     recorder = Recorder()
     recorder.install()
@@ -108,14 +109,18 @@ def _real_step_equals_plan(rank, world_size, precision):
     for level in LEVELS:
         cfg = PlanConfig(
             world=world_size, level=level, model=MODEL, batch=batch, seq=SEQ,
-            mixed_precision=precision, buffer_max_size=BUFFER,
+            mixed_precision=precision, buffer_max_size=BUFFER, sharding_degree=degree,
         )  # fmt: skip
         report, planned = plan_with_calls(cfg)
         torch.manual_seed(0)
         work = build_workload(load_factory(MODEL), batch=batch, seq=SEQ, per_rank=per_rank)
         opt = torch.optim.AdamW(work.model.parameters(), lr=1e-3)
+        groups = {}
+        if degree is not None:  # hybrid: shard inside groups of `degree`, replicate across
+            layout = init_hybrid_parallel(world_size // degree, 1, sharding_degree=degree)
+            groups = {"group": layout.sharding_group, "dp_group": layout.dp_group}
         model, opt, scaler = group_sharded_parallel(
-            work.model, opt, level, buffer_max_size=BUFFER,
+            work.model, opt, level, buffer_max_size=BUFFER, **groups,
             scaler=ShardedGradScaler() if low == torch.float16 else None,
             mixed_precision=MixedPrecision(param_dtype=low),
         )  # fmt: skip
@@ -138,7 +143,7 @@ def _real_step_equals_plan(rank, world_size, precision):
         assert not recorder.bypassing, f"{what}: collectives outside the helpers"
         want = sorted((c.op, c.group_size, c.bytes) for c in planned)
         assert sorted(recorder.calls) == want, f"{what}: recorded {recorder.calls}"
-        memory = report["ranks"][rank]["memory"]
+        memory = report["ranks"][rank]["memory"]  # hybrid: rank % degree is its shard rank
         got = {"params": measured.params, "grads": measured.grads, "optimizer": measured.optimizer}
         assert got == {k: memory[k] for k in got}, f"{what}: measured {got}, planned {memory}"
 
@@ -148,9 +153,15 @@ def test_a_real_step_sends_and_holds_what_the_plan_says(world_size):
     run_distributed(_real_step_equals_plan, world_size, None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_steps_send_and_hold_what_the_plan_says(precision):
     run_distributed(_real_step_equals_plan, 3, precision)
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_steps_send_and_hold_what_the_plan_says():
+    run_distributed(_real_step_equals_plan, 4, None, 2)
 
 
 def _plan(capsys, *args: str) -> tuple[int, str, str]:

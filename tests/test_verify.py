@@ -37,7 +37,10 @@ def test_a_model_that_trains_alike_passes_at_3_ranks(capsys):
 
 @pytest.mark.parametrize(
     "factory, level",
-    [("verify_models:rank_scaled", "os"), ("verify_models:with_dropout", "os_g")],
+    [
+        ("verify_models:rank_scaled", "os"),
+        pytest.param("verify_models:with_dropout", "os_g", marks=pytest.mark.slow),
+    ],
 )
 def test_a_rank_dependent_model_fails_naming_the_tensor(capsys, factory, level):
     code, out, _ = _verify(capsys, "--model", factory, "--level", level, "--steps", "2")
