@@ -7,6 +7,7 @@ import json
 import sys
 
 from . import __version__
+from .api import LEVELS
 from .checkpoint.cli import add_parser as add_ckpt_parser
 from .checkpoint.cli import run as run_ckpt
 from .compare import (
@@ -24,6 +25,9 @@ from .compare_report import (
     write_activations_plot,
     write_plot,
 )
+from .plan import PlanConfig, make_plan
+from .plan_report import format_plan
+from .verify import VerifyConfig, format_report, judge, run_verify
 
 COMPARE_DESCRIPTION = """\
 Train a model under torch DDP and each zerokit level, each level in fresh processes (local
@@ -135,9 +139,15 @@ def main(argv: list[str] | None = None) -> int:
             help=f"with --activations: {what} (default %(default)s)",
         )
     add_ckpt_parser(commands)
+    _add_verify_parser(commands)
+    _add_plan_parser(commands)
     args = parser.parse_args(argv)
     if args.command == "ckpt":
         return run_ckpt(args)
+    if args.command == "verify":
+        return _verify(args)
+    if args.command == "plan":
+        return _plan(args)
 
     if args.activations:
         return _activations(args)
@@ -214,6 +224,150 @@ def _compare(args) -> int:
         print(f"zerokit compare: error: {e}", file=sys.stderr)
         return 2
     return _emit(report, args, format_table, write_plot)
+
+
+VERIFY_DESCRIPTION = """\
+Train the model on one process on the global batch and on --nproc ranks at --level (each rank
+on its slice), and print per step the loss of both, their difference, and the largest
+parameter difference with its tensor; at the end the largest difference, the worst tensor and
+the tolerance judged by. fp32: max |element difference| <= --tolerance (default 2e-5). Mixed
+precision: the RMS distance of all parameters from exact fp32 training must stay within
+--tolerance times (default 4) that of the same policy on one process. Exit 0 within the tolerance, 1
+beyond it (naming the tensor that diverged first), 2 on a usage error.
+
+--model pkg.module:factory: as for `zerokit compare` (see `zerokit compare --help`).
+"""
+
+
+def _add_verify_parser(commands) -> None:
+    verify = commands.add_parser(
+        "verify",
+        help="prove a model trains at a level on N ranks as on one process (exit 0/1)",
+        description=VERIFY_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    verify.add_argument("--model", metavar="PKG.MODULE:FACTORY", help="default: built-in GPT")
+    verify.add_argument("--level", required=True, choices=LEVELS)
+    verify.add_argument("--nproc", type=int, default=VerifyConfig.nproc, help="default %(default)s")
+    verify.add_argument("--steps", type=int, default=VerifyConfig.steps, help="default %(default)s")
+    verify.add_argument(
+        "--batch", type=int, default=VerifyConfig.batch, help="global rows (default %(default)s)"
+    )
+    verify.add_argument(
+        "--seq", type=int, default=VerifyConfig.seq, help="token models (default %(default)s)"
+    )
+    verify.add_argument("--mixed-precision", choices=["bf16", "fp16"], help="default: fp32")
+    verify.add_argument(
+        "--optimizer",
+        choices=["sgd", "adamw"],
+        default=VerifyConfig.optimizer,
+        help="sgd: momentum 0.9; Adam's update hides a gradient's scale (default %(default)s)",
+    )
+    verify.add_argument("--lr", type=float, default=VerifyConfig.lr, help="default %(default)s")
+    verify.add_argument(
+        "--tolerance",
+        type=float,
+        help="fp32: largest element difference (default 2e-5); mixed precision: factor over "
+        "the one-process run's distance from exact training (default 4)",
+    )
+
+
+def _verify(args) -> int:
+    cfg = VerifyConfig(
+        level=args.level,
+        model=args.model,
+        nproc=args.nproc,
+        steps=args.steps,
+        batch=args.batch,
+        seq=args.seq,
+        mixed_precision=args.mixed_precision,
+        tolerance=args.tolerance,
+        optimizer=args.optimizer,
+        lr=args.lr,
+    )
+    try:
+        if in_torchrun():
+            raise ValueError("verify starts its own --nproc local ranks: run it without torchrun")
+        report = run_verify(cfg, lambda line: print(line, file=sys.stderr, flush=True))
+    except ValueError as e:
+        print(f"zerokit verify: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a rank raised: the model does not train alike on N ranks
+        print(f"zerokit verify: FAIL: the {cfg.nproc}-rank run raised: {e}", file=sys.stderr)
+        return 1
+    verdict = judge(report)
+    print(format_report(report, verdict), flush=True)
+    return 0 if verdict["passed"] else 1
+
+
+PLAN_DESCRIPTION = """\
+Dry run of an N-rank job on this CPU: the model is built on fake tensors (meta storage: no
+bytes), zerokit's own unit planning and bucket layout are run for --world ranks, and from them
+it prints per rank (alike ranks grouped) the memory by category, as `zerokit compare` measures
+it (params, grads, optimizer), beside the largest transient (gathered units, staged gradients)
+and the activations of a rank's micro-batch; then every collective of one training step (op,
+group size, calls, bytes) and the bytes each rank sends, beside the ZeRO paper's volume.
+
+--model pkg.module:factory: as for `zerokit compare` (see `zerokit compare --help`); the
+factory runs under torch's FakeTensorMode, so a 7B model costs no memory.
+--json PATH: {"params", "world", "level", "ranks": [{"rank", "memory": {"params", "grads",
+"optimizer", "transient", "activations"}, "collectives": [{"op", "group_size", "calls",
+"bytes"}], "bytes_per_step"}]} (bytes per entry summed over its calls).
+"""
+
+
+def _add_plan_parser(commands) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="dry run of an N-rank job on this CPU: memory per rank and every collective",
+        description=PLAN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("--model", metavar="PKG.MODULE:FACTORY", help="default: built-in GPT")
+    plan.add_argument("--world", type=int, required=True, help="ranks of the job")
+    plan.add_argument("--level", required=True, choices=LEVELS)
+    plan.add_argument(
+        "--sharding-degree", type=int, help="hybrid sharding: shard over groups of this many"
+    )
+    plan.add_argument("--tp", type=int, default=1, help="tensor parallel degree (only 1 yet)")
+    plan.add_argument("--pp", type=int, default=1, help="pipeline stages (only 1 yet)")
+    plan.add_argument(
+        "--batch", type=int, help="global rows, split across ranks (default: one per rank)"
+    )
+    plan.add_argument(
+        "--seq", type=int, default=PlanConfig.seq, help="token models (default %(default)s)"
+    )
+    plan.add_argument("--mixed-precision", choices=["bf16", "fp16"], help="default: fp32")
+    plan.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+
+
+def _plan(args) -> int:
+    try:
+        for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
+            if value != 1:
+                raise ValueError(
+                    f"{flag} {value}: plan covers data parallelism (ZeRO, hybrid sharding) so "
+                    f"far; {flag} other than 1 is not planned yet"
+                )
+        report = make_plan(
+            PlanConfig(
+                world=args.world,
+                level=args.level,
+                model=args.model,
+                sharding_degree=args.sharding_degree,
+                batch=args.batch,
+                seq=args.seq,
+                mixed_precision=args.mixed_precision,
+            )
+        )
+    except ValueError as e:
+        print(f"zerokit plan: error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(report), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,17 +1,7 @@
 """``zerokit compare``: train one model under torch DDP and every zerokit level, and print per
 level the measured and estimated bytes per rank, the peak, the step time and the final loss.
 
-The model contract (``--model pkg.module:factory``; ``pkg.module`` may live in the current
-directory). ``factory()`` returns either
-
-- an ``nn.Module`` whose forward maps token ids ``[batch, seq]`` (int64) to logits
-  ``[batch, seq, vocab]``: it trains on a learnable synthetic token stream with next-token
-  cross-entropy (the vocabulary size is read from one probe forward); or
-- a tuple ``(model, make_batch)`` or ``(model, make_batch, loss_fn)`` for any other model:
-  ``make_batch(step, batch)`` returns the global batch ``(inputs, targets)`` of that step, two
-  tensors with ``batch`` rows, the same on every rank (seed it from ``step``); each rank trains
-  on its slice of the rows. ``loss_fn(output, targets)`` defaults to mean squared error for
-  floating-point targets and cross-entropy over the last dimension for integer targets.
+The model contract (``--model pkg.module:factory``) is ``zerokit.workload``'s.
 
 Every rank trains on its slice of the global batch, so the final loss must be equal across
 levels (a visible check of equivalence). Each level runs in fresh processes, under torchrun
@@ -21,7 +11,6 @@ too, so one level's memory never inflates or hides another's peak.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import statistics
@@ -35,17 +24,21 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from .api import group_sharded_parallel
-from .launch import spawn_local
+from .launch import local_backend, spawn_local
 from .layout import init_hybrid_parallel
 from .memory import PeakMemory, estimate, estimate_activations, measure, measure_activations
 from .mixed_precision import MixedPrecision
-from .models.gpt import synthetic_batch
 from .scaler import ShardedGradScaler
+from .workload import (  # noqa: F401  (the contract, importable from here as before)
+    Workload,
+    build_workload,
+    default_loss,
+    default_model,
+    load_factory,
+)
 
 LEVELS = ("ddp", "os", "os_g", "p_g_os")
 PRECISION = {None: "fp32", "bf16": "bf16", "fp16": "fp16"}
@@ -72,115 +65,6 @@ class CompareConfig:
     across ``nproc / sharding_degree`` of them (``init_hybrid_parallel``); 1: across all."""
 
 
-@dataclass(frozen=True)
-class Workload:
-    """What one level trains: the model, where each step's global batch comes from, the loss."""
-
-    model: nn.Module
-    make_batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def load_factory(spec: str | None) -> Callable:
-    """The factory named by ``pkg.module:factory`` (the built-in GPT if None).
-
-    The current directory is importable, as it is for ``python -m zerokit``.
-    """
-    if spec is None:
-        return default_model
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--model must look like pkg.module:factory, got {spec!r}")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # the console script's sys.path lacks it
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"--model: cannot import {module_name!r}: {e}") from e
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ValueError(f"--model: {module_name!r} has no callable {attr!r}")
-    return factory
-
-
-def default_model() -> nn.Module:
-    from .models.gpt import GPT, GPTConfig
-
-    return GPT(GPTConfig(vocab_size=2048, block_size=64, n_layer=6, n_head=8, n_embd=256))
-
-
-def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the last dimension for integer targets, else mean squared error."""
-    if targets.is_floating_point():
-        return F.mse_loss(output.float(), targets.float())
-    return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), targets.reshape(-1))
-
-
-def build_workload(factory: Callable, cfg: CompareConfig, per_rank: int) -> Workload:
-    """Call the factory and check its result with one forward of a rank's batch."""
-    made = factory()
-    if isinstance(made, nn.Module):  # a token language model
-        vocab = probe_vocab(made, cfg.seq)
-        return Workload(
-            made, lambda step, b: synthetic_batch(vocab, b, cfg.seq, seed=step), default_loss
-        )
-    if not (
-        isinstance(made, tuple)
-        and len(made) in (2, 3)
-        and isinstance(made[0], nn.Module)
-        and all(callable(f) for f in made[1:])
-    ):
-        raise ValueError(
-            f"--model factory returned {type(made).__name__}, not a torch.nn.Module or a tuple "
-            "(nn.Module, make_batch) or (nn.Module, make_batch, loss_fn)"
-        )
-    work = Workload(made[0], made[1], made[2] if len(made) == 3 else default_loss)
-    probe_batch(work, cfg.batch, per_rank)
-    return work
-
-
-def probe_vocab(model: nn.Module, seq: int) -> int:
-    """The vocabulary size, from one forward of token ids [1, seq]; a clear error otherwise."""
-    try:
-        with torch.no_grad():
-            logits = model(torch.zeros(1, seq, dtype=torch.long))
-    except Exception as e:
-        raise ValueError(
-            f"--model: forward of token ids [1, {seq}] failed: {e} (a model that takes other "
-            "inputs: return (model, make_batch) from the factory)"
-        ) from e
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != (1, seq):
-        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ValueError(f"--model: forward must return logits [1, {seq}, vocab], got {shape}")
-    return logits.shape[-1]
-
-
-def probe_batch(work: Workload, batch: int, per_rank: int) -> None:
-    """``make_batch(0, batch)`` gives two tensors of ``batch`` rows; a rank's slice runs."""
-    try:
-        made = work.make_batch(0, batch)
-    except Exception as e:
-        raise ValueError(f"--model: make_batch(0, {batch}) failed: {e}") from e
-    if not isinstance(made, (tuple, list)) or len(made) != 2:
-        raise ValueError(
-            f"--model: make_batch(0, {batch}) must return (inputs, targets), got "
-            f"{type(made).__name__}"
-        )
-    x, y = made
-    for what, t in (("inputs", x), ("targets", y)):
-        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"--model: make_batch(0, {batch}) must return (inputs, targets), tensors of "
-                f"{batch} rows; {what} is {got}"
-            )
-    try:
-        with torch.no_grad():
-            work.loss_fn(work.model(x[:per_rank]), y[:per_rank])
-    except Exception as e:
-        raise ValueError(f"--model: forward and loss of {per_rank} rows failed: {e}") from e
-
-
 def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out_dir: str) -> None:
     """Build, wrap and train the model under ``level`` on this rank; rank 0 writes the row."""
     cuda = dist.get_backend() == "nccl"
@@ -189,7 +73,7 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
     peak.start()  # before the model exists: its state counts toward the peak
     torch.manual_seed(0)
     per_rank = cfg.batch // world_size
-    work = build_workload(load_factory(cfg.model), cfg, per_rank)
+    work = build_workload(load_factory(cfg.model), batch=cfg.batch, seq=cfg.seq, per_rank=per_rank)
     model = work.model.to(device)
     low = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[cfg.mixed_precision]
     policy = MixedPrecision(param_dtype=low) if level != "ddp" else MixedPrecision()
@@ -277,7 +161,9 @@ def check_config(cfg: CompareConfig) -> None:
             f"--sharding-degree {cfg.sharding_degree} must be at least 1 and divide --nproc "
             f"{cfg.nproc}"
         )
-    build_workload(load_factory(cfg.model), cfg, cfg.batch // cfg.nproc)
+    build_workload(
+        load_factory(cfg.model), batch=cfg.batch, seq=cfg.seq, per_rank=cfg.batch // cfg.nproc
+    )
 
 
 def _report(cfg: CompareConfig, backend: str, rows: list[dict]) -> dict:
@@ -299,9 +185,7 @@ def run_compare(cfg: CompareConfig, progress: Callable[[str], None] = print) -> 
     CPU/gloo by default; CUDA/NCCL, one GPU per rank, when there are ``nproc`` GPUs.
     """
     check_config(cfg)
-    backend = (
-        "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= cfg.nproc else "gloo"
-    )
+    backend = local_backend(cfg.nproc)
     rows = []
     with tempfile.TemporaryDirectory(prefix="zerokit-compare-") as out_dir:
         for i, level in enumerate(LEVELS, 1):

@@ -18,6 +18,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def local_backend(nproc: int) -> str:
+    """NCCL, one GPU per rank, when this machine has ``nproc`` GPUs; else gloo on CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= nproc:
+        return "nccl"
+    return "gloo"
+
+
 def spawn_local(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "gloo") -> None:
     """Run ``fn(rank, world_size, *args)`` on ``nproc`` local ranks and wait for them.
 

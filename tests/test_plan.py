@@ -1,0 +1,223 @@
+"""`zerokit plan` against real runs: the collectives of a real training step, recorded at
+zerokit's collective helpers on 2 and 3 gloo ranks, are the plan's (same ops, group sizes,
+calls and bytes, one by one), no collective bypasses those helpers, and every rank's
+``measure()`` after the backward equals the plan's memory for that rank, byte for byte, at
+every level, in fp32, bf16 and fp16. Then the CLI: the pinned JSON, grouping of alike ranks,
+usage errors."""
+
+import json
+import re
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import run_distributed
+
+from zerokit import LEVELS, MixedPrecision, ShardedGradScaler, cli, group_sharded_parallel
+from zerokit.memory import format_bytes, measure
+from zerokit.plan import LOW, PlanConfig, plan_with_calls
+from zerokit.tensor_parallel.topology import init_hybrid_parallel
+from zerokit.workload import build_workload, load_factory
+
+MODEL = "verify_models:tiny_gpt"
+BUFFER = 600  # elements: the embedding and each block span several buckets
+SEQ = 8
+
+# zerokit.core.collectives' helpers: the op each is, and the bytes of its logical collective
+HELPERS = {
+    "start_all_reduce_mean": ("all_reduce", lambda tensor, *_, **__: tensor.nbytes),
+    "all_reduce_": ("all_reduce", lambda tensor, *_, **__: tensor.nbytes),
+    "start_reduce_scatter_mean": ("reduce_scatter", lambda full, *_, **__: full.nbytes),
+    "start_all_gather_": ("all_gather", lambda full, *_, **__: full.nbytes),
+    "broadcast_": ("broadcast", lambda tensor, *_, **__: tensor.nbytes),
+    "all_gather_bytes": ("all_gather_bytes", lambda data, *_, **__: len(data)),
+}
+RAW = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+       "reduce_scatter_tensor", "all_to_all_single", "barrier", "all_gather_object",
+       "broadcast_object_list", "send", "recv")  # fmt: skip
+
+
+class Recorder:
+    """Wraps the helpers wherever zerokit imported them, and torch.distributed's collectives
+    to catch any call made outside a helper."""
+
+    def __init__(self):
+        self.on = False
+        self.calls: list[tuple[str, int, int]] = []
+        self.bypassing: list[str] = []
+        self._inside = threading.local()
+
+    def install(self) -> None:
+        from zerokit.core import collectives
+
+        for name, (op, size_of) in HELPERS.items():
+            original = getattr(collectives, name)
+            wrapper = self._helper(original, op, size_of)
+            for module in list(sys.modules.values()):
+                if (
+                    module.__name__.startswith("zerokit")
+                    and getattr(module, name, None) is original
+                ):
+                    setattr(module, name, wrapper)
+        for name in RAW:
+            if hasattr(dist, name):
+                setattr(dist, name, self._raw(getattr(dist, name), name))
+
+    def _helper(self, fn, op, size_of):
+        def wrapper(*args, **kwargs):
+            group = kwargs.get("group", args[-1] if op != "reduce_scatter" else args[2])
+            group = group if group is not None and not isinstance(group, bool) else None
+            if self.on and group is not None and group.size() > 1:
+                self.calls.append((op, group.size(), size_of(*args, **kwargs)))
+            self._inside.depth = getattr(self._inside, "depth", 0) + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._inside.depth -= 1
+
+        return wrapper
+
+    def _raw(self, fn, name):
+        def wrapper(*args, **kwargs):
+            if self.on and getattr(self._inside, "depth", 0) == 0:
+                self.bypassing.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+
+def _group_arg_positions_are_right():
+    """The recorder reads the group from the helpers' signatures: fail loudly if they move."""
+    import inspect
+
+    from zerokit.core import collectives
+
+    for name in ("start_all_reduce_mean", "start_all_gather_", "all_reduce_", "broadcast_"):
+        assert list(inspect.signature(getattr(collectives, name)).parameters)[1] == "group", name
+    params = list(inspect.signature(collectives.start_reduce_scatter_mean).parameters)
+    assert params[2] == "group"
+
+
+def _real_step_equals_plan(rank, world_size, precision, degree=None):
+    _group_arg_positions_are_right()
+    recorder = Recorder()
+    recorder.install()
+    low = LOW[precision]
+    per_rank, batch = 2, 2 * world_size
+    for level in LEVELS:
+        cfg = PlanConfig(
+            world=world_size, level=level, model=MODEL, batch=batch, seq=SEQ,
+            mixed_precision=precision, buffer_max_size=BUFFER, sharding_degree=degree,
+        )  # fmt: skip
+        report, planned = plan_with_calls(cfg)
+        torch.manual_seed(0)
+        work = build_workload(load_factory(MODEL), batch=batch, seq=SEQ, per_rank=per_rank)
+        opt = torch.optim.AdamW(work.model.parameters(), lr=1e-3)
+        groups = {}
+        if degree is not None:  # hybrid: shard inside groups of `degree`, replicate across
+            layout = init_hybrid_parallel(world_size // degree, 1, sharding_degree=degree)
+            groups = {"group": layout.sharding_group, "dp_group": layout.dp_group}
+        model, opt, scaler = group_sharded_parallel(
+            work.model, opt, level, buffer_max_size=BUFFER, **groups,
+            scaler=ShardedGradScaler() if low == torch.float16 else None,
+            mixed_precision=MixedPrecision(param_dtype=low),
+        )  # fmt: skip
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        for step in range(2):  # the second step is the steady one the plan describes
+            recorder.on, recorder.calls, recorder.bypassing = step == 1, [], []
+            x, y = (t[mine] for t in work.make_batch(step, batch))
+            loss = work.loss_fn(model(x), y)
+            (scaler.scale(loss) if scaler else loss).backward()
+            if step == 1:
+                measured = measure(model, opt)
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        recorder.on = False
+        what = f"{precision or 'fp32'} level={level} world={world_size} rank={rank}"
+        assert not recorder.bypassing, f"{what}: collectives outside the helpers"
+        want = sorted((c.op, c.group_size, c.bytes) for c in planned)
+        assert sorted(recorder.calls) == want, f"{what}: recorded {recorder.calls}"
+        memory = report["ranks"][rank]["memory"]  # hybrid: rank % degree is its shard rank
+        got = {"params": measured.params, "grads": measured.grads, "optimizer": measured.optimizer}
+        assert got == {k: memory[k] for k in got}, f"{what}: measured {got}, planned {memory}"
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_real_step_sends_and_holds_what_the_plan_says(world_size):
+    run_distributed(_real_step_equals_plan, world_size, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_steps_send_and_hold_what_the_plan_says(precision):
+    run_distributed(_real_step_equals_plan, 3, precision)
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_steps_send_and_hold_what_the_plan_says():
+    run_distributed(_real_step_equals_plan, 4, None, 2)
+
+
+def _plan(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main(["plan", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_json_is_the_pinned_format_and_alike_ranks_are_grouped(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    code, out, _ = _plan(
+        capsys, "--model", MODEL, "--world", "5", "--level", "p_g_os", "--seq", str(SEQ),
+        "--json", str(path),
+    )  # fmt: skip
+    assert code == 0, out
+    report = json.loads(path.read_text())
+    assert {"params", "world", "level", "ranks"} <= set(report)
+    assert report["world"] == 5 and report["level"] == "p_g_os"
+    assert report["params"] == sum(p.numel() for p in load_factory(MODEL)().parameters())
+    assert [r["rank"] for r in report["ranks"]] == list(range(5))
+    for entry in report["ranks"]:
+        assert set(entry["memory"]) == {"params", "grads", "optimizer", "transient", "activations"}
+        for c in entry["collectives"]:
+            assert {"op", "group_size", "calls", "bytes"} <= set(c) and c["group_size"] == 5
+        sent = sum(c["bytes"] * (4 / 5) * (2 if c["op"] == "all_reduce" else 1)
+                   for c in entry["collectives"])  # fmt: skip
+        assert entry["bytes_per_step"] == round(sent)
+    assert len({json.dumps(e["memory"]) for e in report["ranks"]}) > 1  # the last rank: padding
+    # the text: one row per set of ranks whose printed figures are equal, naming its ranks
+    rows: dict[str, list[int]] = {}
+    for entry in report["ranks"]:
+        memory = entry["memory"]
+        shown = tuple(format_bytes(v) for v in [*memory.values(), sum(memory.values())])
+        rows.setdefault(shown, []).append(entry["rank"])
+    printed = [m.group(1) for m in re.finditer(r"  ranks? ([\d,-]+)$", out, flags=re.M)]
+    assert [_expand(p) for p in printed] == list(rows.values()), out
+
+
+def _expand(spans: str) -> list[int]:
+    """'0-2,4' -> [0, 1, 2, 4]"""
+    out = []
+    for part in spans.split(","):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--world", "4", "--level", "os", "--batch", "6"], "must divide evenly across 4"),
+        (["--world", "4", "--level", "os", "--sharding-degree", "3"], "must be at least 1 and"),
+        (["--world", "4", "--level", "os", "--tp", "2"], "--tp"),
+        (["--world", "4", "--level", "os", "--model", "no_such:make"], "cannot import"),
+    ],
+)
+def test_usage_errors_exit_2(capsys, args, message):
+    code, _, err = _plan(capsys, *args)
+    assert code == 2 and message in err, err

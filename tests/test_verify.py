@@ -1,0 +1,113 @@
+"""`zerokit verify`: a model that trains alike passes (exit 0), one whose forward reads the rank
+or draws per row (dropout) fails naming a tensor (exit 1), bad settings are usage errors
+(exit 2); and the verdict itself, from hand-made reports."""
+
+import re
+
+import pytest
+
+from zerokit import cli
+from zerokit.verify import FP32_TOLERANCE, judge
+
+
+def _verify(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main(["verify", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _step_rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if re.match(r"\s+\d+\s+\d", line)]
+
+
+def test_a_model_that_trains_alike_passes_at_3_ranks(capsys):
+    code, out, _ = _verify(
+        capsys, "--model", "compare_models:mlp", "--level", "p_g_os", "--nproc", "3",
+        "--batch", "6", "--steps", "3",
+    )  # fmt: skip
+    assert code == 0, out
+    rows = _step_rows(out)
+    assert [int(r[0]) for r in rows] == [1, 2, 3]
+    # every step: one process's loss and the ranks' agree; parameters within 2e-5
+    for _, one, ranks, loss_diff, param_diff, _ in rows:
+        assert abs(float(one) - float(ranks)) <= 1e-5 and float(loss_diff) <= 1e-5
+        assert float(param_diff) <= FP32_TOLERANCE
+    assert f"tolerance {FP32_TOLERANCE:g}" in out and "PASS" in out
+
+
+@pytest.mark.parametrize(
+    "factory, level",
+    [
+        ("verify_models:rank_scaled", "os"),
+        pytest.param("verify_models:with_dropout", "os_g", marks=pytest.mark.slow),
+    ],
+)
+def test_a_rank_dependent_model_fails_naming_the_tensor(capsys, factory, level):
+    code, out, _ = _verify(capsys, "--model", factory, "--level", level, "--steps", "2")
+    assert code == 1, out
+    first = re.search(r"FAIL: (\S+) diverged first, at step (\d+)", out)
+    assert first, out
+    names = {"verify_models:rank_scaled": {"body.0.weight", "body.0.bias", "head.weight",
+                                           "head.bias"},
+             "verify_models:with_dropout": {"0.weight", "0.bias", "2.weight", "2.bias"}}  # fmt: skip
+    assert first.group(1) in names[factory] and first.group(2) == "1"
+
+
+@pytest.mark.slow
+def test_mixed_precision_judged_against_the_same_policy_on_one_process(capsys):
+    code, out, _ = _verify(
+        capsys, "--model", "compare_models:classifier", "--level", "os_g",
+        "--mixed-precision", "bf16", "--steps", "3",
+    )  # fmt: skip
+    assert code == 0, out
+    assert "one-process bf16 run's; tolerance 4x" in out
+    code, out, _ = _verify(
+        capsys, "--model", "verify_models:rank_scaled", "--level", "os_g",
+        "--mixed-precision", "bf16", "--steps", "2",
+    )  # fmt: skip
+    assert code == 1 and "FAIL" in out, out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--level", "os", "--batch", "7"], "must divide evenly across 2 ranks"),
+        (["--level", "os", "--model", "no_such_module:make"], "cannot import"),
+        (["--level", "os", "--tolerance", "0"], "--tolerance must be positive"),
+        (["--level", "os", "--model", "compare_models:bad_batch"], "make_batch(0, 8) must"),
+    ],
+)
+def test_usage_errors_exit_2_before_any_rank_starts(capsys, args, message):
+    code, _, err = _verify(capsys, *args)
+    assert code == 2 and message in err, err
+
+
+def _report(precision: str, steps: list[dict], tolerance: float) -> dict:
+    return {"precision": precision, "tolerance": tolerance, "steps": steps}
+
+
+def test_judge_fp32_names_the_first_step_and_its_worst_tensor():
+    steps = [
+        {"step": 1, "tensors": {"a": {"max_abs": 1e-6}, "b": {"max_abs": 3e-6}}},
+        {"step": 2, "tensors": {"a": {"max_abs": 5e-5}, "b": {"max_abs": 4e-5}}},
+        {"step": 3, "tensors": {"a": {"max_abs": 1e-4}, "b": {"max_abs": 9e-4}}},
+    ]
+    verdict = judge(_report("fp32", steps, 2e-5))
+    assert not verdict["passed"]
+    assert verdict["first_beyond"] == {"step": 2, "tensor": "a", "value": 5e-5}
+    assert verdict["worst"] == {"tensor": "b", "value": 9e-4}
+    assert judge(_report("fp32", steps[:1], 2e-5))["passed"]
+
+
+def test_judge_mixed_precision_is_a_ratio_of_rms_over_all_elements():
+    def entry(numel, sq, sq_one):
+        return {"numel": numel, "sq": sq, "sq_one_process": sq_one}
+
+    # RMS ratio sqrt(ΣsqS / ΣsqB) = sqrt(36 / 4) = 3: within 4x, although tensor "b" alone is
+    # 5x its one-process distance (per tensor is too noisy to judge)
+    within = {"a": entry(10, 11.0, 3.0), "b": entry(10, 25.0, 1.0)}
+    verdict = judge(_report("bf16", [{"step": 1, "tensors": within}], 4.0))
+    assert verdict["passed"] and verdict["worst"] == {"tensor": "b", "value": 3.0}
+    beyond = {"a": entry(10, 11.0, 3.0), "b": entry(10, 89.0, 1.0)}  # sqrt(100 / 4) = 5
+    verdict = judge(_report("bf16", [{"step": 1, "tensors": beyond}], 4.0))
+    assert verdict["first_beyond"] == {"step": 1, "tensor": "b", "value": 5.0}

@@ -1,0 +1,42 @@
+"""Models for `zerokit verify --model` in tests: one that trains alike on any number of ranks,
+and two that cannot (a forward that reads the rank; dropout, which draws per row)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from compare_models import FEATURES, regression_batch
+from torch import nn
+
+
+class RankScaled(nn.Module):
+    """The last layer's output is scaled by (rank + 1): only rank 0 computes what one process
+    computes, so the gradient of ``head`` differs first."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh())
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = dist.get_rank() + 1 if dist.is_initialized() else 1
+        return self.head(self.body(x)) * scale
+
+
+def rank_scaled():
+    torch.manual_seed(0)
+    return RankScaled(), regression_batch
+
+
+def with_dropout():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, 32), nn.Dropout(0.5), nn.Linear(32, 1))
+    return model, regression_batch
+
+
+def tiny_gpt():
+    """The built-in GPT, tiny: a tied embedding in the root unit, two blocks as units."""
+    from zerokit.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))

@@ -1,0 +1,366 @@
+"""``zerokit plan``: what an N-rank job will hold and send, worked out on one CPU in seconds.
+
+The model is built under torch's ``FakeTensorMode`` (meta storage, no bytes, the device the
+model would really be on, so kernels choose as they would run). From it, zerokit's own unit
+planning and bucket layout (``core.units.plan_units`` / ``plan_groups``, the calls
+``group_sharded_parallel`` makes) give every bucket's padded size and every rank's pieces; the
+rest is derived from those layouts by the rules the core follows, written out here:
+
+- memory per rank, in ``zerokit.memory.measure``'s categories as it counts them after a
+  backward (gradients present, optimizer state made by an earlier step);
+- the collectives of one steady training step (forward, backward, ``optimizer.step()``), each
+  a logical collective over a group, as ``core.collectives`` issues it (gloo runs a
+  reduce-scatter as one reduce per owner and an all-gather as one broadcast per rank: that is
+  still one logical collective, and its bytes are counted as a ring would send them).
+
+So this is not a run of the wrapping code against a fake process group: a change to the core's
+schedule must be mirrored here. tests/test_plan.py holds the two together: it records the
+collectives and measures the memory of real 2- and 3-rank steps at every level and requires
+the same ops, calls, bytes and memory as this plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .api import LEVELS
+from .config import ShardingConfig
+from .core.layout import BucketLayout
+from .core.units import UnitPlan, plan_groups, plan_units
+from .memory import STATE_PER_PARAM
+from .mixed_precision import MixedPrecision
+from .workload import as_workload, load_factory
+
+LOW = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_AGREE_BYTES = 16  # an int64 pair [k, -k], MAX-reduced: the agreement all-reduces
+_STEP_BYTES = 4  # torch's Adam/AdamW keep a float32 0-dim ``step`` tensor per parameter
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    world: int
+    """Ranks of the job."""
+    level: str
+    """'os', 'os_g' or 'p_g_os'."""
+    model: str | None = None
+    """``pkg.module:factory`` (``zerokit.workload``); None: ``zerokit compare``'s GPT."""
+    sharding_degree: int | None = None
+    """Hybrid sharding: shard over groups of this many ranks, replicate across the groups."""
+    batch: int | None = None
+    """Global batch in rows, split evenly across the ranks; None: one row per rank."""
+    seq: int = 32
+    """Tokens per sequence (token models)."""
+    mixed_precision: str | None = None
+    """'bf16' or 'fp16': compute copies in it, fp32 master shards (fp16: a loss scaler)."""
+    optimizer: str = "adamw"
+    """Whose state is counted (as ``zerokit.memory.STATE_PER_PARAM``)."""
+    buffer_max_size: int = 2**23
+    segment_size: int = 2**20
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One logical collective of a step; ``bytes`` is its whole tensor (a reduce-scatter's
+    input, an all-gather's output)."""
+
+    op: str  # "all_reduce", "reduce_scatter" or "all_gather"
+    group_size: int
+    bytes: int
+    what: str
+
+    @property
+    def sent(self) -> float:
+        """Bytes each rank sends, by the ring algorithm."""
+        n = self.group_size
+        share = self.bytes * (n - 1) / n
+        return 2 * share if self.op == "all_reduce" else share
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One shard group's buckets, with the element sizes the core gives them."""
+
+    name: str
+    is_root: bool
+    layouts: tuple[BucketLayout, ...]
+    compute: int  # bytes per element of the full parameters (the compute copy)
+    reduce: int  # bytes per element of the gradients as reduced
+    master: int  # bytes per element of the shard the optimizer steps
+
+    def full(self, per_element: int) -> int:
+        return sum(b.padded_numel for b in self.layouts) * per_element
+
+
+def check_config(cfg: PlanConfig) -> None:
+    if cfg.level not in LEVELS:
+        raise ValueError(f"--level must be one of {', '.join(LEVELS)}, got {cfg.level!r}")
+    if cfg.world < 1:
+        raise ValueError(f"--world must be at least 1, got {cfg.world}")
+    degree = cfg.sharding_degree or cfg.world
+    if degree < 1 or cfg.world % degree:
+        raise ValueError(f"--sharding-degree {degree} must be at least 1 and divide --world")
+    batch = cfg.batch if cfg.batch is not None else cfg.world
+    if batch < 1 or batch % cfg.world:
+        raise ValueError(f"--batch {batch} must divide evenly across {cfg.world} ranks")
+    if cfg.optimizer not in STATE_PER_PARAM:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+
+
+def make_plan(cfg: PlanConfig) -> dict:
+    """The report: ``{"params", "world", "level", "ranks": [...]}`` and more (see README)."""
+    return plan_with_calls(cfg)[0]
+
+
+def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
+    """The report and the step's collectives one by one (the report aggregates them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    check_config(cfg)
+    low = LOW[cfg.mixed_precision]
+    policy = MixedPrecision(param_dtype=low)
+    degree = cfg.sharding_degree or cfg.world
+    batch = cfg.batch if cfg.batch is not None else cfg.world
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        torch.manual_seed(0)
+        factory = load_factory(cfg.model)  # a ValueError: a usage error, as it is
+        try:
+            work = as_workload(factory(), cfg.seq)
+        except ValueError:
+            raise
+        except Exception as e:
+            raise ValueError(f"--model: building it on fake tensors failed: {e}") from e
+        model = work.model
+        units, frozen = _units(model, cfg, policy, degree)
+        activations = _activation_bytes(work, batch // cfg.world, policy, mode)
+    psi = sum(b.numel for u in units for b in u.layouts)
+    collectives = schedule(units, cfg.level, degree, cfg.world // degree, low)
+    sent = sum(c.sent for c in collectives)
+    transient = transient_bytes(units, cfg.level)
+    ranks = []
+    for rank in range(cfg.world):
+        memory = rank_memory(units, cfg.level, rank % degree, frozen, cfg.optimizer)
+        memory.update(transient=transient["total"], activations=activations)
+        ranks.append(
+            {
+                "rank": rank,
+                "memory": memory,
+                "collectives": aggregate(collectives),
+                "bytes_per_step": round(sent),
+            }
+        )
+    itemsize = low.itemsize if low is not None else units[0].master if units else 4
+    paper = (3 if cfg.level == "p_g_os" else 2) * psi * (cfg.world - 1) / cfg.world * itemsize
+    return {
+        "params": psi,
+        "world": cfg.world,
+        "level": cfg.level,
+        "sharding_degree": degree,
+        "model": cfg.model or "built-in GPT",
+        "precision": cfg.mixed_precision or "fp32",
+        "batch": batch,
+        "seq": cfg.seq,
+        "buckets": sum(len(u.layouts) for u in units),
+        "units": len(units),
+        "transient": transient,
+        "paper_bytes_per_step": round(paper),
+        "ranks": ranks,
+    }, collectives
+
+
+def _units(model: nn.Module, cfg: PlanConfig, policy: MixedPrecision, degree: int):
+    """The shard groups ``group_sharded_parallel`` would build, and the frozen bytes."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    full_precision = policy.full_precision_modules if policy.param_dtype is not None else ()
+    plans = plan_units(
+        model,
+        named,
+        segment_size=cfg.segment_size,
+        wrap=ShardingConfig().wrap,
+        full_precision=full_precision,
+    )
+    units = []
+    for plan, layouts in plan_groups(plans, degree, cfg.buffer_max_size):
+        units.append(_unit(plan, layouts, policy, model))
+    kept = {id(p) for m in model.modules() if isinstance(m, full_precision) for p in m.parameters()}
+    frozen = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            cast = policy.param_dtype is not None and p.is_floating_point() and id(p) not in kept
+            frozen += p.numel() * (policy.param_dtype.itemsize if cast else p.element_size())
+    return [u for u in units if u.layouts], frozen
+
+
+def _unit(plan: UnitPlan, layouts, policy: MixedPrecision, model: nn.Module) -> _Unit:
+    master = layouts[0].dtype.itemsize if layouts else 4
+    low = None if plan.full_precision else policy.param_dtype
+    compute = low.itemsize if low is not None else master
+    reduce = policy.gradient_reduce_dtype()
+    return _Unit(
+        plan.name,
+        plan.module is model,
+        tuple(layouts),
+        compute,
+        reduce.itemsize if reduce is not None else compute,
+        master,
+    )
+
+
+def rank_memory(units: list[_Unit], level: str, g: int, frozen: int, optimizer: str) -> dict:
+    """Bytes rank ``g`` of the shard group holds after a backward, as ``measure`` counts them."""
+    params = grads = state = 0
+    per_element = 4 * STATE_PER_PARAM[optimizer]
+    for u in units:
+        for b in u.layouts:
+            full, shard = b.padded_numel, b.shard_numel
+            cast = u.compute != u.master
+            if level == "p_g_os":  # between uses only the master shard exists
+                params += shard * u.master
+            else:  # the full (compute) copy; a master shard of its own when cast
+                params += full * u.compute + (shard * u.master if cast else 0)
+            if level == "os":  # the full reduced gradient; the pieces' copy in fp32 if not
+                grads += full * u.reduce + (shard * u.master if u.reduce != u.master else 0)
+            else:
+                grads += shard * u.master
+            pieces = b.pieces(g)
+            state += sum(p.numel for p in pieces) * per_element
+            if optimizer in ("adam", "adamw"):
+                state += len(pieces) * _STEP_BYTES
+    return {"params": params + frozen, "grads": grads, "optimizer": state}
+
+
+def transient_bytes(units: list[_Unit], level: str) -> dict:
+    """The largest transient of a step. 'p_g_os': the root unit (gathered from forward to the
+    end of backward) and two units in a row (the one running and the one gathered ahead).
+    'os_g'/'p_g_os': the staged gradients of two groups in a row (one reducing, the next
+    filling: ``MAX_GROUPS_IN_FLIGHT`` is 1)."""
+    others = [u for u in units if not u.is_root]
+    gathered = staging = 0
+    if level == "p_g_os":
+        root = sum(u.full(u.compute) for u in units if u.is_root)
+        gathered = root + _pair_max([u.full(u.compute) for u in others])
+    if level != "os":
+        staging = _pair_max([u.full(u.reduce) for u in units])
+    return {"gathered": gathered, "staging": staging, "total": gathered + staging}
+
+
+def _pair_max(sizes: list[int]) -> int:
+    if len(sizes) < 2:
+        return sum(sizes)
+    return max(a + b for a, b in itertools.pairwise(sizes))
+
+
+def schedule(
+    units: list[_Unit], level: str, degree: int, replicas: int, low: torch.dtype | None
+) -> list[Collective]:
+    """The logical collectives of one steady training step, in the order the core issues them
+    (within a phase), for every rank alike. ``degree``: the shard group's size; ``replicas``:
+    how many copies of it (hybrid sharding)."""
+    out: list[Collective] = []
+    data_groups = [degree] + ([replicas] if replicas > 1 else [])
+
+    def add(op: str, size: int, nbytes: int, what: str) -> None:
+        if size > 1:  # the core's collectives do nothing at group size 1
+            out.append(Collective(op, size, nbytes, what))
+
+    def gather(u: _Unit, when: str) -> None:
+        add("all_reduce", degree, _AGREE_BYTES, "stage 3: same unit on every rank")
+        for b in u.layouts:
+            add("all_gather", degree, b.padded_numel * u.compute, f"gather parameters ({when})")
+
+    if level == "p_g_os":
+        for u in sorted(units, key=lambda u: not u.is_root):  # the root first, then in order
+            gather(u, "forward")
+    for size in data_groups:
+        add("all_reduce", size, _AGREE_BYTES, "agree on the units' order")
+    for u in reversed(units):
+        if level == "p_g_os" and not u.is_root:
+            gather(u, "backward")
+        for b in u.layouts:
+            full, shard = b.padded_numel * u.reduce, b.shard_numel
+            if level == "os":
+                add("all_reduce", degree, full, "reduce gradients")
+                add("all_reduce", replicas, shard * u.reduce, "replicas: reduce gradient shard")
+                if replicas > 1:
+                    add("all_gather", degree, full, "replicas: spread reduced gradients")
+            else:
+                add("reduce_scatter", degree, full, "reduce gradients")
+                add("all_reduce", replicas, shard * u.master, "replicas: reduce gradient shard")
+    flags = sum(len(b.slots) for u in units for b in u.layouts)
+    for size in data_groups:
+        add("all_reduce", size, flags, "agree which parameters have gradients")
+    if low == torch.float16:  # the loss scaler's inf/nan check
+        for size in data_groups:
+            add("all_reduce", size, 4, "loss scaler: agree on inf/nan")
+    if level != "p_g_os":
+        for u in units:
+            for b in u.layouts:
+                add("all_gather", degree, b.padded_numel * u.compute, "gather updated shards")
+    return out
+
+
+def aggregate(collectives: list[Collective]) -> list[dict]:
+    """One entry per (op, group size, purpose): calls and their bytes summed."""
+    rows: dict[tuple, dict] = {}
+    for c in collectives:
+        row = rows.setdefault(
+            (c.op, c.group_size, c.what),
+            {"op": c.op, "group_size": c.group_size, "calls": 0, "bytes": 0, "what": c.what},
+        )
+        row["calls"] += 1
+        row["bytes"] += c.bytes
+    return list(rows.values())
+
+
+def _activation_bytes(work, per_rank: int, policy: MixedPrecision, mode) -> int:
+    """What autograd saves for backward in one forward and loss of a rank's micro-batch, each
+    storage once, the parameters left out: counted on fake tensors, so kernels save what they
+    would on the device (the ``zerokit.memory.measure_activations`` way, for any model)."""
+    model = work.model
+    if policy.param_dtype is not None:  # the compute copy, as zerokit's buckets hold it
+        keep = policy.full_precision_modules
+        for m in model.modules():
+            if not isinstance(m, keep):
+                for p in m.parameters(recurse=False):
+                    if p.is_floating_point():
+                        p.data = p.data.to(policy.param_dtype)
+    x, y = (mode.from_tensor(t[:per_rank]) for t in _real_batch(work, per_rank))
+    if policy.param_dtype is not None and x.is_floating_point():
+        x = x.to(policy.param_dtype)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in params:
+            seen[storage._cdata] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        work.loss_fn(model(x), y)
+    return sum(seen.values())
+
+
+def _real_batch(work, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``rows`` rows of step 0's batch, made on the CPU outside the fake mode."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return work.make_batch(0, rows)
+
+
+def summarize(report: dict) -> list[tuple[list[int], dict]]:
+    """Ranks that are alike, grouped: [(ranks, their entry without "rank")]."""
+    groups: list[tuple[list[int], dict]] = []
+    for entry in report["ranks"]:
+        body = {k: v for k, v in entry.items() if k != "rank"}
+        for ranks, other in groups:
+            if other == body:
+                ranks.append(entry["rank"])
+                break
+        else:
+            groups.append(([entry["rank"]], body))
+    return groups

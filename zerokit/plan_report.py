@@ -1,0 +1,71 @@
+"""``zerokit plan``'s printout: memory per rank (alike ranks grouped) and one step's
+collectives, beside the ZeRO paper's volume."""
+
+from __future__ import annotations
+
+from .memory import format_bytes
+from .plan import summarize
+
+_MEMORY = ("params", "grads", "optimizer", "transient", "activations")
+
+
+def format_plan(report: dict) -> str:
+    groups = summarize(report)
+    n, level = report["world"], report["level"]
+    shards = report["sharding_degree"]
+    where = f"{n} ranks" + (
+        f" (sharded over {shards}, {n // shards} replicas)" if shards < n else ""
+    )
+    lines = [
+        f"{report['model']}: {report['params']:,} parameters, level '{level}' on {where}, "
+        f"{report['precision']}, batch {report['batch']} x seq {report['seq']}; "
+        f"{report['units']} units, {report['buckets']} buckets (zerokit's own layout, planned "
+        "on fake tensors: nothing allocated)",
+        "",
+        "memory per rank (ranks whose figures print alike share a row; params, grads, optimizer as zerokit.memory.measure counts them after "
+        "a backward; transient: gathered units and staged gradients at once; activations: "
+        "what autograd saves for a rank's micro-batch)",
+        "".join(f"{k:>13}" for k in _MEMORY) + f"{'sum':>13}  ranks",
+    ]
+    rows: dict[str, list[int]] = {}  # ranks whose printed figures are equal share a row
+    for ranks, body in groups:
+        memory = body["memory"]
+        figures = "".join(f"{format_bytes(memory[k]):>13}" for k in _MEMORY)
+        rows.setdefault(figures + f"{format_bytes(sum(memory[k] for k in _MEMORY)):>13}", [])
+        rows[figures + f"{format_bytes(sum(memory[k] for k in _MEMORY)):>13}"] += ranks
+    for figures, ranks in rows.items():
+        ranks.sort()
+        label = f"rank {_span(ranks)}" if len(ranks) == 1 else f"ranks {_span(ranks)}"
+        lines.append(f"{figures}  {label}")
+    t = report["transient"]
+    lines.append(
+        f"transient = gathered parameters {format_bytes(t['gathered'])} + staged "
+        f"gradients {format_bytes(t['staging'])}"
+    )
+    distinct = {repr(body["collectives"]) for _, body in groups}
+    for ranks, body in groups if len(distinct) > 1 else groups[:1]:
+        who = "every rank alike" if len(distinct) == 1 else f"ranks {_span(ranks)}"
+        lines += ["", f"collectives of one training step ({who}):"]
+        lines.append(f"  {'op':<15}{'group':>6}{'calls':>7}{'bytes':>12}  purpose")
+        for c in body["collectives"]:
+            lines.append(
+                f"  {c['op']:<15}{c['group_size']:>6}{c['calls']:>7}"
+                f"{format_bytes(c['bytes']):>12}  {c['what']}"
+            )
+        k = 3 if level == "p_g_os" else 2
+        lines.append(
+            f"  sent per rank per step: {format_bytes(body['bytes_per_step'])} (ring algorithm); "
+            f"ZeRO paper {k}Ψ(N-1)/N: {format_bytes(report['paper_bytes_per_step'])}"
+        )
+    return "\n".join(lines)
+
+
+def _span(ranks: list[int]) -> str:
+    """Runs of ranks: '0-62', '0-3,5,7-9'."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)

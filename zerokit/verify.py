@@ -1,0 +1,297 @@
+"""``zerokit verify``: the equivalence principle as a command.
+
+Trains the model (``zerokit.workload``'s contract) on ``nproc`` ranks at a level, each rank on
+its slice of the global batch, and beside it, on rank 0, the same model on one process on the
+whole global batch; after every step the full parameters of both are compared.
+
+What is judged after every step:
+
+- fp32: the largest ``|distributed - one process|`` element of any parameter, against
+  ``tolerance`` (default 2e-5: averaging N slices' gradients rounds differently from one
+  gradient of the batch).
+- mixed precision: two low-precision runs rounded differently drift apart, so neither is the
+  other's reference. Both are measured against exact fp32 training of the same model on one
+  process: the distributed run's RMS distance from it, over all parameter elements, must stay
+  within ``tolerance`` times (default 4) that of the same policy on one process (zerokit at
+  one rank), as tests/test_mixed_precision.py judges.
+
+Every forward runs after ``torch.manual_seed(1000 + step)`` on every rank and in the reference,
+so a model that draws random numbers per row (dropout), or whose forward reads the rank, draws
+or computes differently on the ranks than one process does on the batch: it fails, with the
+tensor that diverged first named.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .api import LEVELS, group_sharded_parallel
+from .launch import local_backend, spawn_local
+from .mixed_precision import MixedPrecision
+from .scaler import ShardedGradScaler
+from .workload import Workload, build_workload, load_factory
+
+FP32_TOLERANCE = 2e-5
+MIXED_PRECISION_FACTOR = 4.0
+OPTIMIZERS = {
+    "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
+    "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr),
+}
+LOW = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_RMS_FLOOR = 1e-9  # a one-process run that stayed exact: the distributed one must nearly too
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyConfig:
+    level: str
+    """'os', 'os_g' or 'p_g_os'."""
+    model: str | None = None
+    """``pkg.module:factory`` (``zerokit.workload``); None: the built-in small GPT."""
+    nproc: int = 2
+    """Ranks to start."""
+    steps: int = 4
+    """Training steps compared."""
+    batch: int = 8
+    """Global batch (rows); split evenly across the ranks."""
+    seq: int = 32
+    """Tokens per sequence (token models only)."""
+    mixed_precision: str | None = None
+    """'bf16' or 'fp16' (fp16 with a ``ShardedGradScaler``); None: fp32."""
+    tolerance: float | None = None
+    """fp32: the largest element difference allowed; mixed precision: the factor over the
+    one-process run's distance from exact training. None: 2e-5 / 4."""
+    optimizer: str = "sgd"
+    """'sgd' (momentum 0.9) or 'adamw'. SGD by default: Adam's update is nearly blind to a
+    gradient's scale, so a sum where a mean belongs (or a missing part of one) would pass."""
+    lr: float = 0.01
+    """The learning rate."""
+
+    @property
+    def judged_tolerance(self) -> float:
+        if self.tolerance is not None:
+            return self.tolerance
+        return FP32_TOLERANCE if self.mixed_precision is None else MIXED_PRECISION_FACTOR
+
+
+def check_config(cfg: VerifyConfig) -> None:
+    """Refuse bad settings, and a model that cannot train, before any rank starts."""
+    if cfg.level not in LEVELS:
+        raise ValueError(f"--level must be one of {', '.join(LEVELS)}, got {cfg.level!r}")
+    if cfg.nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {cfg.nproc}")
+    if cfg.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {cfg.steps}")
+    if cfg.batch < 1 or cfg.batch % cfg.nproc:
+        raise ValueError(f"--batch {cfg.batch} must divide evenly across {cfg.nproc} ranks")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
+    if not cfg.lr > 0:
+        raise ValueError(f"--lr must be positive, got {cfg.lr}")
+    if cfg.tolerance is not None and not cfg.tolerance > 0:
+        raise ValueError(f"--tolerance must be positive, got {cfg.tolerance}")
+    build_workload(
+        load_factory(cfg.model), batch=cfg.batch, seq=cfg.seq, per_rank=cfg.batch // cfg.nproc
+    )
+
+
+def run_verify(cfg: VerifyConfig, progress: Callable[[str], None] = print) -> dict:
+    """Train and compare; the report (``judge`` decides). Raises ValueError on bad settings."""
+    check_config(cfg)
+    backend = local_backend(cfg.nproc)
+    with tempfile.TemporaryDirectory(prefix="zerokit-verify-") as tmp:
+        out = os.path.join(tmp, "report.json")
+        progress(
+            f"training {cfg.steps} steps on {cfg.nproc} {backend} ranks and on one process ..."
+        )
+        spawn_local(_verify_rank, cfg.nproc, cfg, out, backend=backend)
+        steps = json.loads(Path(out).read_text())
+    return {
+        "model": cfg.model or "built-in GPT",
+        "level": cfg.level,
+        "nproc": cfg.nproc,
+        "backend": backend,
+        "batch": cfg.batch,
+        "precision": cfg.mixed_precision or "fp32",
+        "optimizer": f"{cfg.optimizer} lr {cfg.lr:g}",
+        "tolerance": cfg.judged_tolerance,
+        "steps": steps,
+    }
+
+
+def _verify_rank(rank: int, world_size: int, cfg: VerifyConfig, out: str) -> None:
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    torch.manual_seed(0)
+    work = build_workload(
+        load_factory(cfg.model), batch=cfg.batch, seq=cfg.seq, per_rank=cfg.batch // world_size
+    )
+    model = work.model.to(device)
+    low = LOW[cfg.mixed_precision]
+    one_process = dist.new_group([0])  # every rank takes part in making it
+    # rank 0's references start from the model every rank starts from (the wrap broadcasts it)
+    exact = _Trainer(copy.deepcopy(model), cfg) if rank == 0 else None
+    same_policy = None
+    if low is not None and rank == 0:
+        same_policy = _Trainer(copy.deepcopy(model), cfg, cfg.level, low, one_process)
+    dist_run = _Trainer(model, cfg, cfg.level, low, None)
+    per_rank = cfg.batch // world_size
+    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+    rows = []
+    for step in range(cfg.steps):
+        x, y = (t.to(device) for t in work.make_batch(step, cfg.batch))
+        loss = dist_run.step(x[mine], y[mine], work, step)
+        dist.all_reduce(loss)  # equal slices: the mean of the ranks' means is the batch's
+        full = dist_run.model.state_dict()  # collective: full fp32 (master) tensors
+        if rank == 0:
+            ref_loss = exact.step(x, y, work, step)
+            if same_policy is not None:
+                ref_loss = same_policy.step(x, y, work, step)
+            mean = loss.item() / world_size
+            rows.append(_compare_step(step, mean, ref_loss.item(), full, exact, same_policy))
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+class _Trainer:
+    """One model and its optimizer: plain (no level) or wrapped at ``level`` over ``group``."""
+
+    def __init__(self, model, cfg: VerifyConfig, level=None, low=None, group=None):
+        self.optimizer = OPTIMIZERS[cfg.optimizer](model.parameters(), cfg.lr)
+        self.scaler = None
+        if level is not None:
+            scaler = ShardedGradScaler() if low == torch.float16 else None
+            model, self.optimizer, self.scaler = group_sharded_parallel(
+                model,
+                self.optimizer,
+                level,
+                scaler=scaler,
+                group=group,
+                mixed_precision=MixedPrecision(param_dtype=low),
+            )
+        self.model = model
+
+    def step(self, x, y, work: Workload, step: int) -> torch.Tensor:
+        torch.manual_seed(1000 + step)  # the same random stream on every rank and here
+        loss = work.loss_fn(self.model(x), y)
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach().double()
+
+
+def _compare_step(step, loss, ref_loss, full, exact, same_policy) -> dict:
+    """Per parameter tensor: fp32, max |distributed - one process|; mixed precision, the RMS
+    distances from exact training of the distributed and the one-process run."""
+    same = dict(same_policy.model.state_dict()) if same_policy is not None else None
+    tensors = {}
+    for name, want in exact.model.named_parameters():
+        got = full[name].detach().double()
+        want = want.detach().double()
+        if same is None:
+            tensors[name] = {"max_abs": (got - want).abs().max().item() if got.numel() else 0.0}
+        else:  # squared distances from exact training, summed (a ratio of RMS is judged)
+            tensors[name] = {
+                "numel": got.numel(),
+                "sq": ((got - want) ** 2).sum().item(),
+                "sq_one_process": ((same[name].detach().double() - want) ** 2).sum().item(),
+            }
+    return {"step": step + 1, "loss": loss, "loss_one_process": ref_loss, "tensors": tensors}
+
+
+# -- judging ----------------------------------------------------------------------------------
+def judge(report: dict) -> dict:
+    """The verdict: per step the figure judged and its worst tensor; the first step beyond the
+    tolerance with the tensor that diverged most; the figure after the last step.
+
+    fp32: the largest element difference of any tensor. Mixed precision: the RMS distance of
+    every master element from exact training, over the one-process run's (a ratio; per tensor
+    it is too noisy to judge: one Adam step can leave a tensor of the one-process run exact),
+    and the worst tensor is the one adding the most squared distance beyond that run's.
+    """
+    mixed = report["precision"] != "fp32"
+    tol = report["tolerance"]
+    per_step, first_bad = [], None
+    for row in report["steps"]:
+        tensors = row["tensors"]
+        if mixed:
+            value = _rms_ratio(tensors.values())
+            worst = max(tensors, key=lambda n: tensors[n]["sq"] - tensors[n]["sq_one_process"])
+        else:
+            worst = max(tensors, key=lambda n: tensors[n]["max_abs"])
+            value = tensors[worst]["max_abs"]
+        per_step.append((row["step"], worst, value))
+        if not value <= tol and first_bad is None:  # NaN is beyond too
+            first_bad = {"step": row["step"], "tensor": worst, "value": value}
+    _, worst, value = per_step[-1]
+    return {
+        "passed": first_bad is None,
+        "per_step": per_step,
+        "worst": {"tensor": worst, "value": value},
+        "first_beyond": first_bad,
+    }
+
+
+def _rms_ratio(entries) -> float:
+    entries = list(entries)
+    numel = max(1, sum(e["numel"] for e in entries))
+    distributed = math.sqrt(sum(e["sq"] for e in entries) / numel)
+    one_process = math.sqrt(sum(e["sq_one_process"] for e in entries) / numel)
+    return distributed / max(one_process, _RMS_FLOOR)
+
+
+def format_report(report: dict, verdict: dict) -> str:
+    """The per-step table and the verdict, as ``zerokit verify`` prints them."""
+    mixed = report["precision"] != "fp32"
+    n, level, tol = report["nproc"], report["level"], report["tolerance"]
+    what = (
+        f"RMS distance of all parameters from exact fp32 training, over the one-process "
+        f"{report['precision']} run's"
+        if mixed
+        else "max |element difference|"
+    )
+    lines = [
+        f"{report['model']}: level '{level}' on {n} {report['backend']} ranks against one "
+        f"process, global batch {report['batch']}, {report['precision']}, {report['optimizer']}",
+        f"{'step':>4}  {'loss (1 process)':>16}  {'loss (' + str(n) + ' ranks)':>15}  "
+        f"{'loss diff':>9}  {'param diff':>10}  worst tensor",
+    ]
+    for row, (step, worst, value) in zip(report["steps"], verdict["per_step"]):
+        diff = abs(row["loss"] - row["loss_one_process"])
+        shown = f"{value:.2f}x" if mixed else f"{value:.1e}"
+        lines.append(
+            f"{step:>4}  {row['loss_one_process']:>16.6f}  {row['loss']:>15.6f}  {diff:>9.1e}  "
+            f"{shown:>10}  {worst}"
+        )
+    worst = verdict["worst"]
+    value = f"{worst['value']:.2f}x" if mixed else f"{worst['value']:.2e}"
+    limit = f"{tol:g}x" if mixed else f"{tol:g}"
+    where = "largest beyond the one-process run's in" if mixed else "in"
+    lines.append(
+        f"largest parameter difference after step {report['steps'][-1]['step']}: {value}, "
+        f"{where} {worst['tensor']} ({what}; tolerance {limit})"
+    )
+    first = verdict["first_beyond"]
+    if first is None:
+        lines.append(f"PASS: {n} ranks at '{level}' train as one process does")
+    else:
+        value = f"{first['value']:.2f}x" if mixed else f"{first['value']:.2e}"
+        lines.append(
+            f"FAIL: {first['tensor']} diverged first, at step {first['step']} ({value}, tolerance "
+            f"{limit}). A forward that reads the rank, or draws random numbers per row "
+            "(dropout), differs on slices of the batch from one process on all of it."
+        )
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""The model contract of ``zerokit compare``, ``verify`` and ``plan`` (``--model
+pkg.module:factory``; ``pkg.module`` may live in the current directory). ``factory()`` returns
+either
+
+- an ``nn.Module`` whose forward maps token ids ``[batch, seq]`` (int64) to logits
+  ``[batch, seq, vocab]``: it trains on a learnable synthetic token stream with next-token
+  cross-entropy (the vocabulary size is read from one probe forward); or
+- a tuple ``(model, make_batch)`` or ``(model, make_batch, loss_fn)`` for any other model:
+  ``make_batch(step, batch)`` returns the global batch ``(inputs, targets)`` of that step, two
+  tensors with ``batch`` rows, the same on every rank (seed it from ``step``); each rank trains
+  on its slice of the rows. ``loss_fn(output, targets)`` defaults to mean squared error for
+  floating-point targets and cross-entropy over the last dimension for integer targets.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .models.gpt import synthetic_batch
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one level trains: the model, where each step's global batch comes from, the loss."""
+
+    model: nn.Module
+    make_batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def load_factory(spec: str | None) -> Callable:
+    """The factory named by ``pkg.module:factory`` (the built-in GPT if None).
+
+    The current directory is importable, as it is for ``python -m zerokit``.
+    """
+    if spec is None:
+        return default_model
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--model must look like pkg.module:factory, got {spec!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # the console script's sys.path lacks it
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"--model: cannot import {module_name!r}: {e}") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"--model: {module_name!r} has no callable {attr!r}")
+    return factory
+
+
+def default_model() -> nn.Module:
+    from .models.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab_size=2048, block_size=64, n_layer=6, n_head=8, n_embd=256))
+
+
+def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the last dimension for integer targets, else mean squared error."""
+    if targets.is_floating_point():
+        return F.mse_loss(output.float(), targets.float())
+    return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), targets.reshape(-1))
+
+
+def build_workload(factory: Callable, *, batch: int, seq: int, per_rank: int) -> Workload:
+    """Call the factory and check its result with one forward of a rank's batch."""
+    made = factory()
+    work = as_workload(made, seq)
+    if not isinstance(made, nn.Module):  # the user's batches: one rank's slice must run
+        probe_batch(work, batch, per_rank)
+    return work
+
+
+def as_workload(made, seq: int) -> Workload:
+    """What a factory returned, as a ``Workload`` (a token model's vocabulary is read from one
+    probe forward of ``seq`` tokens, on the device the model is on)."""
+    if isinstance(made, nn.Module):  # a token language model
+        vocab = probe_vocab(made, seq)
+
+        def _tokens(step: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return synthetic_batch(vocab, b, seq, seed=step)
+
+        return Workload(made, _tokens, default_loss)
+    if not (
+        isinstance(made, tuple)
+        and len(made) in (2, 3)
+        and isinstance(made[0], nn.Module)
+        and all(callable(f) for f in made[1:])
+    ):
+        raise ValueError(
+            f"--model factory returned {type(made).__name__}, not a torch.nn.Module or a tuple "
+            "(nn.Module, make_batch) or (nn.Module, make_batch, loss_fn)"
+        )
+    return Workload(made[0], made[1], made[2] if len(made) == 3 else default_loss)
+
+
+def probe_vocab(model: nn.Module, seq: int) -> int:
+    """The vocabulary size, from one forward of token ids [1, seq]; a clear error otherwise."""
+    try:
+        with torch.no_grad():
+            device = next((p.device for p in model.parameters()), None)
+            logits = model(torch.zeros(1, seq, dtype=torch.long, device=device))
+    except Exception as e:
+        raise ValueError(
+            f"--model: forward of token ids [1, {seq}] failed: {e} (a model that takes other "
+            "inputs: return (model, make_batch) from the factory)"
+        ) from e
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != (1, seq):
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"--model: forward must return logits [1, {seq}, vocab], got {shape}")
+    return logits.shape[-1]
+
+
+def probe_batch(work: Workload, batch: int, per_rank: int) -> None:
+    """``make_batch(0, batch)`` gives two tensors of ``batch`` rows; a rank's slice runs."""
+    try:
+        made = work.make_batch(0, batch)
+    except Exception as e:
+        raise ValueError(f"--model: make_batch(0, {batch}) failed: {e}") from e
+    if not isinstance(made, (tuple, list)) or len(made) != 2:
+        raise ValueError(
+            f"--model: make_batch(0, {batch}) must return (inputs, targets), got "
+            f"{type(made).__name__}"
+        )
+    x, y = made
+    for what, t in (("inputs", x), ("targets", y)):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != batch:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"--model: make_batch(0, {batch}) must return (inputs, targets), tensors of "
+                f"{batch} rows; {what} is {got}"
+            )
+    try:
+        with torch.no_grad():
+            work.loss_fn(work.model(x[:per_rank]), y[:per_rank])
+    except Exception as e:
+        raise ValueError(f"--model: forward and loss of {per_rank} rows failed: {e}") from e
