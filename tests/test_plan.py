@@ -16,9 +16,9 @@ import torch.distributed as dist
 from dist_helpers import run_distributed
 
 from zerokit import LEVELS, MixedPrecision, ShardedGradScaler, cli, group_sharded_parallel
+from zerokit.layout import init_hybrid_parallel
 from zerokit.memory import format_bytes, measure
 from zerokit.plan import LOW, PlanConfig, plan_with_calls
-from zerokit.tensor_parallel.topology import init_hybrid_parallel
 from zerokit.workload import build_workload, load_factory
 
 MODEL = "verify_models:tiny_gpt"

@@ -267,7 +267,8 @@ def schedule(
             out.append(Collective(op, size, nbytes, what))
 
     def gather(u: _Unit, when: str) -> None:
-        add("all_reduce", degree, _AGREE_BYTES, "stage 3: same unit on every rank")
+        # (the per-gather agreement is a debug option, ShardingConfig(debug_agreement=True):
+        # off the step's path, so not planned)
         for b in u.layouts:
             add("all_gather", degree, b.padded_numel * u.compute, f"gather parameters ({when})")
 
