@@ -19,7 +19,6 @@ from models import (
 from torch import nn
 
 import zerokit
-from zerokit.core.grad_placeholder import is_placeholder
 
 ATOL = 2e-5
 
@@ -112,7 +111,6 @@ def _loop_semantics(rank, world_size, every_level=True):
         compare("scheduler after wrap", sched_factory=step_lr),
         compare("scheduler before wrap", sched_factory=step_lr, sched_before_wrap=True),
         compare("sync_comm", micro=2, wrap_options={"sync_comm": True}),
-        lambda level: _check_full_grads(rank, world_size, level),
         lambda level: _check_resume(rank, world_size, level),
         lambda level: _check_no_sync_then_step_is_refused(rank, world_size, level),
     ]
@@ -124,29 +122,6 @@ def _loop_semantics(rank, world_size, every_level=True):
     else:
         for i, check in enumerate(checks):
             check(levels[i % len(levels)])
-
-
-def _check_full_grads(rank, world_size, level):
-    """'os' keeps full averaged gradients on every parameter; 'os_g' and 'p_g_os' keep none (a
-    parameter that has a gradient holds a placeholder: tests/test_torch_grads.py)."""
-    ((x, y),) = global_batches(1, batch=2 * world_size)
-    (ref_model, _), (model, opt) = reference_pair("awkward", "sgd")
-    loss_fn(ref_model(x), y).backward()
-    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **SMALL[level])
-    loss_fn(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
-    for (name, p), ref_p in zip(model.named_parameters(), ref_model.parameters()):
-        if ref_p.grad is None:
-            assert p.grad is None, f"{level}: {name} should have no gradient"
-        elif level != "os":
-            assert is_placeholder(p.grad), f"{level}: {name} should have no full gradient"
-        else:
-            torch.testing.assert_close(
-                p.grad,
-                ref_p.grad,
-                atol=1e-6,
-                rtol=0,
-                msg=lambda m, name=name: f"{level} {name}: {m}",
-            )
 
 
 def _check_resume(rank, world_size, level):
