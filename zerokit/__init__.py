@@ -10,6 +10,7 @@ from .api import LEVELS, group_sharded_parallel, num_params
 from .clip import clip_grad_norm_
 from .config import ShardingConfig, load_config
 from .core.grad_placeholder import ShardedGradError
+from .meta_init import MetaInitError, empty_init
 from .mixed_precision import MixedPrecision
 from .scaler import ShardedGradScaler
 from .tensor_parallel import init_hybrid_parallel
@@ -22,12 +23,14 @@ def save_group_sharded_model(model, output: str, optimizer=None) -> None:
 
 __all__ = [
     "LEVELS",
+    "MetaInitError",
     "MixedPrecision",
     "ShardedGradError",
     "ShardedGradScaler",
     "ShardingConfig",
     "checkpoint",
     "clip_grad_norm_",
+    "empty_init",
     "group_sharded_parallel",
     "init_hybrid_parallel",
     "load_config",
