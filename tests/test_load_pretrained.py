@@ -10,14 +10,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
-from torch import nn
-
-import zerokit
-from zerokit.checkpoint import CheckpointError, load_pretrained
-from zerokit.checkpoint.pretrained import _Sources
-from zerokit.core.state import state_of
-
 from dist_helpers import run_distributed
 from models import (
     SMALL,
@@ -29,6 +21,13 @@ from models import (
     train_reference,
     train_sharded,
 )
+from safetensors.torch import save_file
+from torch import nn
+
+import zerokit
+from zerokit.checkpoint import CheckpointError, load_pretrained
+from zerokit.checkpoint.pretrained import _Sources
+from zerokit.core.state import state_of
 
 
 def _reference_values() -> dict[str, torch.Tensor]:
@@ -125,7 +124,9 @@ def test_each_rank_reads_only_its_pieces_and_together_every_element_once(tmp_pat
     _save(path, plain.state_dict(), torch.float32)
     out = mp.get_context("fork").SimpleQueue()
     run_distributed(_reads_its_own, 3, path, level, out)
-    covered = {name: torch.zeros(t.numel(), dtype=torch.int32) for name, t in plain.state_dict().items()}
+    covered = {
+        name: torch.zeros(t.numel(), dtype=torch.int32) for name, t in plain.state_dict().items()
+    }
     for reads in out.get():
         for name, lo, hi in reads:
             covered[name][lo:hi] += 1
@@ -160,9 +161,13 @@ def _strict(rank: int, world_size: int, tmp: str) -> None:
         model, f"{tmp}/extra.safetensors", r"in the files but not in the model: 1 \(surplus\)"
     )
     # a shape mismatch: refused even with strict=False
-    _expect_unchanged(model, f"{tmp}/shape.safetensors", r"odd: \[4\] in the file, \[3\]", strict=False)
+    _expect_unchanged(
+        model, f"{tmp}/shape.safetensors", r"odd: \[4\] in the file, \[3\]", strict=False
+    )
     # nothing in common: the first ten names and the count
-    _expect_unchanged(model, f"{tmp}/other.safetensors", r"missing from the files: 14 \(.*, \.\.\.\)")
+    _expect_unchanged(
+        model, f"{tmp}/other.safetensors", r"missing from the files: 14 \(.*, \.\.\.\)"
+    )
     # strict=False loads what both have, returns what does not match
     missing, unexpected = load_pretrained(model, f"{tmp}/missing.safetensors", strict=False)
     assert (missing, unexpected) == (["odd"], [])
@@ -178,7 +183,9 @@ def _strict(rank: int, world_size: int, tmp: str) -> None:
 def test_strict_and_bad_files_raise_on_every_rank_changing_nothing(tmp_path):
     values = _reference_values()
     tmp = str(tmp_path)
-    _save(f"{tmp}/missing.safetensors", {k: v for k, v in values.items() if k != "odd"}, torch.float32)
+    _save(
+        f"{tmp}/missing.safetensors", {k: v for k, v in values.items() if k != "odd"}, torch.float32
+    )
     _save(f"{tmp}/extra.safetensors", {**values, "surplus": torch.ones(2)}, torch.float32)
     _save(f"{tmp}/shape.safetensors", {**values, "odd": torch.ones(4)}, torch.float32)
     _save(f"{tmp}/other.safetensors", {"x": torch.ones(1)}, torch.float32)
@@ -198,23 +205,19 @@ def test_strict_and_bad_files_raise_on_every_rank_changing_nothing(tmp_path):
 def _hf_models():
     transformers = pytest.importorskip("transformers")
     transformers.logging.set_verbosity_error()
-    small = dict(vocab_size=40, bos_token_id=0, eos_token_id=1)
+    small = {"vocab_size": 40, "bos_token_id": 0, "eos_token_id": 1}
+    llama = {
+        "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32,
+    }  # fmt: skip
+    gpt2 = {"n_embd": 16, "n_layer": 2, "n_head": 4, "n_positions": 32}
     return [
         (
             transformers.LlamaForCausalLM,
-            transformers.LlamaConfig(
-                hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                tie_word_embeddings=tied, **small,
-            ),
-        )  # fmt: skip
-        for tied in (True, False)
-    ] + [
-        (
-            transformers.GPT2LMHeadModel,
-            transformers.GPT2Config(n_embd=16, n_layer=2, n_head=4, n_positions=32, **small),
+            transformers.LlamaConfig(**llama, tie_word_embeddings=tied, **small),
         )
-    ]
+        for tied in (True, False)
+    ] + [(transformers.GPT2LMHeadModel, transformers.GPT2Config(**gpt2, **small))]
 
 
 def _hf_round_trip(rank: int, world_size: int, dirs) -> None:

@@ -10,11 +10,6 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
-import zerokit
-from zerokit.models.gpt import GPT, GPTConfig
-
 from dist_helpers import run_distributed
 from models import (
     SMALL,
@@ -26,6 +21,10 @@ from models import (
     train_reference,
     train_sharded,
 )
+from torch import nn
+
+import zerokit
+from zerokit.models.gpt import GPT, GPTConfig
 
 
 def awkward_init(m: nn.Module) -> None:
@@ -58,7 +57,11 @@ def reference(build, init, seed: int = 0) -> nn.Module:
                 if id(t) not in made:
                     old.append(t)
                     empty = torch.empty_like(t, device="cpu")
-                    made[id(t)] = nn.Parameter(empty, t.requires_grad) if table is module._parameters else empty
+                    made[id(t)] = (
+                        nn.Parameter(empty, t.requires_grad)
+                        if table is module._parameters
+                        else empty
+                    )
                 table[name] = made[id(t)]
     model.apply(init)
     return model
@@ -111,6 +114,7 @@ def _default_init_and_empty_init(rank: int, world_size: int) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os")
     assert_bitwise(model, ref, "reset_parameters")
+
     # empty_init: parameters on meta, the buffer computed in __init__ kept
     def build() -> nn.Module:
         with zerokit.empty_init():
@@ -121,7 +125,9 @@ def _default_init_and_empty_init(rank: int, world_size: int) -> None:
     model = build()
     assert model.scale.device.type == "cpu" and model.emb.weight.is_meta
     opt = make_optimizer("sgd", model)
-    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os", init_fn=_params_only_awkward)
+    model, opt, _ = zerokit.group_sharded_parallel(
+        model, opt, "p_g_os", init_fn=_params_only_awkward
+    )
     assert float(model.scale) == 0.5, "empty_init's real buffer was lost"
     assert_bitwise(model, ref, "empty_init")
     batches = global_batches(2, 6)
@@ -229,7 +235,9 @@ def _bad_inputs(rank: int, world_size: int) -> None:
     expect(ValueError, "on meta .* are not", model, torch.optim.SGD(model.parameters(), lr=0.1))
     # init_fn on a real model
     model = Awkward()
-    expect(ValueError, "drop init_fn", model, torch.optim.SGD(model.parameters(), 0.1), init_fn=print)
+    expect(
+        ValueError, "drop init_fn", model, torch.optim.SGD(model.parameters(), 0.1), init_fn=print
+    )
 
     # init_fn raising on rank 1 only: the same error on every rank, the model still on meta
     def fails_on_rank_1(m):
@@ -240,10 +248,12 @@ def _bad_inputs(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
     model = on_meta_awkward()
     opt = make_optimizer("adamw", model)
-    params = {n: p for n, p in model.named_parameters()}
-    expect(zerokit.MetaInitError, r"rank\(s\) 1 .*boom in init", model, opt, init_fn=fails_on_rank_1)
+    params = dict(model.named_parameters())
+    expect(
+        zerokit.MetaInitError, r"rank\(s\) 1 .*boom in init", model, opt, init_fn=fails_on_rank_1
+    )
     assert all(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
-    assert {n: p for n, p in model.named_parameters()} == params, "parameters were replaced"
+    assert dict(model.named_parameters()) == params, "parameters were replaced"
     assert not isinstance(model, zerokit.core.module.ShardedModule) and not opt.state
     # ... and it can be wrapped afterwards, with the values one process gives
     ref = reference(on_meta_awkward, awkward_init)

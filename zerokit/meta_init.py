@@ -208,7 +208,9 @@ class _Walk:
         self._visit(self.model, init_fn, "")
         if self.root is not None:
             self._shard(*self.root)
-        left = [n for n, p in self.model.named_parameters() if p.is_meta and id(p) not in self.sharded]
+        left = [
+            n for n, p in self.model.named_parameters() if p.is_meta and id(p) not in self.sharded
+        ]
         left += [n for n, b in self.model.named_buffers() if b.is_meta]
         if left:
             raise ValueError(

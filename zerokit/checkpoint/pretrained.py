@@ -113,9 +113,13 @@ class _Sources:
                     if key == "__metadata__":
                         continue
                     if expected is not None and key not in expected:
-                        raise CheckpointError(f"{where}: holds {key!r}, which {INDEX} does not list")
+                        raise CheckpointError(
+                            f"{where}: holds {key!r}, which {INDEX} does not list"
+                        )
                     if key in self.where:
-                        raise CheckpointError(f"{where}: {key!r} is also in {self.where[key].where}")
+                        raise CheckpointError(
+                            f"{where}: {key!r} is also in {self.where[key].where}"
+                        )
                     self.where[key] = shard
                 for key in expected or ():
                     if key not in shard.header:
@@ -202,9 +206,7 @@ def _verdict(reports: list[dict], sources: _Sources, strict: bool) -> tuple[list
         problems.append(f"in the files but not in the model: {_listing(unexpected)}")
     if problems:
         hint = " (strict=False loads what both have)" if not mismatched else ""
-        raise CheckpointError(
-            f"load_pretrained: {'; '.join(problems)}{hint}; nothing was loaded"
-        )
+        raise CheckpointError(f"load_pretrained: {'; '.join(problems)}{hint}; nothing was loaded")
     return missing, unexpected
 
 

@@ -89,7 +89,7 @@ def build(
                 compute_dtype=None if plan.full_precision else mp.param_dtype,
                 master_device=_CPU if opts.offload else None,
                 shard_params=opts.level == "p_g_os",
-                initial_shard=_initial_shard(opts, [plan.params[s.param_index][1] for s in layout.slots]),
+                initial_shard=_initial_shard(opts, plan, layout),
             )
             for layout in layouts
         ]
@@ -135,10 +135,10 @@ def build(
     return state
 
 
-def _initial_shard(opts: CoreOptions, params) -> torch.Tensor | None:
+def _initial_shard(opts: CoreOptions, plan: UnitPlan, layout) -> torch.Tensor | None:
     if opts.initial_shards is None:
         return None
-    return opts.initial_shards[tuple(id(p) for p in params)]
+    return opts.initial_shards[tuple(id(plan.params[s.param_index][1]) for s in layout.slots)]
 
 
 def _cast_frozen_params(model: nn.Module, dtype: torch.dtype | None, keep) -> None:
