@@ -254,3 +254,39 @@ def test_hugging_face_directory_round_trip(tmp_path, world_size):
         cls(config).save_pretrained(path, max_shard_size="20KB")  # several files and an index
         dirs.append(path)
     run_distributed(_hf_round_trip, world_size, dirs)
+
+
+# -- tensor parallelism: each tp rank reads its slices (rows, or runs of columns) ----------------
+def _tensor_parallel_load(rank: int, world_size: int, path: str) -> None:
+    from test_meta_init import TPNet
+
+    from zerokit import tensor_parallel as tp
+
+    layout = zerokit.init_hybrid_parallel(2, 2)
+    want = TPNet(tensor_parallel=False)
+    want.load_state_dict({k: v.float() for k, v in _read_file(path).items()})
+    for level in ("os", "p_g_os"):
+        with zerokit.empty_init():
+            model = TPNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, group=layout.dp_group)
+        assert load_pretrained(model, path) == ([], [])
+        got = tp.gather_full_state_dict(model)
+        for name, value in want.state_dict().items():
+            assert torch.equal(got[name], value), f"{level} tp: {name}"
+
+
+def _read_file(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_slices_load_from_the_full_tensors(tmp_path):
+    from test_meta_init import TPNet
+
+    torch.manual_seed(2)
+    path = str(tmp_path / "tp.safetensors")
+    _save(path, TPNet(tensor_parallel=False).state_dict(), torch.bfloat16)
+    run_distributed(_tensor_parallel_load, 4, path)

@@ -292,3 +292,46 @@ def _bad_inputs(rank: int, world_size: int) -> None:
 
 def test_bad_inputs_fail_on_every_rank_and_leave_the_model_on_meta():
     run_distributed(_bad_inputs, 2)
+
+
+# -- tensor parallelism ------------------------------------------------------------------------
+class TPNet(nn.Module):
+    """Every tensor-parallel layer, and a plain one; ``tp=False``: the same model unsplit."""
+
+    def __init__(self, tensor_parallel: bool = True):
+        super().__init__()
+        from zerokit import tensor_parallel as tp
+
+        self.emb = (
+            tp.VocabParallelEmbedding(VOCAB, 8) if tensor_parallel else nn.Embedding(VOCAB, 8)
+        )
+        self.col = (
+            tp.ColumnParallelLinear(8, 12, gather_output=False)
+            if tensor_parallel
+            else nn.Linear(8, 12)
+        )
+        self.row = (
+            tp.RowParallelLinear(12, 8, input_is_parallel=True)
+            if tensor_parallel
+            else nn.Linear(12, 8)
+        )
+        self.out = nn.Linear(8, VOCAB)
+
+    def forward(self, idx):
+        return self.out(self.row(torch.relu(self.col(self.emb(idx)))))
+
+
+def _tensor_parallel_on_meta(rank: int, world_size: int) -> None:
+    layout = zerokit.init_hybrid_parallel(2, 2)
+    torch.manual_seed(0)
+    eager = TPNet()  # today's construction: each tp rank keeps its slices of plain layers
+    torch.manual_seed(0)
+    model = _meta(TPNet)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os", group=layout.dp_group)
+    assert_bitwise(model, eager, f"tp rank {layout.tp_rank}")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_layers_on_meta_take_the_slices_of_eager_construction():
+    run_distributed(_tensor_parallel_on_meta, 4)
