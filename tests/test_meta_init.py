@@ -17,6 +17,7 @@ from models import (
     Awkward,
     assert_same_params,
     global_batches,
+    loss_fn,
     make_optimizer,
     train_reference,
     train_sharded,
@@ -335,3 +336,57 @@ def _tensor_parallel_on_meta(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_tensor_parallel_layers_on_meta_take_the_slices_of_eager_construction():
     run_distributed(_tensor_parallel_on_meta, 4)
+
+
+# -- a pipeline stage built on meta --------------------------------------------------------------
+def _pipeline_layers():
+    from zerokit.pipeline import LayerDesc
+
+    return (
+        [LayerDesc(nn.Embedding, VOCAB, 8)]
+        + [LayerDesc(nn.Linear, 8, 8) for _ in range(3)]
+        + [LayerDesc(nn.Linear, 8, VOCAB)]
+    )
+
+
+def _pipeline_stage_on_meta(rank: int, world_size: int) -> None:
+    from zerokit.pipeline import PipelineModule, PipelineStage
+
+    layers = _pipeline_layers()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        pipe = PipelineModule(layers, loss_fn, num_stages=2, partition=[0, 2, 5])
+    start, end = pipe.bounds[rank], pipe.bounds[rank + 1]
+    # the one-process reference of this stage: the same stage built on meta, then reset
+    ref = reference(
+        lambda: _meta(lambda: PipelineStage(layers[start:end], start)),
+        zerokit.meta_init.reset_parameters,
+    )
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    alone = dist.new_group([0]), dist.new_group([1])  # each stage's data-parallel group
+    torch.manual_seed(0)
+    pipe, opt, _ = zerokit.group_sharded_parallel(pipe, opt, "p_g_os", group=alone[rank])
+    assert_bitwise(pipe.stage, ref, f"stage {rank}")
+    x, y = global_batches(1, 4)[0]
+    assert torch.isfinite(pipe.train_batch((x, y), opt, micro_batches=2))
+
+
+def test_pipeline_stage_built_on_meta_wraps_at_p_g_os():
+    run_distributed(_pipeline_stage_on_meta, 2)
+
+
+def _pipeline_tied_on_meta(rank: int, world_size: int) -> None:
+    from zerokit.pipeline import LayerDesc, PipelineModule, SharedLayerDesc
+
+    layers = [SharedLayerDesc("emb", nn.Embedding, None, "weight", VOCAB, 8)]
+    layers += [
+        LayerDesc(nn.Linear, 8, 8),
+        SharedLayerDesc("emb", nn.Embedding, None, "weight", VOCAB, 8),
+    ]
+    with pytest.raises(ValueError, match=r"\['emb'\] are tied across pipeline stages"):
+        with torch.device("meta"):
+            PipelineModule(layers, loss_fn, num_stages=2, partition=[0, 2, 3])
+
+
+def test_pipeline_tied_across_stages_on_meta_is_refused():
+    run_distributed(_pipeline_tied_on_meta, 2)

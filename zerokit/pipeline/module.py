@@ -143,6 +143,12 @@ class PipelineModule(nn.Module):
         tied = {k: v for k, v in sorted(stages.items()) if len(v) > 1}
         if not tied:
             return {}
+        if any(p.is_meta for p in self.stage.parameters()):  # every rank built on meta
+            raise ValueError(
+                f"layers {sorted(tied)} are tied across pipeline stages, whose copies start "
+                "equal by a broadcast, which a model on meta cannot do (no values yet); build "
+                "this PipelineModule without torch.device('meta') / zerokit.empty_init()"
+            )
         stage_size = dist.get_world_size() // self.num_stages
         position = dist.get_rank() % stage_size
         mine = {}
@@ -427,6 +433,5 @@ class PipelineModule(nn.Module):
             *self.stage.named_buffers(remove_duplicate=False),
         ]
         return {
-            name: (name, not any(name.startswith(prefix) for prefix in copies))
-            for name, _ in named
+            name: (name, not any(name.startswith(prefix) for prefix in copies)) for name, _ in named
         }
