@@ -77,7 +77,7 @@ def _loads_as_one_process(rank: int, world_size: int, sources) -> None:
             assert_same_params(model, ref, 2e-5, f"{level} {path} after 2 steps")
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_load_pretrained_equals_one_process_at_every_level(tmp_path, world_size):
     values = _reference_values()
     # one bf16 file without the tied head (filled once, from emb.weight), and an fp16
@@ -114,7 +114,7 @@ def _reads_its_own(rank: int, world_size: int, path: str, level: str, out) -> No
         out.put(everything)
 
 
-@pytest.mark.parametrize("level", ["os", "p_g_os"])
+@pytest.mark.parametrize("level", [pytest.param("os", marks=pytest.mark.slow), "p_g_os"])
 def test_each_rank_reads_only_its_pieces_and_together_every_element_once(tmp_path, level):
     import multiprocessing as mp
 

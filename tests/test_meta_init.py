@@ -98,7 +98,7 @@ def _equal_to_one_process(rank: int, world_size: int) -> None:
         assert_same_params(model, ref, 2e-5, f"{level} after 3 steps")
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_meta_model_equals_one_process_at_every_level(world_size):
     run_distributed(_equal_to_one_process, world_size)
 
@@ -369,13 +369,14 @@ def _pipeline_stage_on_meta(rank: int, world_size: int) -> None:
     assert_bitwise(pipe.stage, ref, f"stage {rank}")
     x, y = global_batches(1, 4)[0]
     assert torch.isfinite(pipe.train_batch((x, y), opt, micro_batches=2))
+    _pipeline_tied_on_meta()
 
 
-def test_pipeline_stage_built_on_meta_wraps_at_p_g_os():
+def test_pipeline_stage_built_on_meta_wraps_at_p_g_os_and_tied_stages_are_refused():
     run_distributed(_pipeline_stage_on_meta, 2)
 
 
-def _pipeline_tied_on_meta(rank: int, world_size: int) -> None:
+def _pipeline_tied_on_meta() -> None:
     from zerokit.pipeline import LayerDesc, PipelineModule, SharedLayerDesc
 
     layers = [SharedLayerDesc("emb", nn.Embedding, None, "weight", VOCAB, 8)]
@@ -386,7 +387,3 @@ def _pipeline_tied_on_meta(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match=r"\['emb'\] are tied across pipeline stages"):
         with torch.device("meta"):
             PipelineModule(layers, loss_fn, num_stages=2, partition=[0, 2, 3])
-
-
-def test_pipeline_tied_across_stages_on_meta_is_refused():
-    run_distributed(_pipeline_tied_on_meta, 2)
