@@ -387,3 +387,40 @@ def _pipeline_tied_on_meta() -> None:
     with pytest.raises(ValueError, match=r"\['emb'\] are tied across pipeline stages"):
         with torch.device("meta"):
             PipelineModule(layers, loss_fn, num_stages=2, partition=[0, 2, 3])
+
+
+def _hybrid_and_mixed_precision(rank: int, world_size: int) -> None:
+    layout = zerokit.init_hybrid_parallel(dp_degree=2, tp_degree=1, sharding_degree=2)
+    ref = reference(on_meta_awkward, awkward_init)
+    torch.manual_seed(rank)  # ranks seeded apart: every rank still draws rank 0's numbers
+    model = on_meta_awkward()
+    opt = make_optimizer("adamw", model)
+    model, opt, _ = zerokit.group_sharded_parallel(
+        model, opt, "p_g_os", group=layout.sharding_group, dp_group=layout.dp_group,
+        init_fn=awkward_init, **SMALL["p_g_os"],
+    )  # fmt: skip
+    full = model.state_dict()  # collective
+    if rank == 0:  # seeded as the reference
+        assert all(torch.equal(full[k], v) for k, v in ref.state_dict().items()), "hybrid"
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, {k: v.clone() for k, v in full.items()})
+    for other in gathered:
+        assert all(torch.equal(other[k], v) for k, v in full.items()), "ranks differ"
+    # mixed precision: the fp32 masters hold the initial values exactly
+    torch.manual_seed(0)
+    model = on_meta_awkward()
+    opt = make_optimizer("sgd", model)
+    model, opt, _ = zerokit.group_sharded_parallel(
+        model, opt, "p_g_os", init_fn=awkward_init,
+        mixed_precision=zerokit.MixedPrecision(param_dtype=torch.bfloat16), **SMALL["p_g_os"],
+    )  # fmt: skip
+    got = model.state_dict()
+    for name, value in ref.state_dict().items():
+        if name.startswith("frozen."):  # frozen parameters are cast to the compute dtype
+            value = value.to(torch.bfloat16)
+        assert torch.equal(got[name], value), f"mixed precision: {name}"
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_and_mixed_precision_from_meta():
+    run_distributed(_hybrid_and_mixed_precision, 4)
