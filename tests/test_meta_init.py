@@ -251,7 +251,11 @@ def _bad_inputs(rank: int, world_size: int) -> None:
     opt = make_optimizer("adamw", model)
     params = dict(model.named_parameters())
     expect(
-        zerokit.MetaInitError, r"rank\(s\) 1 .*boom in init", model, opt, init_fn=fails_on_rank_1
+        zerokit.MetaInitError,
+        "failed: rank 1: RuntimeError: boom in init",
+        model,
+        opt,
+        init_fn=fails_on_rank_1,
     )
     assert all(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
     assert dict(model.named_parameters()) == params, "parameters were replaced"
@@ -406,6 +410,18 @@ def _hybrid_and_mixed_precision(rank: int, world_size: int) -> None:
     dist.all_gather_object(gathered, {k: v.clone() for k, v in full.items()})
     for other in gathered:
         assert all(torch.equal(other[k], v) for k, v in full.items()), "ranks differ"
+
+    # a failure on one rank reaches every rank of the grid (shard groups x replicas)
+    def fails_on_rank_3(m):
+        if rank == 3:
+            raise RuntimeError("rank three")
+
+    model = on_meta_awkward()
+    with pytest.raises(zerokit.MetaInitError, match="rank 3: RuntimeError: rank three"):
+        zerokit.group_sharded_parallel(
+            model, make_optimizer("sgd", model), "p_g_os", group=layout.sharding_group,
+            dp_group=layout.dp_group, init_fn=fails_on_rank_3,
+        )  # fmt: skip
     # mixed precision: the fp32 masters hold the initial values exactly
     torch.manual_seed(0)
     model = on_meta_awkward()

@@ -28,6 +28,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -127,21 +128,26 @@ def materialize(
         walk.run(init_fn or reset_parameters)
     except Exception as exc:  # reported on every rank below, never a hang in a collective
         error = f"{type(exc).__name__}: {exc}"
-    errors: list[bytes] = []
-    for g in groups:
-        errors = agreement.gather("zerokit: initialising the meta model", error.encode(), g)
-        if any(errors):
-            break
-    failed = [(r, e.decode()) for r, e in enumerate(errors) if e]
-    if failed:
+    report = _agree_on_failures(error, [group, replica_group])
+    if report:
         saved.restore()
         torch.set_rng_state(rng)
-        ranks = ", ".join(str(r) for r, _ in failed)
         raise MetaInitError(
-            f"initialising the meta model failed on rank(s) {ranks} of the group: "
-            f"{failed[0][1]}. Nothing was wrapped; the model is still on meta"
+            f"initialising the meta model failed: {report}. Nothing was wrapped; the model is "
+            "still on meta"
         )
     return walk.finish() if level == "p_g_os" else None
+
+
+def _agree_on_failures(error: str, groups: list[ProcessGroup | None]) -> str:
+    """Every rank's failures, known to every rank: first within the shard group, then that
+    group's summary across its replicas (so every rank of the grid hears of every failure)."""
+    report = f"rank {dist.get_rank()}: {error}" if error and dist.is_initialized() else error
+    for g in groups:
+        if g is not None:
+            reports = agreement.gather("zerokit: initialising the meta model", report.encode(), g)
+            report = "; ".join(dict.fromkeys(r.decode() for r in reports if r))
+    return report
 
 
 class _Snapshot:
