@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 from collections.abc import Iterator
 
@@ -151,8 +152,17 @@ class _Sources:
 
     def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
         shard = self.where[name]
-        values = shard.read(name, lo, hi)
-        self.bytes_read += values.numel() * values.element_size()
+        values = shard.read(name, lo, hi)  # a copy: the mapped pages are not needed after it
+        nbytes = values.numel() * values.element_size()
+        self.bytes_read += nbytes
+        begin = (
+            shard.data_start + shard.header[name]["data_offsets"][0] + lo * values.element_size()
+        )
+        first = begin - begin % mmap.PAGESIZE
+        if hasattr(mmap, "MADV_DONTNEED") and begin + nbytes > first:
+            # drop the pages from this process (the page cache keeps them): else every byte
+            # read would count twice in the rank's memory until the load ends
+            shard.mm.madvise(mmap.MADV_DONTNEED, first, begin + nbytes - first)
         return values
 
     def close(self) -> None:
