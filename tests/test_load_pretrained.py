@@ -290,3 +290,43 @@ def test_tensor_parallel_slices_load_from_the_full_tensors(tmp_path):
     path = str(tmp_path / "tp.safetensors")
     _save(path, TPNet(tensor_parallel=False).state_dict(), torch.bfloat16)
     run_distributed(_tensor_parallel_load, 4, path)
+
+
+# -- memory while loading ------------------------------------------------------------------------
+def _load_growth(rank: int, world_size: int, path: str, out) -> None:
+    import ctypes
+
+    from test_meta_init import Tower, _status
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # freed big blocks go back to the OS
+    with zerokit.empty_init():
+        model = Tower()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os")
+    before = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    load_pretrained(model, path)
+    growth = torch.tensor([_status("VmHWM") - before], dtype=torch.float64)
+    dist.all_reduce(growth, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        out.put(float(growth))
+
+
+def test_loading_grows_a_rank_by_its_shards_plus_one_tensor(tmp_path):
+    """While loading, a rank holds its staged shard pieces (36 MiB / 2) and the file's pages
+    being copied (dropped after each read), plus a fixed cost (8 MiB); a rank that kept the
+    mapped pages, or read whole tensors, would hold twice its shards or more."""
+    import multiprocessing as mp
+
+    from test_meta_init import BLOCKS, DIM, MIB, Tower
+
+    torch.manual_seed(0)
+    path = str(tmp_path / "tower.safetensors")
+    save_file(Tower().state_dict(), path)
+    out = mp.get_context("fork").SimpleQueue()
+    run_distributed(_load_growth, 2, path, out)
+    growth = out.get()
+    shards, largest = (BLOCKS + 1) * DIM * DIM * 4 / 2, DIM * DIM * 4
+    bound = shards + largest + 8 * MIB
+    assert growth <= bound, f"grew {growth / MIB:.1f} MiB while loading > {bound / MIB:.1f} MiB"
