@@ -88,8 +88,8 @@ def on_meta(model: nn.Module) -> bool:
     real = [n for n, p in params.items() if not p.is_meta]
     if real:
         raise ValueError(
-            f"{len(meta)} parameter(s) are on meta ({meta[:3]}, ...) and {len(real)} are not "
-            f"({real[:3]}, ...); build the whole model under torch.device('meta') or "
+            f"parameters are on more than one device: {len(meta)} on meta ({meta[:3]}, ...) "
+            f"and {len(real)} not ({real[:3]}, ...); build the whole model under torch.device('meta') or "
             "zerokit.empty_init(), or give every parameter storage before wrapping"
         )
     return True
