@@ -11,6 +11,7 @@ from .clip import clip_grad_norm_
 from .config import ShardingConfig, load_config
 from .core.grad_placeholder import ShardedGradError
 from .layout import Layout, init_hybrid_parallel
+from .meta_init import MetaInitError, empty_init
 from .mixed_precision import MixedPrecision
 from .scaler import ShardedGradScaler
 
@@ -23,12 +24,14 @@ def save_group_sharded_model(model, output: str, optimizer=None) -> None:
 __all__ = [
     "LEVELS",
     "Layout",
+    "MetaInitError",
     "MixedPrecision",
     "ShardedGradError",
     "ShardedGradScaler",
     "ShardingConfig",
     "checkpoint",
     "clip_grad_norm_",
+    "empty_init",
     "group_sharded_parallel",
     "init_hybrid_parallel",
     "load_config",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from .core.compiled import plain_names, unwrap_compiled
 from .core.state import state_of
 from .core.units import plan_units
 from .memory import format_bytes, measure
+from .meta_init import materialize, on_meta
 from .mixed_precision import MixedPrecision
 from .pipeline.module import PipelineModule
 from .scaler import ShardedGradScaler
@@ -63,6 +64,7 @@ def group_sharded_parallel(
     mixed_precision: MixedPrecision | None = None,
     config: ShardingConfig | None = None,
     step_in_backward: bool = False,
+    init_fn: Callable[[nn.Module], None] | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     """Shard the optimizer state (from 'os_g' also gradients, at 'p_g_os' also parameters) of
     ``model`` across ``group``.
@@ -113,6 +115,13 @@ def group_sharded_parallel(
             at the peak). ``optimizer.step()`` then only closes the step. Not with global-norm
             clipping, a loss scaler (fp16) or ``step(closure)``, which need every gradient
             before any update: those are refused.
+        init_fn: for a model built on ``meta`` (``torch.device("meta")`` or
+            ``zerokit.empty_init()``): called on every module, children before parent, as
+            ``model.apply(init_fn)``, to set its parameters (and, under
+            ``torch.device("meta")``, its buffers) in place. None calls each module's
+            ``reset_parameters()``. Every rank gets the values one process would get from
+            rank 0's random state; at 'p_g_os' a rank materialises one unit at a time and
+            keeps only its shards (see ``zerokit/meta_init.py``).
     """
     pipe = model if isinstance(model, PipelineModule) else None
     if pipe is not None:
@@ -135,6 +144,12 @@ def group_sharded_parallel(
     if dp_group is not None:
         _check_member(dp_group, "dp_group")
     checks.check_not_wrapped(model, optimizer)
+    meta = on_meta(model)
+    if init_fn is not None and not meta:
+        raise ValueError(
+            "init_fn initialises a model built on meta (under torch.device('meta') or "
+            "zerokit.empty_init()); this model's parameters already have values: drop init_fn"
+        )
     # tp ranks hold different slices (shapes): refuse a group spanning them before comparing
     _check_group_spans_no_tp_pair(model, group)
     # Every rank compares what it was given before anything else: a rank whose arguments or
@@ -152,6 +167,7 @@ def group_sharded_parallel(
             "exclude_layer": _describe_modules(model, exclude_layer or ()),
             "mixed_precision": repr(mixed_precision),
             "step_in_backward": step_in_backward,
+            "built on meta": meta,
             "parameters": checks.layout_summary(model),
             "optimizer": (
                 type(optimizer).__name__,
@@ -206,6 +222,13 @@ def group_sharded_parallel(
         else (),
     )
     # Nothing is changed before this point: every check above can fail without side effects.
+    replicas = dp_group if dp_group is not None and dp_group.size() > 1 else None
+    shards = None
+    if meta:  # fails alike on every rank, leaving the model on meta
+        shards = materialize(
+            model, plans, level=level, group=group, replica_group=replicas,
+            buffer_max_size=buffer_max_size, init_fn=init_fn,
+        )  # fmt: skip
     options = CoreOptions(
         level=level,
         group=group,
@@ -216,7 +239,8 @@ def group_sharded_parallel(
         offload=offload,
         mixed_precision=mixed_precision,
         tp_group=tp_group_of(model),
-        replica_group=dp_group if dp_group is not None and dp_group.size() > 1 else None,
+        replica_group=replicas,
+        initial_shards=shards,
     )
     state = build(model, optimizer, plans, options)
     state.grad_norm = global_grad_norm

@@ -12,6 +12,7 @@ from .consolidate import consolidate, describe, load_consolidated
 from .extra import RNGState
 from .index import CheckpointError
 from .loading import load
+from .pretrained import load_pretrained
 from .saving import save
 
 __all__ = [
@@ -22,5 +23,6 @@ __all__ = [
     "describe",
     "load",
     "load_consolidated",
+    "load_pretrained",
     "save",
 ]

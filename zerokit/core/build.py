@@ -38,6 +38,9 @@ class CoreOptions:
     tp_group: ProcessGroup | None
     replica_group: ProcessGroup | None = None  # hybrid sharding: replicas of this shard group
     debug_agreement: bool = False  # 'p_g_os': check before every gather that ranks agree
+    # a model built on meta ('p_g_os'): this rank's initial shard of each bucket, keyed by the
+    # ids of its parameters (zerokit/meta_init.py); every rank computed them alike
+    initial_shards: dict[tuple[int, ...], torch.Tensor] | None = None
 
 
 def build(
@@ -55,9 +58,10 @@ def build(
         )
     # every rank starts from rank 0's model: replica 0's, then shard-group rank 0's (each
     # rank keeps its own rank-local parameters: they are different slices)
+    from_shards = opts.initial_shards is not None
     if opts.replica_group is not None:
-        broadcast_module_state(model, opts.replica_group, params=True)
-    broadcast_module_state(model, group, params=True)
+        broadcast_module_state(model, opts.replica_group, params=not from_shards)
+    broadcast_module_state(model, group, params=not from_shards)
     full_precision = [  # trainable ones are units of their own (plan.full_precision)
         m
         for m in model.modules()
@@ -86,6 +90,7 @@ def build(
                 compute_dtype=None if plan.full_precision else mp.param_dtype,
                 master_device=_CPU if opts.offload else None,
                 shard_params=opts.level == "p_g_os",
+                initial_shard=_initial_shard(opts, plan, layout),
             )
             for layout in layouts
         ]
@@ -130,6 +135,12 @@ def build(
         state.refresh_params()  # gathers the units kept whole
     shard_optimizer_(optimizer, state)
     return state
+
+
+def _initial_shard(opts: CoreOptions, plan: UnitPlan, layout) -> torch.Tensor | None:
+    if opts.initial_shards is None:
+        return None
+    return opts.initial_shards[tuple(id(plan.params[s.param_index][1]) for s in layout.slots)]
 
 
 def _cast_frozen_params(model: nn.Module, dtype: torch.dtype | None, keep) -> None:

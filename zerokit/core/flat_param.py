@@ -49,6 +49,7 @@ class FlatParamBucket:
         compute_dtype: torch.dtype | None = None,
         master_device: torch.device | None = None,
         shard_params: bool = False,
+        initial_shard: torch.Tensor | None = None,
     ):
         assert len(params) == len(layout.slots)
         self.layout = layout
@@ -56,17 +57,17 @@ class FlatParamBucket:
         self.group = group
         self.pieces = layout.pieces(group.rank())
         self.shard_start, self.shard_end = layout.shard_range(group.rank())
-        full = torch.zeros(layout.padded_numel, dtype=layout.dtype, device=layout.device)
-        with torch.no_grad():
-            for i, param in enumerate(params):
-                self.slot_view(full, i).copy_(param)
-        # The master shard is taken before any cast: it keeps the parameters' exact values.
-        cast = compute_dtype not in (None, layout.dtype)
         device = master_device or layout.device  # offload: the master shard lives in CPU memory
-        own = shard_params or cast or device != full.device
-        self.shard_data = self.shard(full).to(device, copy=True) if own else self.shard(full)
-        self.data = full.to(compute_dtype) if cast else full
-        del full
+        if initial_shard is not None:
+            # a model built on meta (zerokit/meta_init.py): this rank initialised its shard
+            # unit by unit; the full buffer is never filled here, only freed by reshard below
+            assert shard_params and initial_shard.numel() == layout.shard_numel
+            self.shard_data = initial_shard.to(device)
+            self.data = torch.empty(
+                layout.padded_numel, dtype=compute_dtype or layout.dtype, device=layout.device
+            )
+        else:
+            self._fill_from_params(params, compute_dtype, device, shard_params)
         for i, param in enumerate(params):
             param.data = self.slot_view(self.data, i)  # the parameter now lives in the bucket
         # What this rank's optimizer updates: 1-D views of its shard, one per parameter piece.
@@ -78,6 +79,18 @@ class FlatParamBucket:
         self.shards_params = shard_params
         if shard_params:
             self.reshard()
+
+    def _fill_from_params(self, params, compute_dtype, device, shard_params) -> None:
+        layout = self.layout
+        full = torch.zeros(layout.padded_numel, dtype=layout.dtype, device=layout.device)
+        with torch.no_grad():
+            for i, param in enumerate(params):
+                self.slot_view(full, i).copy_(param)
+        # The master shard is taken before any cast: it keeps the parameters' exact values.
+        cast = compute_dtype not in (None, layout.dtype)
+        own = shard_params or cast or device != full.device
+        self.shard_data = self.shard(full).to(device, copy=True) if own else self.shard(full)
+        self.data = full.to(compute_dtype) if cast else full
 
     # -- views ---------------------------------------------------------------------------------
     @property

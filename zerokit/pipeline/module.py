@@ -175,6 +175,12 @@ class PipelineModule(nn.Module):
         holds the first copy. Starts the copies equal: broadcast from the first stage."""
         if not tied:
             return {}
+        if any(p.is_meta for p in self.stage.parameters()):  # every rank built on meta
+            raise ValueError(
+                f"layers {sorted(tied)} are tied across pipeline stages, whose copies start "
+                "equal by a broadcast, which a model on meta cannot do (no values yet); build "
+                "this PipelineModule without torch.device('meta') / zerokit.empty_init()"
+            )
         stage_size = dist.get_world_size() // self.num_stages
         position = dist.get_rank() % stage_size
         mine = {}

@@ -49,6 +49,21 @@ class TensorParallelLayer(nn.Module):
     def tp_group(self):
         return self.layout.tp_group
 
+    def _plain(self, device=None, dtype=None) -> nn.Module:
+        """The plain layer this one is a slice of (drawn from the default generator)."""
+        raise NotImplementedError
+
+    def reset_parameters(self) -> None:
+        """This rank's slices of a freshly drawn plain layer: on a model built on meta (the
+        default ``init_fn``), each tp rank gets the slice eager construction gives it from the
+        same generator state. Costs one full plain layer while it runs."""
+        plain = self._plain(device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            for name, full in plain.named_parameters():
+                split = self.tp_splits.get(name)
+                local = full if split is None else split.local(full, self.layout.tp_rank)
+                getattr(self, name).copy_(local)
+
     def _keep_local(self, name: str, full: torch.Tensor, split: TPSplit | None) -> None:
         local = full if split is None else split.local(full, self.layout.tp_rank)
         setattr(self, name, nn.Parameter(local.detach().clone()))
@@ -129,12 +144,18 @@ class ColumnParallelLinear(TensorParallelLayer):
             gather_output,
         )
         split = _features_split(out_features, self.layout, "out_features", gather_output, stride)
-        plain = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+        self._bias = bias
+        plain = self._plain(device, dtype)
         self._keep_local("weight", plain.weight, split)
         if bias:
             self._keep_local("bias", plain.bias, split)
         else:
             self.register_parameter("bias", None)
+
+    def _plain(self, device=None, dtype=None) -> nn.Module:
+        return nn.Linear(
+            self.in_features, self.out_features, self._bias, device=device, dtype=dtype
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_width(x, self, self.in_features, full=True)
@@ -176,7 +197,8 @@ class RowParallelLinear(TensorParallelLayer):
         )
         split = _features_split(in_features, self.layout, "in_features", not input_is_parallel)
         split = TPSplit(1, split.block_sizes)  # the weight's input features are its columns
-        plain = nn.Linear(in_features, out_features, bias, device=device, dtype=dtype)
+        self._bias = bias
+        plain = self._plain(device, dtype)
         self._keep_local("weight", plain.weight, split)
         if bias:
             self._keep_local("bias", plain.bias, None)
@@ -184,6 +206,11 @@ class RowParallelLinear(TensorParallelLayer):
                 self.bias.sequence_parallel = True
         else:
             self.register_parameter("bias", None)
+
+    def _plain(self, device=None, dtype=None) -> nn.Module:
+        return nn.Linear(
+            self.in_features, self.out_features, self._bias, device=device, dtype=dtype
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         full = not self.input_is_parallel
@@ -238,8 +265,11 @@ class VocabParallelEmbedding(TensorParallelLayer):
         split = _features_split(num_embeddings, self.layout, "num_embeddings", even=False)
         self.vocab_start = split.start(self.layout.tp_rank)
         self.vocab_end = self.vocab_start + split.local_size(self.layout.tp_rank)
-        plain = nn.Embedding(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        plain = self._plain(device, dtype)
         self._keep_local("weight", plain.weight, split)
+
+    def _plain(self, device=None, dtype=None) -> nn.Module:
+        return nn.Embedding(self.num_embeddings, self.embedding_dim, device=device, dtype=dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)

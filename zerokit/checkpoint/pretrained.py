@@ -1,0 +1,272 @@
+"""``load_pretrained``: plain safetensors weights (a Hugging Face directory) into a model
+wrapped at any level, each rank reading only the bytes of what it holds.
+
+The names are the unwrapped model's ``state_dict()`` names. A rank's holdings
+(``holdings.collect``: its shard pieces, its tp slices, whole frozen parameters and buffers)
+say which elements of which tensor it needs; those become byte ranges of the file, found from
+the safetensors header (``ShardFile``: the file is mapped, never read whole). Three steps,
+each closed by a gather so that every rank raises the same ``CheckpointError`` and nothing is
+changed unless every rank succeeded: (1) headers read and the names compared, (2) every range
+read into staging (the rank's shards plus its whole tensors), (3) staging copied into the
+model (a bf16 or fp16 file into fp32 masters: the cast is exact), full parameters refreshed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..core.agreement import alive
+from ..core.state import state_of
+from .holdings import Chunk, Holdings, TensorMeta, collect, holder_of
+from .index import CheckpointError
+from .reading import _DTYPE_OF, ShardFile
+from .saving import gather_json, raise_any, world_group
+
+INDEX = "model.safetensors.index.json"  # Hugging Face's sharded layout
+SINGLE = "model.safetensors"
+_SHOWN = 10  # names listed in an error, then the count
+
+
+def load_pretrained(
+    model: nn.Module, path: str | os.PathLike, strict: bool = True
+) -> tuple[list[str], list[str]]:
+    """Load ``path`` (a ``.safetensors`` file, or a directory holding
+    ``model.safetensors.index.json`` or ``model.safetensors``) into ``model``, wrapped at any
+    level or bare. Collective: every rank calls it.
+
+    Returns ``(missing, unexpected)``: the model's names the files lack and the files' names
+    the model lacks; with ``strict`` either raises ``CheckpointError``. A tied parameter is
+    filled once, from whichever of its names the files hold. A shape mismatch, an unreadable
+    file or a malformed header always raises, on every rank, with the model unchanged.
+    """
+    group = world_group()
+    sources = None
+    try:
+        with alive(group):
+            sources, missing, unexpected = _open_and_compare(model, path, group, strict)
+            staged, error = [], None
+            try:
+                staged = _read(collect(model, None), sources)
+            except CheckpointError as e:
+                error = str(e)
+            except OSError as e:
+                error = f"{os.fspath(path)}: cannot read: {type(e).__name__}: {e}"
+            raise_any(gather_json("load_pretrained: read", [error, None], group, None))
+    finally:
+        if sources is not None:
+            sources.close()
+    with torch.no_grad():
+        for chunk, values in staged:
+            chunk.tensor.copy_(values)
+    state = state_of(holder_of(model))
+    if state is not None:  # the shards changed: the full parameters follow
+        state.refresh_params()
+    return missing, unexpected
+
+
+def _open_and_compare(model, path, group, strict):
+    error, sources, report = None, None, {}
+    try:
+        sources = _Sources(os.fspath(path))
+        report = _compare(collect(model, None), sources)
+    except CheckpointError as e:
+        error = str(e)
+    except OSError as e:
+        error = f"{os.fspath(path)}: cannot read: {type(e).__name__}: {e}"
+    try:
+        replies = raise_any(gather_json("load_pretrained", [error, report], group, None))
+        missing, unexpected = _verdict([r for _, r in replies], sources, strict)
+    except CheckpointError:
+        if sources is not None:
+            sources.close()
+        raise
+    return sources, missing, unexpected
+
+
+class _Sources:
+    """The safetensors files of ``path``: name -> (file, its header entry)."""
+
+    def __init__(self, path: str):
+        if os.path.isdir(path):
+            self.dir, files = path, self._listed(path)
+        elif os.path.isfile(path):
+            self.dir, files = os.path.dirname(path) or ".", {os.path.basename(path): None}
+        else:
+            raise CheckpointError(f"{path}: no such file or directory")
+        self.files: dict[str, ShardFile] = {}
+        self.where: dict[str, ShardFile] = {}  # tensor name -> the file holding it
+        self.bytes_read = 0
+        dir_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for name, expected in files.items():
+                where = os.path.join(self.dir, name)
+                shard = ShardFile(dir_fd, name, where)
+                self.files[name] = shard
+                shard.header, shard.data_start = shard._parse_header()
+                for key in shard.header:
+                    if key == "__metadata__":
+                        continue
+                    if expected is not None and key not in expected:
+                        raise CheckpointError(
+                            f"{where}: holds {key!r}, which {INDEX} does not list"
+                        )
+                    if key in self.where:
+                        raise CheckpointError(
+                            f"{where}: {key!r} is also in {self.where[key].where}"
+                        )
+                    self.where[key] = shard
+                for key in expected or ():
+                    if key not in shard.header:
+                        raise CheckpointError(f"{where}: has no {key!r}, which {INDEX} lists there")
+        finally:
+            os.close(dir_fd)
+
+    @staticmethod
+    def _listed(path: str) -> dict[str, set[str] | None]:
+        index = os.path.join(path, INDEX)
+        if not os.path.isfile(index):
+            if os.path.isfile(os.path.join(path, SINGLE)):
+                return {SINGLE: None}
+            raise CheckpointError(f"{path}: holds neither {INDEX} nor {SINGLE}")
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            files: dict[str, set[str]] = {}
+            for key, file in weight_map.items():
+                if not isinstance(file, str) or os.path.basename(file) != file:
+                    raise ValueError(f"{key!r} maps to {file!r}, not a file name in {path}")
+                files.setdefault(file, set()).add(key)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a valid index: {type(e).__name__}: {e}") from None
+        return files
+
+    def shape(self, name: str) -> list[int]:
+        return self.where[name].header[name]["shape"]
+
+    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        shard = self.where[name]
+        values = shard.read(name, lo, hi)  # a copy: the mapped pages are not needed after it
+        nbytes = values.numel() * values.element_size()
+        self.bytes_read += nbytes
+        begin = (
+            shard.data_start + shard.header[name]["data_offsets"][0] + lo * values.element_size()
+        )
+        first = begin - begin % mmap.PAGESIZE
+        if hasattr(mmap, "MADV_DONTNEED") and begin + nbytes > first:
+            # drop the pages from this process (the page cache keeps them): else every byte
+            # read would count twice in the rank's memory until the load ends
+            shard.mm.madvise(mmap.MADV_DONTNEED, first, begin + nbytes - first)
+        return values
+
+    def close(self) -> None:
+        for shard in self.files.values():
+            if shard.mm is not None:
+                shard.mm.close()
+
+
+def _names_of(h: Holdings) -> dict[str, list[str]]:
+    """Each tensor this rank holds -> all its names (a tied parameter has several)."""
+    names = {n: [n] for n in h.metas}
+    for alias, stored in h.aliases.items():
+        names[stored].append(alias)
+    return names
+
+
+def _compare(h: Holdings, sources: _Sources) -> dict:
+    """This rank's view: its names, those the files lack, and shape mismatches."""
+    missing, mismatched = [], []
+    for name, names in _names_of(h).items():
+        found = next((n for n in names if n in sources.where), None)
+        if found is None:
+            missing += names
+        elif list(h.metas[name].shape) != sources.shape(found):
+            mismatched.append(
+                f"{found}: {sources.shape(found)} in the file, {list(h.metas[name].shape)} "
+                "in the model"
+            )
+    names = sorted(n for ns in _names_of(h).values() for n in ns)
+    return {"names": names, "missing": missing, "mismatched": mismatched}
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return f"{len(names)} ({shown}{', ...' if len(names) > _SHOWN else ''})"
+
+
+def _verdict(reports: list[dict], sources: _Sources, strict: bool) -> tuple[list, list]:
+    """The same on every rank: every rank's report and the same files. Raises on a shape
+    mismatch always, on missing or unexpected names with ``strict``."""
+    known = {n for r in reports for n in r["names"]}
+    missing = sorted({n for r in reports for n in r["missing"]})
+    unexpected = sorted(n for n in sources.where if n not in known)
+    mismatched = sorted({m for r in reports for m in r["mismatched"]})
+    problems = []
+    if mismatched:
+        problems.append(f"shapes differ for {_listing(mismatched)}")
+    if strict and missing:
+        problems.append(f"missing from the files: {_listing(missing)}")
+    if strict and unexpected:
+        problems.append(f"in the files but not in the model: {_listing(unexpected)}")
+    if problems:
+        hint = " (strict=False loads what both have)" if not mismatched else ""
+        raise CheckpointError(f"load_pretrained: {'; '.join(problems)}{hint}; nothing was loaded")
+    return missing, unexpected
+
+
+def _read(h: Holdings, sources: _Sources) -> list[tuple[Chunk, torch.Tensor]]:
+    """Every chunk this rank holds, read from its ranges of the file, in the file's dtype."""
+    found = {}
+    for name, names in _names_of(h).items():
+        source = next((n for n in names if n in sources.where), None)
+        if source is not None:
+            found[name] = source
+    staged = []
+    for chunk in h.chunks:
+        source = found.get(chunk.name)
+        if source is None or not chunk.tensor.numel():
+            continue
+        meta = h.metas[chunk.name]
+        dtype = _DTYPE_OF[sources.where[source].header[source]["dtype"]]
+        values = torch.empty(chunk.tensor.numel(), dtype=dtype)
+        for full_lo, full_hi, at in _runs(meta, chunk.start, chunk.tensor.numel()):
+            values[at : at + full_hi - full_lo] = sources.read(source, full_lo, full_hi)
+        staged.append((chunk, values))
+    return staged
+
+
+def _runs(meta: TensorMeta, start: int, numel: int) -> Iterator[tuple[int, int, int]]:
+    """The flat element ranges ``[lo, hi)`` of the full tensor that hold elements
+    ``[start, start + numel)`` of this rank's (tp-local) tensor, each with its offset in that
+    request. Without a tp split: one range. With one: a run per row of the split dimension
+    (the tensor seen as [outer, rows, inner]), merged where contiguous."""
+    split = meta.split
+    if split is None:
+        yield start, start + numel, 0
+        return
+    local = meta.local_shape()
+    d, full_rows, rows = split.dim, meta.shape[split.dim], local[split.dim]
+    inner = math.prod(meta.shape[d + 1 :])
+    part, before = split.block_sizes[meta.tp_rank], sum(split.block_sizes[: meta.tp_rank])
+    block = sum(split.block_sizes)
+    end, row, pending = start + numel, start // max(inner, 1), None
+    while inner and row * inner < end:
+        outer, j = divmod(row, rows)
+        full_row = outer * full_rows + (j // part) * block + before + j % part
+        lo, hi = max(start, row * inner), min(end, (row + 1) * inner)
+        run = (full_row * inner + lo - row * inner, full_row * inner + hi - row * inner, lo - start)
+        if pending and pending[1] == run[0]:
+            pending = (pending[0], run[1], pending[2])
+        else:
+            if pending:
+                yield pending
+            pending = run
+        row += 1
+    if pending:
+        yield pending

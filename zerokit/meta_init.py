@@ -1,0 +1,300 @@
+"""Models built on the ``meta`` device: materialised and initialised where their shards live.
+
+``group_sharded_parallel`` calls ``materialize`` for a model whose parameters are all on
+``meta`` (built under ``torch.device("meta")`` or ``zerokit.empty_init()``). Every rank gives
+the values one process would give: it adopts the random state of rank 0, gives each parameter
+storage (one ``nn.Parameter`` under all its names: ties kept, the optimizer's references
+kept) and runs ``init_fn`` over the modules in ``nn.Module.apply``'s order, children before
+parent. The one-process reference is
+
+    torch.manual_seed(s); with torch.device("meta"): model = Net()
+    <storage for every parameter and buffer, ties kept>; model.apply(init_fn)
+
+Note: at level ``'p_g_os'`` the walk materialises one unit at a time. On entering a unit's
+module its parameters get storage; once ``init_fn`` has run on that module (so on its whole
+subtree, children first) the rank copies its shard of each of the unit's buckets and the full
+parameters go back to ``meta``. The root unit (parameters outside every unit, ties between
+units) and frozen parameters are materialised first and kept to the end. So a rank holds its
+shards plus the root unit and the unit being initialised (with its enclosing units, if units
+nest). ``init_fn`` therefore sees, on a module, the parameters of that module's unit; using a
+parameter of a unit already sharded (a parent reaching into a finished child) is an error,
+never a silent no-op. Every rank runs the whole initialisation (random draws are sequential:
+a rank cannot skip to its shard's numbers), paying its compute but not its memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .core import agreement
+from .core.collectives import broadcast_, communication_device
+from .core.units import UnitPlan, plan_groups
+
+InitFn = Callable[[nn.Module], None]
+ShardKey = tuple[int, ...]  # the ids of a bucket's parameters, in slot order
+
+
+class MetaInitError(RuntimeError):
+    """Materialising a meta model failed on some rank; raised on every rank, the model left
+    as it was given (parameters on ``meta``)."""
+
+
+@contextlib.contextmanager
+def empty_init() -> Iterator[None]:
+    """Build a model with its **parameters** on ``meta`` and its buffers real.
+
+    As accelerate's ``init_empty_weights``: buffers computed in ``__init__`` (rotary
+    ``inv_freq``, causal masks) keep their values, while parameters take no memory until
+    ``group_sharded_parallel`` materialises each rank's shards. A parameter's values drawn in
+    ``__init__`` are discarded (each is made on the CPU, then moved to ``meta``); ``init_fn``
+    (or ``reset_parameters``) sets them at wrap time.
+
+    >>> import torch, zerokit
+    >>> with zerokit.empty_init():
+    ...     layer = torch.nn.BatchNorm1d(4)
+    >>> layer.weight.device.type, layer.running_mean.device.type
+    ('meta', 'cpu')
+    """
+    original = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            moved = type(param)(param.detach().to("meta"), param.requires_grad)
+            moved.__dict__.update(param.__dict__)
+            param = moved
+        original(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def on_meta(model: nn.Module) -> bool:
+    """True if every parameter is on ``meta``, False if none is; a mix is refused."""
+    params = dict(model.named_parameters())
+    meta = [n for n, p in params.items() if p.is_meta]
+    if not meta:
+        return False
+    real = [n for n, p in params.items() if not p.is_meta]
+    if real:
+        raise ValueError(
+            f"parameters are on more than one device: {len(meta)} on meta ({meta[:3]}, ...) "
+            f"and {len(real)} not ({real[:3]}, ...); build the whole model under torch.device('meta') or "
+            "zerokit.empty_init(), or give every parameter storage before wrapping"
+        )
+    return True
+
+
+def reset_parameters(module: nn.Module) -> None:
+    """The default ``init_fn``: the module's own ``reset_parameters()``, where it has one."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+def materialize(
+    model: nn.Module,
+    plans: list[UnitPlan],
+    *,
+    level: str,
+    group: ProcessGroup,
+    replica_group: ProcessGroup | None,
+    buffer_max_size: int,
+    init_fn: InitFn | None,
+) -> dict[ShardKey, torch.Tensor] | None:
+    """Collective. Give the meta ``model`` its initial values; at ``'p_g_os'`` return this
+    rank's shard of every bucket (keyed by its parameters' ids) and leave each bucketed
+    parameter as a storage-less placeholder of its shape, else materialise every parameter
+    and return None. On any rank's failure: ``MetaInitError`` on every rank, model restored."""
+    groups = [g for g in (replica_group, group) if g is not None]
+    device = communication_device(group)
+    saved = _Snapshot(model)
+    rng = torch.get_rng_state()
+    for g in groups:  # every rank draws rank 0's numbers, as if rank 0's model were broadcast
+        torch.set_rng_state(broadcast_(torch.get_rng_state().to(device), g).cpu())
+    walk = _Walk(model, plans if level == "p_g_os" else [], group, buffer_max_size, device)
+    error = ""
+    try:
+        walk.run(init_fn or reset_parameters)
+    except Exception as exc:  # reported on every rank below, never a hang in a collective
+        error = f"{type(exc).__name__}: {exc}"
+    report = _agree_on_failures(error, [group, replica_group])
+    if report:
+        saved.restore()
+        torch.set_rng_state(rng)
+        raise MetaInitError(
+            f"initialising the meta model failed: {report}. Nothing was wrapped; the model is "
+            "still on meta"
+        )
+    return walk.finish() if level == "p_g_os" else None
+
+
+def _agree_on_failures(error: str, groups: list[ProcessGroup | None]) -> str:
+    """Every rank's failures, known to every rank: first within the shard group, then that
+    group's summary across its replicas (so every rank of the grid hears of every failure)."""
+    report = f"rank {dist.get_rank()}: {error}" if error and dist.is_initialized() else error
+    for g in groups:
+        if g is not None:
+            reports = agreement.gather("zerokit: initialising the meta model", report.encode(), g)
+            report = "; ".join(dict.fromkeys(r.decode() for r in reports if r))
+    return report
+
+
+class _Snapshot:
+    """Each module's parameter and buffer entries as given, to put back on failure."""
+
+    def __init__(self, model: nn.Module):
+        self.entries = [
+            (m, kind, name, t, None if t is None or t.is_meta else t.detach().clone())
+            for m in model.modules()
+            for kind in ("_parameters", "_buffers")
+            for name, t in getattr(m, kind).items()
+        ]
+
+    def restore(self) -> None:
+        done: set[int] = set()
+        for module, kind, name, tensor, values in self.entries:
+            getattr(module, kind)[name] = tensor
+            if tensor is None or id(tensor) in done:
+                continue
+            done.add(id(tensor))
+            if values is not None:
+                with torch.no_grad():
+                    tensor.copy_(values)  # a real buffer init_fn may have changed
+            elif not tensor.is_meta:
+                _swap_storage(tensor, "meta")
+
+
+def _swap_storage(t: torch.Tensor, device: torch.device | str, *, placeholder=False) -> None:
+    """Give ``t`` (a parameter or buffer, kept as the same Python object) new storage on
+    ``device``: empty, or with ``placeholder`` one element seen at every index (the shape
+    without the memory: the core reads only shapes, dtypes and devices of bucketed params)."""
+    if placeholder:
+        data = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
+    else:
+        data = torch.empty(t.shape, dtype=t.dtype, device=device)
+    if isinstance(t, nn.Parameter):
+        new = type(t)(data, t.requires_grad)
+    else:
+        new = data.requires_grad_(t.requires_grad)
+    new.__dict__.update(t.__dict__)  # swap_tensors swaps __dict__ too: keep t's attributes
+    torch.utils.swap_tensors(t, new)
+
+
+class _Walk:
+    """``nn.Module.apply``'s walk, materialising and sharding unit by unit on the way."""
+
+    def __init__(self, model, plans, group, buffer_max_size, device):
+        self.model, self.device, self.rank = model, device, group.rank()
+        layouts = dict(plan_groups(plans, group.size(), buffer_max_size)) if plans else {}
+        self.units = {id(p.module): (p, layouts[p]) for p in plans if p.module is not model}
+        root = [(p, layouts[p]) for p in plans if p.module is model]
+        self.root = root[0] if root else None
+        in_units = {id(q) for plan, _ in self.units.values() for _, q in plan.params}
+        # materialised first and kept to the end: everything but the non-root units' params
+        self.first = [p for p in _unique_params(model) if id(p) not in in_units]
+        self.shards: dict[ShardKey, torch.Tensor] = {}
+        self.sharded: dict[int, nn.Parameter] = {}  # placeholders to make at the end
+
+    def run(self, init_fn: InitFn) -> None:
+        for buf in _unique_buffers(self.model):
+            if buf.is_meta:  # under torch.device("meta"): init_fn must set them
+                _swap_storage(buf, self.device)
+        self._materialize(self.first)
+        self._visit(self.model, init_fn, "")
+        if self.root is not None:
+            self._shard(*self.root)
+        left = [
+            n for n, p in self.model.named_parameters() if p.is_meta and id(p) not in self.sharded
+        ]
+        left += [n for n, b in self.model.named_buffers() if b.is_meta]
+        if left:
+            raise ValueError(
+                f"init_fn left {len(left)} tensor(s) on meta ({left[:10]}); it must fill "
+                "parameters in place (nn.init.*_, tensor.copy_), not replace them"
+            )
+
+    def _visit(self, module: nn.Module, init_fn: InitFn, name: str) -> None:
+        unit = self.units.get(id(module))
+        if unit is not None:
+            self._materialize([p for _, p in unit[0].params])
+        for child_name, child in module.named_children():
+            self._visit(child, init_fn, f"{name}.{child_name}" if name else child_name)
+        with _NoMetaUse(name or "<root>"):
+            init_fn(module)
+        if unit is not None:
+            self._shard(*unit)
+
+    def _materialize(self, params: list[nn.Parameter]) -> None:
+        for p in params:
+            if p.is_meta:
+                _swap_storage(p, self.device)
+
+    def _shard(self, plan: UnitPlan, layouts) -> None:
+        """Keep this rank's shard of each of ``plan``'s buckets; the full values go back to
+        meta (so a later use is caught by ``_NoMetaUse``)."""
+        params = [p for _, p in plan.params]
+        for name, p in plan.params:
+            if self.model.get_parameter(name) is not p or p.is_meta:
+                raise ValueError(
+                    f"init_fn replaced parameter {name!r} (or left it on meta); it must fill "
+                    "parameters in place (nn.init.*_, tensor.copy_), so that the optimizer "
+                    "and tied names keep holding them"
+                )
+        for layout in layouts:
+            start, end = layout.shard_range(self.rank)
+            shard = torch.zeros(end - start, dtype=layout.dtype, device=self.device)
+            for piece in layout.pieces(self.rank):
+                slot = layout.slots[piece.slot]
+                at = slot.offset + piece.start - start
+                flat = params[slot.param_index].detach().reshape(-1)
+                shard[at : at + piece.numel].copy_(flat[piece.start : piece.end])
+            key = tuple(id(params[s.param_index]) for s in layout.slots)
+            self.shards[key] = shard
+            for s in layout.slots:
+                p = params[s.param_index]
+                self.sharded[id(p)] = p
+                _swap_storage(p, "meta")
+
+    def finish(self) -> dict[ShardKey, torch.Tensor]:
+        for p in self.sharded.values():
+            _swap_storage(p, self.device, placeholder=True)
+        return self.shards
+
+
+class _NoMetaUse(TorchDispatchMode):
+    """Refuse any operation on a meta tensor while ``init_fn`` runs on one module: a
+    parameter of another unit (not materialised yet, or already sharded)."""
+
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves((args, kwargs))):
+            raise ValueError(
+                f"init_fn({self.where}) used a tensor on meta ({func}): at level 'p_g_os' a "
+                "module's init_fn may use only the parameters of its own unit (units are "
+                "initialised one at a time, children before parents, then sharded). "
+                "Initialise each module's parameters in init_fn(module) itself"
+            )
+        return func(*args, **kwargs)
+
+
+def _unique_params(model: nn.Module) -> list[nn.Parameter]:
+    return list(model.parameters())  # each tied parameter once
+
+
+def _unique_buffers(model: nn.Module) -> list[torch.Tensor]:
+    return list(model.buffers())
