@@ -82,14 +82,3 @@ def broadcast_module_state(model: nn.Module, group: ProcessGroup, *, params: boo
             if id(tensor) not in seen and not is_distributed(tensor):
                 seen.add(id(tensor))
                 broadcast_(tensor.data, group)
-
-
-def register_buffer_sync(model: nn.Module, state: ShardState) -> None:
-    """``sync_buffers=True``: before every forward, rank 0's buffers go to every rank."""
-    group = state.process_group  # a module-level function below holds no reference to state
-
-    state.hook_handles.append(
-        model.register_forward_pre_hook(
-            lambda module, args: broadcast_module_state(module, group, params=False)
-        )
-    )
