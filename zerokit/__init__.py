@@ -13,6 +13,7 @@ from .core.grad_placeholder import ShardedGradError
 from .layout import Layout, init_hybrid_parallel
 from .mixed_precision import MixedPrecision
 from .scaler import ShardedGradScaler
+from .unwrap import unwrap
 
 
 def save_group_sharded_model(model, output: str, optimizer=None) -> None:
@@ -35,5 +36,6 @@ __all__ = [
     "num_params",
     "pipeline",
     "save_group_sharded_model",
+    "unwrap",
 ]
 __version__ = "0.1.0"
