@@ -14,6 +14,7 @@ from .layout import Layout, init_hybrid_parallel
 from .meta_init import MetaInitError, empty_init
 from .mixed_precision import MixedPrecision
 from .scaler import ShardedGradScaler
+from .unwrap import unwrap
 
 
 def save_group_sharded_model(model, output: str, optimizer=None) -> None:
@@ -38,5 +39,6 @@ __all__ = [
     "num_params",
     "pipeline",
     "save_group_sharded_model",
+    "unwrap",
 ]
 __version__ = "0.1.0"

@@ -33,7 +33,7 @@ from .config import (
 )
 from .core import checks
 from .core.build import CoreOptions, build
-from .core.compiled import plain_names, unwrap_compiled
+from .core.compiled import unwrap_compiled
 from .core.state import state_of
 from .core.units import plan_units
 from .memory import format_bytes, measure
@@ -241,10 +241,10 @@ def group_sharded_parallel(
         tp_group=tp_group_of(model),
         replica_group=replicas,
         initial_shards=shards,
+        outer=compiled,
     )
     state = build(model, optimizer, plans, options)
     state.grad_norm = global_grad_norm
-    state.hook_handles += plain_names(compiled)  # no "_orig_mod." in state_dict names
     if step_in_backward:
         state.enable_step_in_backward(optimizer)
     if group.rank() == 0 and (dp_group is None or dp_group.rank() == 0):

@@ -14,10 +14,8 @@ from . import checks
 from .flat_param import FlatParamBucket
 from .group import ShardGroup
 from .hooks import register_hooks
-from .master_state import MasterStateDict
-from .module import broadcast_module_state, convert_module_, register_buffer_sync
+from .module import broadcast_module_state, convert_module_
 from .optimizer import shard_optimizer_
-from .precision import register_precision_hooks
 from .reduction import AllReduce, ReduceScatter, ReduceScatterThenAllReduce
 from .staging import StagingPool
 from .state import ShardState
@@ -41,6 +39,7 @@ class CoreOptions:
     # a model built on meta ('p_g_os'): this rank's initial shard of each bucket, keyed by the
     # ids of its parameters (zerokit/meta_init.py); every rank computed them alike
     initial_shards: dict[tuple[int, ...], torch.Tensor] | None = None
+    outer: nn.Module | None = None  # what the user passed: a torch.compile wrapper of the model
 
 
 def build(
@@ -123,13 +122,14 @@ def build(
         frozen=[(n, p) for n, p in model.named_parameters() if not p.requires_grad],
     )
     convert_module_(model, state)
-    register_hooks(model, state, units)
-    if any(b.separate_masters for b in state.buckets):
-        state.hook_handles += MasterStateDict(model, state.buckets, group).handles
-    if opts.sync_buffers:
-        register_buffer_sync(model, state)
-    state.hook_handles += register_precision_hooks(
-        model, mp, [(m, next(m.parameters()).dtype) for m in full_precision]
+    register_hooks(
+        model,
+        state,
+        units,
+        policy=mp,
+        full_precision=[(m, next(m.parameters()).dtype) for m in full_precision],
+        sync_buffers=opts.sync_buffers,
+        outer=opts.outer if opts.outer is not None else model,
     )
     if opts.level == "p_g_os":
         state.refresh_params()  # gathers the units kept whole

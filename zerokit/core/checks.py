@@ -75,6 +75,12 @@ def remember_wrapped(params) -> None:
         _WRAPPED_PARAMS[param] = True
 
 
+def forget_wrapped(params) -> None:
+    """``zerokit.unwrap``: these parameters may be wrapped again."""
+    for param in params:
+        _WRAPPED_PARAMS.pop(param, None)
+
+
 def check_dense_gradients(model: nn.Module) -> None:
     sparse = [name for name, m in model.named_modules() if getattr(m, "sparse", False) is True]
     if sparse:

@@ -3,8 +3,9 @@
 ``torch.compile(module)`` returns an ``OptimizedModule`` that holds the module as its child
 ``_orig_mod``, so every name under it gains ``_orig_mod.``. zerokit shards the module inside
 (``unwrap_compiled``) and gives the user back the compiled object they passed, which calls
-the sharded module, so their compiled callable keeps working; ``plain_names`` makes that
-object's ``state_dict`` / ``load_state_dict`` use the plain model's names, and checkpoints
+the sharded module, so their compiled callable keeps working; two state-dict hooks
+(registered by ``hooks.py`` on every ``OptimizedModule``) make that object's ``state_dict`` /
+``load_state_dict`` use the plain model's names, and checkpoints
 (``plain_name``) never contain the prefix, whichever order compile and wrap came in.
 """
 
@@ -28,19 +29,7 @@ def plain_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != _INNER)
 
 
-def plain_names(model: nn.Module) -> list:
-    """State-dict hooks on every ``OptimizedModule`` in ``model`` (itself included) that drop
-    ``_orig_mod.`` from the names it saves and add it back to plain names it loads; their
-    handles. Names that already hold the prefix load as before."""
-    handles = []
-    for module in model.modules():
-        if isinstance(module, torch._dynamo.OptimizedModule):
-            handles.append(module.register_state_dict_post_hook(_drop_inner_prefix))
-            handles.append(module.register_load_state_dict_pre_hook(_add_inner_prefix))
-    return handles
-
-
-def _drop_inner_prefix(module, state_dict, prefix: str, local_metadata) -> None:
+def drop_inner_prefix(module, state_dict, prefix: str, local_metadata) -> None:
     inner = f"{prefix}{_INNER}."
     # this module's keys are the last ones written: moving them in order keeps the order
     for key in [k for k in state_dict if k.startswith(inner)]:
@@ -53,7 +42,7 @@ def _drop_inner_prefix(module, state_dict, prefix: str, local_metadata) -> None:
             metadata[prefix + key[len(inner) :]] = metadata.pop(key)
 
 
-def _add_inner_prefix(module, state_dict, prefix: str, *args) -> None:
+def add_inner_prefix(module, state_dict, prefix: str, *args) -> None:
     inner = f"{prefix}{_INNER}."
     # load_state_dict works on its own copy of the caller's dict: renaming here is safe
     for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:

@@ -1,4 +1,9 @@
-"""Every hook zerokit puts on a model, registered in one place; each calls ``ShardState``.
+"""Every hook zerokit puts on a model, registered in one place (``register_hooks``), each
+handle kept in ``ShardState.hook_handles`` so that ``zerokit.unwrap`` can remove them all.
+The sharding hooks below call ``ShardState``; the others call small functions that stay with
+their concern: mixed-precision casts (``precision.py``), fp32-master state dicts
+(``master_state.py``), buffer sync (``module.py``), names without ``_orig_mod.``
+(``compiled.py``).
 
 Hooks hold the state through a weak reference: the model owns its state (``model._zerokit``),
 and a hook that held it strongly would close a cycle (model -> hooks -> state -> buckets ->
@@ -36,11 +41,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..mixed_precision import MixedPrecision
 from . import presence
 from .agreement import meet
+from .compiled import add_inner_prefix, drop_inner_prefix
 from .eager import eager
 from .grad_placeholder import is_placeholder
 from .group import ShardGroup
+from .master_state import MasterStateDict
+from .module import broadcast_module_state
+from .precision import cast_args, cast_output
 from .state import ShardState
 
 
@@ -62,8 +72,74 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
-def register_hooks(model: nn.Module, state: ShardState, units: list[tuple[nn.Module, int]]) -> None:
-    """``units``: (module, index of its group) for every group except the root's."""
+def register_hooks(
+    model: nn.Module,
+    state: ShardState,
+    units: list[tuple[nn.Module, int]],
+    *,
+    policy: MixedPrecision,
+    full_precision: list[tuple[nn.Module, torch.dtype]],
+    sync_buffers: bool,
+    outer: nn.Module,
+) -> None:
+    """Every hook zerokit adds, in this order, its handle into ``state.hook_handles``.
+
+    ``units``: (module, index of its group) for every group except the root's;
+    ``full_precision``: (module, its parameters' dtype) for each full-precision unit;
+    ``outer``: what the user passed (a ``torch.compile`` wrapper around ``model``, or it)."""
+    _register_sharding(model, state, units)
+    handles = state.hook_handles
+    if any(b.separate_masters for b in state.buckets):
+        # after stage 3's hooks, which gather (state_dict) or copy back (load) the compute copy
+        masters = MasterStateDict(model, state.buckets, state.process_group)
+        handles += [
+            # torch tags this hook with an attribute, which a bound method cannot take
+            model.register_state_dict_post_hook(
+                functools.partial(MasterStateDict.state_dict_hook, masters)
+            ),
+            model.register_load_state_dict_pre_hook(masters.load_hook),
+        ]
+    if sync_buffers:  # before every forward, rank 0's buffers go to every rank
+        handles.append(
+            model.register_forward_pre_hook(
+                functools.partial(_sync_buffers, state.process_group)  # no reference to state
+            )
+        )
+    handles += _precision_hooks(model, policy, full_precision)
+    for module in outer.modules():  # no "_orig_mod." in state_dict names
+        if isinstance(module, torch._dynamo.OptimizedModule):
+            handles.append(module.register_state_dict_post_hook(drop_inner_prefix))
+            handles.append(module.register_load_state_dict_pre_hook(add_inner_prefix))
+
+
+def _sync_buffers(group, module, args) -> None:
+    broadcast_module_state(module, group, params=False)
+
+
+def _precision_hooks(model, policy: MixedPrecision, full_precision) -> list:
+    if policy.param_dtype is None:
+        return []
+    handles = []
+    if policy.cast_forward_inputs:
+        hook = functools.partial(cast_args, policy.param_dtype)
+        handles.append(model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
+    if policy.output_dtype is not None:
+        handles.append(
+            model.register_forward_hook(functools.partial(cast_output, policy.output_dtype))
+        )
+    for module, dtype in full_precision:
+        handles.append(
+            module.register_forward_pre_hook(functools.partial(cast_args, dtype), with_kwargs=True)
+        )
+        handles.append(
+            module.register_forward_hook(functools.partial(cast_output, policy.param_dtype))
+        )
+    return handles
+
+
+def _register_sharding(
+    model: nn.Module, state: ShardState, units: list[tuple[nn.Module, int]]
+) -> None:
     ref = weakref.ref(state)
     handles = state.hook_handles
     for group in state.groups:

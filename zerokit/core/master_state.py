@@ -9,8 +9,6 @@ masters (else the next step would overwrite the loaded values with stale ones). 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
@@ -19,7 +17,8 @@ from .flat_param import FlatParamBucket
 
 
 class MasterStateDict:
-    """The two hooks, registered on the model when any bucket has masters of its own."""
+    """The two hooks (``hooks.py`` registers them on the model when any bucket has masters of
+    its own)."""
 
     def __init__(self, model: nn.Module, buckets: list[FlatParamBucket], group):
         self.buckets = [b for b in buckets if b.separate_masters]
@@ -28,16 +27,8 @@ class MasterStateDict:
         for name, p in model.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(name)
         self.names = aliases  # id(parameter) -> every name it has
-        # after stage 3's hooks, which gather (state_dict) or copy back (load) the compute copy
-        self.handles = [
-            # torch tags this hook with an attribute, which a bound method cannot take
-            model.register_state_dict_post_hook(
-                functools.partial(MasterStateDict._state_dict, self)
-            ),
-            model.register_load_state_dict_pre_hook(self._load),
-        ]
 
-    def _state_dict(self, module, state_dict, prefix, local_metadata) -> None:
+    def state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
         for bucket in self.buckets:  # [padded] fp32, on the device the group communicates on
             full = torch.empty(
                 bucket.layout.padded_numel, dtype=bucket.shard_data.dtype, device=bucket.data.device
@@ -48,7 +39,7 @@ class MasterStateDict:
                 for name in self.names[id(param)]:
                     state_dict[prefix + name] = bucket.slot_view(full, i)
 
-    def _load(self, module, state_dict, prefix, *args) -> None:
+    def load_hook(self, module, state_dict, prefix, *args) -> None:
         with torch.no_grad():
             for bucket in self.buckets:
                 for piece, master in zip(bucket.pieces, bucket.param_pieces):

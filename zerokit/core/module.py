@@ -72,6 +72,14 @@ def convert_module_(model: nn.Module, state: ShardState) -> nn.Module:
     return model
 
 
+def restore_module_(model: nn.Module) -> nn.Module:
+    """Undo ``convert_module_``: the user's class again, and no state (``zerokit.unwrap``)."""
+    sharded = type(model)
+    model.__class__ = sharded.__bases__[1]  # (ShardedModule, the user's class)
+    del model._zerokit
+    return model
+
+
 def broadcast_module_state(model: nn.Module, group: ProcessGroup, *, params: bool) -> None:
     """Make every rank's buffers (and parameters, if ``params``) equal to group rank 0's;
     rank-local (``is_distributed``) tensors stay each rank's own: they are different slices."""
@@ -82,14 +90,3 @@ def broadcast_module_state(model: nn.Module, group: ProcessGroup, *, params: boo
             if id(tensor) not in seen and not is_distributed(tensor):
                 seen.add(id(tensor))
                 broadcast_(tensor.data, group)
-
-
-def register_buffer_sync(model: nn.Module, state: ShardState) -> None:
-    """``sync_buffers=True``: before every forward, rank 0's buffers go to every rank."""
-    group = state.process_group  # a module-level function below holds no reference to state
-
-    state.hook_handles.append(
-        model.register_forward_pre_hook(
-            lambda module, args: broadcast_module_state(module, group, params=False)
-        )
-    )

@@ -199,6 +199,21 @@ def shard_optimizer_(optimizer: torch.optim.Optimizer, shard_state: ShardState):
     return optimizer
 
 
+def restore_optimizer_(optimizer: torch.optim.Optimizer, state: dict) -> torch.optim.Optimizer:
+    """Undo ``shard_optimizer_`` (``zerokit.unwrap``): the user's class, each param group its
+    whole parameters as given (hyperparameters kept), and ``state`` (parameter -> its full
+    state, gathered by the caller)."""
+    sharded = optimizer._zerokit
+    for group_dict, params in zip(optimizer.param_groups, sharded.group_params):
+        group_dict["params"] = list(params)
+    optimizer.state.clear()
+    optimizer.state.update(state)
+    optimizer.__class__ = type(optimizer).__bases__[1]  # (ShardedOptimizer, the user's class)
+    del optimizer._zerokit
+    _repoint_scheduler_patch(optimizer)  # a scheduler's step wrapper: the user's step again
+    return optimizer
+
+
 def _slice_state(state: dict, shape: tuple[int, ...], piece) -> dict:
     """A piece's share of a parameter's optimizer state: per-element tensors are sliced."""
     out = {}
@@ -214,7 +229,8 @@ def _slice_state(state: dict, shape: tuple[int, ...], piece) -> dict:
 
 def _repoint_scheduler_patch(optimizer: torch.optim.Optimizer) -> None:
     # An LR scheduler created before wrapping replaced ``optimizer.step`` on the instance with a
-    # wrapper around the *original* class's step, which would skip the sharded step. Re-wrap.
+    # wrapper around the *original* class's step, which would skip the sharded step. Re-wrap
+    # around the class's step now (after ``unwrap``: the original's again).
     if "step" not in vars(optimizer):
         return
     sharded_step = type(optimizer).step
