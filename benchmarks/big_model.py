@@ -111,9 +111,16 @@ def run(n_ranks: int, n_layer: int, how: str, path: str) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", default="2,4")
-    parser.add_argument("--layers", type=int, default=80)
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=type(
+            "HelpFormatter",
+            (argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter),
+            {},
+        ),
+    )
+    parser.add_argument("--ranks", default="2,4", help="world sizes to measure, comma-separated")
+    parser.add_argument("--layers", type=int, default=80, help="GPT blocks (d_model 512)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
