@@ -4,7 +4,8 @@
     trainer = lightning.pytorch.Trainer(devices=2, strategy="zerokit_p_g_os")
 
 Names: ``"zerokit"`` (= ``"zerokit_p_g_os"``), ``"zerokit_os"``, ``"zerokit_os_g"``,
-``"zerokit_p_g_os"``. The strategy is Lightning's DDP strategy for everything but the model
+``"zerokit_p_g_os"`` (Fabric's strategy, ``ZeroKitFabricStrategy`` in ``fabric.py``, is
+re-exported here and registered under the same names in Fabric's registry). The strategy is Lightning's DDP strategy for everything but the model
 (its launcher, so a plain ``python train.py`` starts the ranks, or torchrun does; its process
 group, ``DistributedSampler``, barrier and reductions). After ``configure_optimizers`` it wraps
 the LightningModule and its optimizer with ``group_sharded_parallel`` (in place: LR schedulers
