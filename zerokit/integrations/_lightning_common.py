@@ -26,7 +26,12 @@ SHARDING_OPTIONS = {
     "step_in_backward",
 }
 # registered name -> level, in Lightning's Trainer and Fabric registries alike
-NAMES = {"zerokit": "p_g_os", "zerokit_os": "os", "zerokit_os_g": "os_g", "zerokit_p_g_os": "p_g_os"}
+NAMES = {
+    "zerokit": "p_g_os",
+    "zerokit_os": "os",
+    "zerokit_os_g": "os_g",
+    "zerokit_p_g_os": "p_g_os",
+}
 
 
 def check_options(
