@@ -4,7 +4,8 @@
     trainer = lightning.pytorch.Trainer(devices=2, strategy="zerokit_p_g_os")
 
 Names: ``"zerokit"`` (= ``"zerokit_p_g_os"``), ``"zerokit_os"``, ``"zerokit_os_g"``,
-``"zerokit_p_g_os"``. The strategy is Lightning's DDP strategy for everything but the model
+``"zerokit_p_g_os"`` (Fabric's strategy, ``ZeroKitFabricStrategy`` in ``fabric.py``, is
+re-exported here and registered under the same names in Fabric's registry). The strategy is Lightning's DDP strategy for everything but the model
 (its launcher, so a plain ``python train.py`` starts the ranks, or torchrun does; its process
 group, ``DistributedSampler``, barrier and reductions). After ``configure_optimizers`` it wraps
 the LightningModule and its optimizer with ``group_sharded_parallel`` (in place: LR schedulers
@@ -45,29 +46,19 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 from .. import checkpoint as zk_checkpoint
-from ..api import LEVELS, group_sharded_parallel
+from ..api import group_sharded_parallel
 from ..checkpoint.holdings import OPTIM_PREFIX
 from ..checkpoint.reading import CheckpointReader
 from ..clip import clip_grad_norm_
-from ..config import ShardingConfig, resolve_level
+from ..config import ShardingConfig
 from ..core.module import broadcast_module_state
 from ..mixed_precision import MixedPrecision
-from ..scaler import ShardedGradScaler
+from . import _lightning_common as common
+from .fabric import ZeroKitFabricStrategy
 
-__all__ = ["ZeroKitPrecision", "ZeroKitStrategy"]
+__all__ = ["ZeroKitFabricStrategy", "ZeroKitPrecision", "ZeroKitStrategy"]
 
 EXTRA_PREFIX = "lightning/"  # Lightning's checkpoint key K is the zerokit extra "lightning/K"
-_PRECISIONS = {"32-true": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
-# group_sharded_parallel's knobs a strategy may pass on (the rest it decides itself)
-_SHARDING_OPTIONS = {
-    "buffer_max_size",
-    "segment_size",
-    "sync_comm",
-    "sync_buffers",
-    "offload",
-    "exclude_layer",
-    "step_in_backward",
-}
 
 
 class _Root(nn.Module):
@@ -97,24 +88,9 @@ class ZeroKitPrecision(Precision):
     boundaries; zerokit's scaler for ``"16-mixed"``; zerokit's clipping."""
 
     def __init__(self, precision: str = "32-true", scaler: Any = None) -> None:
-        if precision not in _PRECISIONS:
-            raise ValueError(
-                f"ZeroKitStrategy supports precision '32-true', '16-mixed' or 'bf16-mixed', not "
-                f"{precision!r}: zerokit keeps fp32 master shards and computes in the low dtype"
-            )
-        if scaler is not None and precision != "16-mixed":
-            raise ValueError(f"precision={precision!r} uses no loss scaler, got {scaler!r}")
+        self.scaler = common.check_precision("ZeroKitStrategy", precision, scaler)
         self.precision = precision
-        self.scaler = None
-        if precision == "16-mixed":
-            self.scaler = ShardedGradScaler() if scaler is None else _sharded_scaler(scaler)
         self.model: nn.Module | None = None  # the wrapped root: clipping needs the model
-
-    def policy(self) -> MixedPrecision | None:
-        dtype = _PRECISIONS[self.precision]
-        if dtype is None:
-            return None
-        return MixedPrecision(param_dtype=dtype, output_dtype=torch.float32)
 
     def pre_backward(self, tensor: torch.Tensor, module: LightningModule) -> torch.Tensor:
         if self.scaler is not None:
@@ -157,12 +133,6 @@ class ZeroKitPrecision(Precision):
             self.scaler.load_state_dict(dict(state_dict))
 
 
-def _sharded_scaler(scaler: Any) -> ShardedGradScaler:
-    if isinstance(scaler, ShardedGradScaler):
-        return scaler
-    return ShardedGradScaler.like(scaler)
-
-
 def _to_zerokit_precision(plugin: Precision) -> ZeroKitPrecision:
     if isinstance(plugin, ZeroKitPrecision):
         return plugin
@@ -170,12 +140,7 @@ def _to_zerokit_precision(plugin: Precision) -> ZeroKitPrecision:
         return ZeroKitPrecision("32-true")
     if type(plugin) is LightningAMP:
         return ZeroKitPrecision(plugin.precision, plugin.scaler)
-    precision = getattr(plugin, "precision", "?")
-    raise ValueError(
-        f"ZeroKitStrategy cannot honour Trainer(precision={precision!r}) "
-        f"({type(plugin).__name__}): use precision '32-true', '16-mixed' or 'bf16-mixed' "
-        "(zerokit keeps fp32 master shards and computes in the low dtype)"
-    )
+    raise common.refuse_precision("ZeroKitStrategy", plugin)
 
 
 class ZeroKitStrategy(DDPStrategy):
@@ -210,18 +175,7 @@ class ZeroKitStrategy(DDPStrategy):
         start_method: str = "popen",
         **sharding: Any,
     ) -> None:
-        unknown = sorted(set(sharding) - _SHARDING_OPTIONS)
-        if unknown:
-            raise TypeError(
-                f"ZeroKitStrategy got unknown option(s) {unknown}; it takes level, "
-                f"mixed_precision, config and the group_sharded_parallel options "
-                f"{sorted(_SHARDING_OPTIONS)}"
-            )
-        level = resolve_level(level)
-        if level not in LEVELS:
-            raise ValueError(f"unknown level {level!r}; valid levels: {LEVELS} or 1, 2, 3")
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError("mixed_precision must be a zerokit.MixedPrecision policy (or None)")
+        level = common.check_options("ZeroKitStrategy", level, mixed_precision, sharding)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -292,19 +246,14 @@ class ZeroKitStrategy(DDPStrategy):
                 f"{len(self.optimizers)}. Put the parameters in one optimizer's param groups"
             )
         plugin = self.precision_plugin
-        policy = plugin.policy()
-        if policy is not None and self.mixed_precision is not None:
-            raise ValueError(
-                f"ZeroKitStrategy(mixed_precision=...) and Trainer(precision="
-                f"{plugin.precision!r}) both choose a precision; pass only one"
-            )
+        policy = common.precision_policy(plugin.precision, self.mixed_precision, "ZeroKitStrategy")
         root = _Root(module)
         _, optimizer, scaler = group_sharded_parallel(
             root,
             self.optimizers[0],
             self.level,
             scaler=plugin.scaler,
-            mixed_precision=policy or self.mixed_precision,
+            mixed_precision=policy,
             config=self.config,
             **self._sharding,
         )
@@ -413,12 +362,7 @@ class ZeroKitStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        names = (("zerokit", "p_g_os"), ("zerokit_os", "os"), ("zerokit_os_g", "os_g"))
-        for name, level in (*names, ("zerokit_p_g_os", "p_g_os")):
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, description=f"zerokit ZeRO level {level!r}", level=level
-                )
+        common.register(strategy_registry, cls)
 
 
 ZeroKitStrategy.register_strategies(StrategyRegistry)

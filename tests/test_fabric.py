@@ -1,0 +1,67 @@
+"""ZeroKitFabricStrategy in Lightning Fabric equals one process in plain PyTorch.
+
+One launch of tests/fabric_run.py (``python script.py``, ``fabric.launch()`` starting the
+ranks) trains every level: ``fabric.backward``, ``fabric.no_backward_sync`` accumulation, a
+binding ``fabric.clip_gradients(max_norm=...)``, ``fabric.save`` mid-run and ``fabric.load``
+into a fresh model at another level. Tolerance 2e-5 (fp32; AdamW over 4 steps).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import fabric_run as run
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TOL = 2e-5
+
+
+def assert_close(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for name in want:
+        err = (got[name] - want[name]).abs().max().item()
+        assert err <= TOL, f"{what}: {name} differs from one process by {err:.3g}"
+
+
+def test_fabric_two_ranks_every_level(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, os.path.join(HERE, "fabric_run.py"), str(tmp_path), "--devices", "2"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-6000:]
+    results = torch.load(os.path.join(tmp_path, "results.pt"))
+    want, norms = run.train_one_process()
+    # the clip binds: every step's norm is well over it (else the test proves nothing)
+    assert min(norms) > 2 * run.CLIP
+    for i, level in enumerate(run.LEVELS):
+        got = results[level]
+        assert_close(got["params"], want, f"{level}")
+        for step, (n, m) in enumerate(zip(got["norms"], norms, strict=True)):
+            assert abs(n.item() - m.item()) <= TOL * m.item(), f"{level} step {step} norm"
+        # each step: the first micro-batch accumulates locally, the last reduces
+        assert got["syncs"] == [False, True] * run.STEPS, f"{level}: {got['syncs']}"
+        resumed_at = run.LEVELS[(i + 1) % len(run.LEVELS)]
+        assert got["step"] == run.SAVE_AT and got["remainder"] == {}
+        assert_close(got["resumed"], want, f"saved at {level}, resumed at {resumed_at}")
+    assert (tmp_path / "ckpt-os" / "index.json").is_file()  # a zerokit checkpoint directory
+
+
+def test_fabric_names_and_refusals():
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    from zerokit.integrations.fabric import ZeroKitFabricStrategy
+
+    for name, level in [("zerokit", "p_g_os"), ("zerokit_os", "os"), ("zerokit_os_g", "os_g"),
+                        ("zerokit_p_g_os", "p_g_os")]:  # fmt: skip
+        assert STRATEGY_REGISTRY[name]["strategy"] is ZeroKitFabricStrategy
+        assert STRATEGY_REGISTRY[name]["init_params"] == {"level": level}
+    with pytest.raises(ValueError, match="precision='bf16-true'"):
+        Fabric(accelerator="cpu", devices=2, strategy="zerokit_os", precision="bf16-true")
+    with pytest.raises(TypeError, match="find_unused_parameters"):
+        ZeroKitFabricStrategy("os", find_unused_parameters=True)

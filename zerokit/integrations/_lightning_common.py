@@ -1,0 +1,105 @@
+"""What zerokit's Lightning strategies share: the Trainer's (``lightning.py``) and Fabric's
+(``fabric.py``). Imports nothing of ``lightning.pytorch``; each strategy subclasses its own
+Lightning base and calls these."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..api import LEVELS
+from ..checkpoint.reading import CheckpointReader
+from ..config import resolve_level
+from ..mixed_precision import MixedPrecision
+from ..scaler import ShardedGradScaler
+
+PRECISIONS = {"32-true": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+# group_sharded_parallel's knobs a strategy may pass on (the rest it decides itself)
+SHARDING_OPTIONS = {
+    "buffer_max_size",
+    "segment_size",
+    "sync_comm",
+    "sync_buffers",
+    "offload",
+    "exclude_layer",
+    "step_in_backward",
+}
+# registered name -> level, in Lightning's Trainer and Fabric registries alike
+NAMES = {
+    "zerokit": "p_g_os",
+    "zerokit_os": "os",
+    "zerokit_os_g": "os_g",
+    "zerokit_p_g_os": "p_g_os",
+}
+
+
+def check_options(
+    who: str, level: str | int, mixed_precision: Any, sharding: dict[str, Any]
+) -> str:
+    """The strategy's constructor arguments checked; returns the level's name."""
+    unknown = sorted(set(sharding) - SHARDING_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"{who} got unknown option(s) {unknown}; it takes level, mixed_precision, config "
+            f"and the group_sharded_parallel options {sorted(SHARDING_OPTIONS)}"
+        )
+    level = resolve_level(level)
+    if level not in LEVELS:
+        raise ValueError(f"unknown level {level!r}; valid levels: {LEVELS} or 1, 2, 3")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError("mixed_precision must be a zerokit.MixedPrecision policy (or None)")
+    return level
+
+
+def check_precision(who: str, precision: str, scaler: Any) -> ShardedGradScaler | None:
+    """A Lightning precision name zerokit honours; returns the loss scaler it needs."""
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"{who} supports precision '32-true', '16-mixed' or 'bf16-mixed', not "
+            f"{precision!r}: zerokit keeps fp32 master shards and computes in the low dtype"
+        )
+    if scaler is not None and precision != "16-mixed":
+        raise ValueError(f"precision={precision!r} uses no loss scaler, got {scaler!r}")
+    if precision != "16-mixed":
+        return None
+    if scaler is None:
+        return ShardedGradScaler()
+    return scaler if isinstance(scaler, ShardedGradScaler) else ShardedGradScaler.like(scaler)
+
+
+def precision_policy(precision: str, mixed_precision: MixedPrecision | None, who: str):
+    """The ``MixedPrecision`` a precision name means (no autocast: zerokit casts at module
+    boundaries, keeps fp32 master shards, returns the loss in fp32), or the strategy's own."""
+    dtype = PRECISIONS[precision]
+    if dtype is None:
+        return mixed_precision
+    if mixed_precision is not None:
+        raise ValueError(
+            f"{who}(mixed_precision=...) and precision={precision!r} both choose a precision; "
+            "pass only one"
+        )
+    return MixedPrecision(param_dtype=dtype, output_dtype=torch.float32)
+
+
+def refuse_precision(who: str, plugin: Any) -> ValueError:
+    precision = getattr(plugin, "precision", "?")
+    return ValueError(
+        f"{who} cannot honour precision={precision!r} ({type(plugin).__name__}): use "
+        "precision '32-true', '16-mixed' or 'bf16-mixed' (zerokit keeps fp32 master shards "
+        "and computes in the low dtype)"
+    )
+
+
+def saved_extra_keys(path: str, prefix: str = "") -> list[str]:
+    """The names of a checkpoint's extra entries that start with ``prefix``."""
+    with CheckpointReader(path) as reader:
+        return [k for k in reader.index.get("extra", {}) if k.startswith(prefix)]
+
+
+def register(strategy_registry, cls) -> None:
+    for name, level in NAMES.items():
+        if name not in strategy_registry:
+            strategy_registry.register(
+                name, cls, description=f"zerokit ZeRO level {level!r}", level=level
+            )
