@@ -201,6 +201,7 @@ def _compare(args) -> int:
     cfg = CompareConfig(
         model=args.model,
         nproc=args.nproc,
+        tp=args.tp,
         steps=args.steps,
         batch=args.batch,
         seq=args.seq,
@@ -251,6 +252,13 @@ def _add_verify_parser(commands) -> None:
     verify.add_argument("--nproc", type=int, default=VerifyConfig.nproc, help="default %(default)s")
     verify.add_argument("--steps", type=int, default=VerifyConfig.steps, help="default %(default)s")
     verify.add_argument(
+        "--tp",
+        type=int,
+        default=VerifyConfig.tp,
+        help="tensor-parallel degree: --nproc/--tp replicas, ZeRO over each dp group; a --model "
+        "factory must take a 'layout' keyword (default %(default)s)",
+    )
+    verify.add_argument(
         "--batch", type=int, default=VerifyConfig.batch, help="global rows (default %(default)s)"
     )
     verify.add_argument(
@@ -277,6 +285,7 @@ def _verify(args) -> int:
         level=args.level,
         model=args.model,
         nproc=args.nproc,
+        tp=args.tp,
         steps=args.steps,
         batch=args.batch,
         seq=args.seq,
