@@ -142,6 +142,12 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
     per_tp_rank = {}  # tp rank -> (units, frozen, activations, tp collectives)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         factory = load_factory(cfg.model)  # a ValueError: a usage error, as it is
+        if cfg.tp > 1 and not accepts_layout(factory):
+            raise ValueError(
+                f"--tp {cfg.tp}: the factory {cfg.model} takes no 'layout' keyword (see "
+                "zerokit.workload: factory(layout=None) the plain model, factory(layout=layout) "
+                "the tensor-parallel one)"
+            )
         plain = _fake_workload(factory, cfg.seq, cfg.tp)
         psi_model = sum(p.numel() for p in plain.model.parameters())
         for t in sorted({0, cfg.tp - 1}):  # tp splits: all ranks alike but the last
@@ -204,12 +210,6 @@ def _fake_workload(factory, seq: int, tp: int):
 
 def _fake_tp_workload(factory, cfg: PlanConfig, tp_rank: int, plain):
     """tp rank ``tp_rank``'s model, built with a stand-in layout on fake tensors."""
-    if not accepts_layout(factory):
-        raise ValueError(
-            f"--tp {cfg.tp}: the factory {cfg.model} takes no 'layout' keyword (see "
-            "zerokit.workload: factory(layout=None) the plain model, factory(layout=layout) "
-            "the tensor-parallel one)"
-        )
     layout = stand_in_layout(cfg.tp, tp_rank, cfg.world // cfg.tp)
     torch.manual_seed(0)
     try:
