@@ -293,8 +293,10 @@ def _expand(spans: str) -> list[int]:
         (["--world", "4", "--level", "os", "--sharding-degree", "3"], "must be at least 1 and"),
         (["--world", "4", "--level", "os", "--pp", "2"], "--pp 2: plan covers data and tensor"),
         (["--world", "4", "--level", "os", "--tp", "3"], "--tp 3 must be at least 1 and divide"),
-        (["--world", "4", "--level", "os", "--tp", "2", "--model", MODEL],
-         "takes no 'layout' keyword"),
+        (
+            ["--world", "4", "--level", "os", "--tp", "2", "--model", MODEL],
+            "takes no 'layout' keyword",
+        ),
         (["--world", "4", "--level", "os", "--model", "no_such:make"], "cannot import"),
     ],
 )

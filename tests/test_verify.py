@@ -84,7 +84,8 @@ def test_tensor_parallel_trains_as_one_process(capsys, nproc, tp, level):
     rows = _step_rows(out)
     assert [int(r[0]) for r in rows] == [1, 2, 3]
     for _, one, ranks, loss_diff, param_diff, _ in rows:
-        assert float(loss_diff) <= 1e-5 and float(param_diff) <= FP32_TOLERANCE
+        assert abs(float(one) - float(ranks)) <= 1e-5 and float(loss_diff) <= 1e-5
+        assert float(param_diff) <= FP32_TOLERANCE
     assert "PASS" in out
 
 
@@ -95,11 +96,15 @@ def test_tensor_parallel_trains_as_one_process(capsys, nproc, tp, level):
         (["--level", "os", "--model", "no_such_module:make"], "cannot import"),
         (["--level", "os", "--tolerance", "0"], "--tolerance must be positive"),
         (["--level", "os", "--model", "compare_models:bad_batch"], "make_batch(0, 8) must"),
-        (["--level", "os", "--tp", "2", "--model", "verify_models:tiny_gpt"],
-         "takes no 'layout' keyword"),
+        (
+            ["--level", "os", "--tp", "2", "--model", "verify_models:tiny_gpt"],
+            "takes no 'layout' keyword",
+        ),
         (["--level", "os", "--tp", "3"], "--tp 3 must be at least 1 and divide --nproc 2"),
-        (["--level", "os", "--nproc", "4", "--tp", "2", "--batch", "3"],
-         "across 2 ranks (the data-parallel ones"),
+        (
+            ["--level", "os", "--nproc", "4", "--tp", "2", "--batch", "3"],
+            "across 2 ranks (the data-parallel ones",
+        ),
     ],
 )
 def test_usage_errors_exit_2_before_any_rank_starts(capsys, args, message):

@@ -159,7 +159,7 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
             per_tp_rank[t] = (units, frozen, activations, tp_calls)
     replicas = dp // degree
     ranks, everyone = [], {}
-    for t, (units, frozen, activations, tp_calls) in per_tp_rank.items():
+    for t, (units, _, _, tp_calls) in per_tp_rank.items():
         everyone[t] = tp_calls + schedule(units, cfg.level, degree, replicas, low)
     transient = transient_bytes(per_tp_rank[0][0], cfg.level)
     for rank in range(cfg.world):

@@ -14,8 +14,10 @@ def format_plan(report: dict) -> str:
     n, level = report["world"], report["level"]
     shards, tp = report["sharding_degree"], report.get("tp", 1)
     dp = n // tp
-    where = f"{n} ranks" + (f" (tp {tp} x dp {dp})" if tp > 1 else "") + (
-        f" (ZeRO sharded over {shards}, {dp // shards} replicas)" if shards < dp else ""
+    where = (
+        f"{n} ranks"
+        + (f" (tp {tp} x dp {dp})" if tp > 1 else "")
+        + (f" (ZeRO sharded over {shards}, {dp // shards} replicas)" if shards < dp else "")
     )
     lines = [
         f"{report['model']}: {report['params']:,} parameters, level '{level}' on {where}, "

@@ -13,7 +13,6 @@ import contextlib
 from collections.abc import Iterator
 from unittest import mock
 
-import torch
 import torch.distributed as dist
 
 from .layout import Layout
@@ -71,11 +70,3 @@ def recording_tp_collectives(out: list[tuple[str, int, int]]) -> Iterator[None]:
         mock.patch("zerokit.tensor_parallel.cross_entropy.vocab_start", vocab_start),
     ):
         yield
-
-
-def tp_step_collectives(work, x: torch.Tensor, y: torch.Tensor) -> list[tuple[str, int, int]]:
-    """The tp collectives of one forward, loss and backward of ``work`` on ``(x, y)``."""
-    calls: list[tuple[str, int, int]] = []
-    with recording_tp_collectives(calls):
-        work.loss_fn(work.model(x), y).backward()
-    return calls

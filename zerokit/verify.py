@@ -38,9 +38,9 @@ import torch.distributed as dist
 
 from .api import LEVELS, group_sharded_parallel
 from .launch import local_backend, spawn_local
+from .layout import init_hybrid_parallel
 from .mixed_precision import MixedPrecision
 from .scaler import ShardedGradScaler
-from .layout import init_hybrid_parallel
 from .tensor_parallel import gather_full_state_dict
 from .workload import Workload, accepts_layout, build_workload, load_factory, tp_workload
 
@@ -103,7 +103,11 @@ def check_config(cfg: VerifyConfig) -> None:
     if cfg.batch < 1 or cfg.batch % dp:
         raise ValueError(
             f"--batch {cfg.batch} must divide evenly across {dp} ranks"
-            + (f" (the data-parallel ones: --nproc {cfg.nproc} / --tp {cfg.tp})" if cfg.tp > 1 else "")
+            + (
+                f" (the data-parallel ones: --nproc {cfg.nproc} / --tp {cfg.tp})"
+                if cfg.tp > 1
+                else ""
+            )
         )
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
