@@ -43,11 +43,12 @@ class Recorder:
     """Wraps the helpers wherever zerokit imported them, and torch.distributed's collectives
     to catch any call made outside a helper."""
 
-    def __init__(self):
+    def __init__(self, tp_group=None):
         self.on = False
         self.calls: list[tuple[str, int, int]] = []
         self.bypassing: list[str] = []
         self._inside = threading.local()
+        self.tp_group = tp_group  # the tp layers' raw collectives on it are recorded too
 
     def install(self) -> None:
         from zerokit.core import collectives
@@ -82,10 +83,22 @@ class Recorder:
     def _raw(self, fn, name):
         def wrapper(*args, **kwargs):
             if self.on and getattr(self._inside, "depth", 0) == 0:
-                self.bypassing.append(name)
+                if self.tp_group is not None and kwargs.get("group") is self.tp_group:
+                    self.calls.append(_tp_call(name, self.tp_group.size(), *args))
+                else:
+                    self.bypassing.append(name)
             return fn(*args, **kwargs)
 
         return wrapper
+
+
+def _tp_call(name: str, size: int, *args) -> tuple[str, int, int]:
+    """A tp layer's raw collective, counted as the plan counts it (an all-gather's output)."""
+    if name == "all_gather":
+        return ("all_gather", size, sum(t.nbytes for t in args[0]))
+    if name == "all_to_all_single":
+        return ("all_to_all", size, args[1].nbytes)
+    return (name, size, args[0].nbytes)
 
 
 def _group_arg_positions_are_right():
@@ -164,6 +177,70 @@ def test_hybrid_sharding_steps_send_and_hold_what_the_plan_says():
     run_distributed(_real_step_equals_plan, 4, None, 2)
 
 
+TP_MODEL = "verify_models:tiny_gpt_tp"
+
+
+def _tp_step_equals_plan(rank, world_size, tp):
+    """dp x tp: the tp layers' collectives and ZeRO's over each dp group, and the memory of
+    each rank's tp slices sharded over dp, as the plan says."""
+    from zerokit.tensor_parallel import ParallelCrossEntropy
+
+    dp = world_size // tp
+    layout = init_hybrid_parallel(dp, tp)
+    recorder = Recorder(layout.tp_group)
+    recorder.install()
+    per_rank, batch = 2, 2 * dp
+    for level in LEVELS:
+        cfg = PlanConfig(
+            world=world_size, level=level, model=TP_MODEL, batch=batch, seq=SEQ, tp=tp,
+            buffer_max_size=BUFFER,
+        )  # fmt: skip
+        report, _ = plan_with_calls(cfg)
+        plain = build_workload(load_factory(TP_MODEL), batch=batch, seq=SEQ, per_rank=per_rank)
+        model = load_factory(TP_MODEL)(layout=layout)
+        loss_fn = ParallelCrossEntropy(layout=layout)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, opt, _ = group_sharded_parallel(
+            model, opt, level, group=layout.dp_group, buffer_max_size=BUFFER
+        )
+        mine = slice(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
+        for step in range(2):  # the second step is the steady one the plan describes
+            recorder.on, recorder.calls, recorder.bypassing = step == 1, [], []
+            x, y = (t[mine] for t in plain.make_batch(step, batch))
+            loss_fn(model(x), y).backward()
+            if step == 1:
+                measured = measure(model, opt)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        recorder.on = False
+        what = f"tp {tp} level={level} world={world_size} rank={rank}"
+        assert not recorder.bypassing, f"{what}: collectives outside the helpers"
+        planned = report["ranks"][rank]["collectives"]
+        want = sorted((c["op"], c["group_size"], c["calls"], c["bytes"]) for c in planned)
+        got_rows: dict[tuple, list[int]] = {}
+        for op, size, nbytes in recorder.calls:  # aggregated as the report does, but by op
+            got_rows.setdefault((op, size), []).append(nbytes)
+        planned_rows: dict[tuple, list[int]] = {}
+        for c in planned:
+            row = planned_rows.setdefault((c["op"], c["group_size"]), [0, 0])
+            row[0] += c["calls"]
+            row[1] += c["bytes"]
+        got = {k: [len(v), sum(v)] for k, v in got_rows.items()}
+        assert got == planned_rows, f"{what}: recorded {got}, planned {want}"
+        memory = report["ranks"][rank]["memory"]
+        got = {"params": measured.params, "grads": measured.grads, "optimizer": measured.optimizer}
+        assert got == {k: memory[k] for k in got}, f"{what}: measured {got}, planned {memory}"
+
+
+def test_a_real_tensor_parallel_step_sends_and_holds_what_the_plan_says():
+    run_distributed(_tp_step_equals_plan, 2, 2)
+
+
+@pytest.mark.slow
+def test_a_real_dp2_x_tp2_step_sends_and_holds_what_the_plan_says():
+    run_distributed(_tp_step_equals_plan, 4, 2)
+
+
 def _plan(capsys, *args: str) -> tuple[int, str, str]:
     code = cli.main(["plan", *args])
     out = capsys.readouterr()
@@ -214,7 +291,12 @@ def _expand(spans: str) -> list[int]:
     [
         (["--world", "4", "--level", "os", "--batch", "6"], "must divide evenly across 4"),
         (["--world", "4", "--level", "os", "--sharding-degree", "3"], "must be at least 1 and"),
-        (["--world", "4", "--level", "os", "--tp", "2"], "--tp"),
+        (["--world", "4", "--level", "os", "--pp", "2"], "--pp 2: plan covers data and tensor"),
+        (["--world", "4", "--level", "os", "--tp", "3"], "--tp 3 must be at least 1 and divide"),
+        (
+            ["--world", "4", "--level", "os", "--tp", "2", "--model", MODEL],
+            "takes no 'layout' keyword",
+        ),
         (["--world", "4", "--level", "os", "--model", "no_such:make"], "cannot import"),
     ],
 )

@@ -69,12 +69,42 @@ def test_mixed_precision_judged_against_the_same_policy_on_one_process(capsys):
 
 
 @pytest.mark.parametrize(
+    "nproc, tp, level",
+    [(2, 2, "os"), pytest.param(4, 2, "p_g_os", marks=pytest.mark.slow)],
+)
+def test_tensor_parallel_trains_as_one_process(capsys, nproc, tp, level):
+    """tp ranks split the model, ZeRO shards over each dp group; the full parameters (gathered
+    across tp) equal one process's plain model's, step by step."""
+    code, out, _ = _verify(
+        capsys, "--model", "verify_models:tiny_gpt_tp", "--level", level, "--nproc", str(nproc),
+        "--tp", str(tp), "--batch", "4", "--seq", "8", "--steps", "3",
+    )  # fmt: skip
+    assert code == 0, out
+    assert f"(tp {tp} x dp {nproc // tp})" in out
+    rows = _step_rows(out)
+    assert [int(r[0]) for r in rows] == [1, 2, 3]
+    for _, one, ranks, loss_diff, param_diff, _ in rows:
+        assert abs(float(one) - float(ranks)) <= 1e-5 and float(loss_diff) <= 1e-5
+        assert float(param_diff) <= FP32_TOLERANCE
+    assert "PASS" in out
+
+
+@pytest.mark.parametrize(
     "args, message",
     [
         (["--level", "os", "--batch", "7"], "must divide evenly across 2 ranks"),
         (["--level", "os", "--model", "no_such_module:make"], "cannot import"),
         (["--level", "os", "--tolerance", "0"], "--tolerance must be positive"),
         (["--level", "os", "--model", "compare_models:bad_batch"], "make_batch(0, 8) must"),
+        (
+            ["--level", "os", "--tp", "2", "--model", "verify_models:tiny_gpt"],
+            "takes no 'layout' keyword",
+        ),
+        (["--level", "os", "--tp", "3"], "--tp 3 must be at least 1 and divide --nproc 2"),
+        (
+            ["--level", "os", "--nproc", "4", "--tp", "2", "--batch", "3"],
+            "across 2 ranks (the data-parallel ones",
+        ),
     ],
 )
 def test_usage_errors_exit_2_before_any_rank_starts(capsys, args, message):

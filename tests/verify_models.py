@@ -40,3 +40,20 @@ def tiny_gpt():
 
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16))
+
+
+def tiny_gpt_tp(layout=None):
+    """``tiny_gpt`` for ``--tp``: the plain model without a layout, its tensor-parallel twin
+    (same seed, same full parameters) with one."""
+    from zerokit.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(
+        vocab_size=64,
+        block_size=16,
+        n_layer=2,
+        n_head=2,
+        n_embd=16,
+        tensor_parallel=layout is not None,
+    )
+    return GPT(cfg, layout)

@@ -201,6 +201,7 @@ def _compare(args) -> int:
     cfg = CompareConfig(
         model=args.model,
         nproc=args.nproc,
+        tp=args.tp,
         steps=args.steps,
         batch=args.batch,
         seq=args.seq,
@@ -251,6 +252,13 @@ def _add_verify_parser(commands) -> None:
     verify.add_argument("--nproc", type=int, default=VerifyConfig.nproc, help="default %(default)s")
     verify.add_argument("--steps", type=int, default=VerifyConfig.steps, help="default %(default)s")
     verify.add_argument(
+        "--tp",
+        type=int,
+        default=VerifyConfig.tp,
+        help="tensor-parallel degree: --nproc/--tp replicas, ZeRO over each dp group; a --model "
+        "factory must take a 'layout' keyword (default %(default)s)",
+    )
+    verify.add_argument(
         "--batch", type=int, default=VerifyConfig.batch, help="global rows (default %(default)s)"
     )
     verify.add_argument(
@@ -277,6 +285,7 @@ def _verify(args) -> int:
         level=args.level,
         model=args.model,
         nproc=args.nproc,
+        tp=args.tp,
         steps=args.steps,
         batch=args.batch,
         seq=args.seq,
@@ -329,7 +338,13 @@ def _add_plan_parser(commands) -> None:
     plan.add_argument(
         "--sharding-degree", type=int, help="hybrid sharding: shard over groups of this many"
     )
-    plan.add_argument("--tp", type=int, default=1, help="tensor parallel degree (only 1 yet)")
+    plan.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree; ZeRO over --world/--tp ranks (a --model factory must take "
+        "a 'layout' keyword)",
+    )
     plan.add_argument("--pp", type=int, default=1, help="pipeline stages (only 1 yet)")
     plan.add_argument(
         "--batch", type=int, help="global rows, split across ranks (default: one per rank)"
@@ -343,18 +358,18 @@ def _add_plan_parser(commands) -> None:
 
 def _plan(args) -> int:
     try:
-        for flag, value in (("--tp", args.tp), ("--pp", args.pp)):
-            if value != 1:
-                raise ValueError(
-                    f"{flag} {value}: plan covers data parallelism (ZeRO, hybrid sharding) so "
-                    f"far; {flag} other than 1 is not planned yet"
-                )
+        if args.pp != 1:
+            raise ValueError(
+                f"--pp {args.pp}: plan covers data and tensor parallelism (ZeRO, hybrid "
+                "sharding, --tp) so far; --pp other than 1 is not planned yet"
+            )
         report = make_plan(
             PlanConfig(
                 world=args.world,
                 level=args.level,
                 model=args.model,
                 sharding_degree=args.sharding_degree,
+                tp=args.tp,
                 batch=args.batch,
                 seq=args.seq,
                 mixed_precision=args.mixed_precision,

@@ -21,6 +21,7 @@ the same ops, calls, bytes and memory as this plan.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -33,7 +34,8 @@ from .core.layout import BucketLayout
 from .core.units import UnitPlan, plan_groups, plan_units
 from .memory import STATE_PER_PARAM
 from .mixed_precision import MixedPrecision
-from .workload import as_workload, load_factory
+from .plan_tp import recording_tp_collectives, stand_in_layout
+from .workload import accepts_layout, as_workload, load_factory, tp_workload
 
 LOW = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _AGREE_BYTES = 16  # an int64 pair [k, -k], MAX-reduced: the agreement all-reduces
@@ -50,6 +52,9 @@ class PlanConfig:
     """``pkg.module:factory`` (``zerokit.workload``); None: ``zerokit compare``'s GPT."""
     sharding_degree: int | None = None
     """Hybrid sharding: shard over groups of this many ranks, replicate across the groups."""
+    tp: int = 1
+    """Tensor-parallel degree: each rank holds its tp slice; ZeRO over the world / tp ranks
+    holding the same slice (the factory takes ``layout``, as for ``zerokit verify --tp``)."""
     batch: int | None = None
     """Global batch in rows, split evenly across the ranks; None: one row per rank."""
     seq: int = 32
@@ -100,12 +105,21 @@ def check_config(cfg: PlanConfig) -> None:
         raise ValueError(f"--level must be one of {', '.join(LEVELS)}, got {cfg.level!r}")
     if cfg.world < 1:
         raise ValueError(f"--world must be at least 1, got {cfg.world}")
-    degree = cfg.sharding_degree or cfg.world
-    if degree < 1 or cfg.world % degree:
-        raise ValueError(f"--sharding-degree {degree} must be at least 1 and divide --world")
-    batch = cfg.batch if cfg.batch is not None else cfg.world
-    if batch < 1 or batch % cfg.world:
-        raise ValueError(f"--batch {batch} must divide evenly across {cfg.world} ranks")
+    if cfg.tp < 1 or cfg.world % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} must be at least 1 and divide --world {cfg.world}")
+    dp = cfg.world // cfg.tp
+    degree = cfg.sharding_degree or dp
+    if degree < 1 or dp % degree:
+        raise ValueError(
+            f"--sharding-degree {degree} must be at least 1 and divide --world"
+            + (f" / --tp = {dp}" if cfg.tp > 1 else "")
+        )
+    batch = cfg.batch if cfg.batch is not None else dp
+    if batch < 1 or batch % dp:
+        raise ValueError(
+            f"--batch {batch} must divide evenly across {dp} ranks"
+            + (" (the data-parallel ones: --world / --tp)" if cfg.tp > 1 else "")
+        )
     if cfg.optimizer not in STATE_PER_PARAM:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
 
@@ -116,49 +130,61 @@ def make_plan(cfg: PlanConfig) -> dict:
 
 
 def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
-    """The report and the step's collectives one by one (the report aggregates them)."""
+    """The report and rank 0's step collectives one by one (the report aggregates them)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     check_config(cfg)
     low = LOW[cfg.mixed_precision]
     policy = MixedPrecision(param_dtype=low)
-    degree = cfg.sharding_degree or cfg.world
-    batch = cfg.batch if cfg.batch is not None else cfg.world
+    dp = cfg.world // cfg.tp
+    degree = cfg.sharding_degree or dp
+    batch = cfg.batch if cfg.batch is not None else dp
+    per_tp_rank = {}  # tp rank -> (units, frozen, activations, tp collectives)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        torch.manual_seed(0)
         factory = load_factory(cfg.model)  # a ValueError: a usage error, as it is
-        try:
-            work = as_workload(factory(), cfg.seq)
-        except ValueError:
-            raise
-        except Exception as e:
-            raise ValueError(f"--model: building it on fake tensors failed: {e}") from e
-        model = work.model
-        units, frozen = _units(model, cfg, policy, degree)
-        activations = _activation_bytes(work, batch // cfg.world, policy, mode)
-    psi = sum(b.numel for u in units for b in u.layouts)
-    collectives = schedule(units, cfg.level, degree, cfg.world // degree, low)
-    sent = sum(c.sent for c in collectives)
-    transient = transient_bytes(units, cfg.level)
-    ranks = []
+        if cfg.tp > 1 and not accepts_layout(factory):
+            raise ValueError(
+                f"--tp {cfg.tp}: the factory {cfg.model} takes no 'layout' keyword (see "
+                "zerokit.workload: factory(layout=None) the plain model, factory(layout=layout) "
+                "the tensor-parallel one)"
+            )
+        plain = _fake_workload(factory, cfg.seq, cfg.tp)
+        psi_model = sum(p.numel() for p in plain.model.parameters())
+        for t in sorted({0, cfg.tp - 1}):  # tp splits: all ranks alike but the last
+            work = plain if cfg.tp == 1 else _fake_tp_workload(factory, cfg, t, plain)
+            units, frozen = _units(work.model, cfg, policy, degree)
+            activations, calls = _activation_bytes(work, batch // dp, policy, mode, cfg.tp > 1)
+            tp_calls = [Collective(op, n, b, "tensor parallel (forward, loss, backward)")
+                        for op, n, b in calls]  # fmt: skip
+            per_tp_rank[t] = (units, frozen, activations, tp_calls)
+    replicas = dp // degree
+    ranks, everyone = [], {}
+    for t, (units, _, _, tp_calls) in per_tp_rank.items():
+        everyone[t] = tp_calls + schedule(units, cfg.level, degree, replicas, low)
+    transient = transient_bytes(per_tp_rank[0][0], cfg.level)
     for rank in range(cfg.world):
-        memory = rank_memory(units, cfg.level, rank % degree, frozen, cfg.optimizer)
-        memory.update(transient=transient["total"], activations=activations)
+        t = rank % cfg.tp if rank % cfg.tp in per_tp_rank else 0
+        units, frozen, activations, _ = per_tp_rank[t]
+        memory = rank_memory(units, cfg.level, (rank // cfg.tp) % degree, frozen, cfg.optimizer)
+        memory.update(transient=transient_bytes(units, cfg.level)["total"], activations=activations)
         ranks.append(
             {
                 "rank": rank,
                 "memory": memory,
-                "collectives": aggregate(collectives),
-                "bytes_per_step": round(sent),
+                "collectives": aggregate(everyone[t]),
+                "bytes_per_step": round(sum(c.sent for c in everyone[t])),
             }
         )
+    units = per_tp_rank[0][0]
+    psi = sum(b.numel for u in units for b in u.layouts)  # what ZeRO shards on a rank
     itemsize = low.itemsize if low is not None else units[0].master if units else 4
-    paper = (3 if cfg.level == "p_g_os" else 2) * psi * (cfg.world - 1) / cfg.world * itemsize
+    paper = (3 if cfg.level == "p_g_os" else 2) * psi * (dp - 1) / dp * itemsize
     return {
-        "params": psi,
+        "params": psi_model if cfg.tp > 1 else psi,
         "world": cfg.world,
         "level": cfg.level,
         "sharding_degree": degree,
+        "tp": cfg.tp,
         "model": cfg.model or "built-in GPT",
         "precision": cfg.mixed_precision or "fp32",
         "batch": batch,
@@ -168,7 +194,28 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
         "transient": transient,
         "paper_bytes_per_step": round(paper),
         "ranks": ranks,
-    }, collectives
+    }, everyone[0]
+
+
+def _fake_workload(factory, seq: int, tp: int):
+    """The plain model's workload, built on fake tensors (``factory(layout=None)`` under tp)."""
+    torch.manual_seed(0)
+    try:
+        return as_workload(factory() if tp == 1 else factory(layout=None), seq)
+    except ValueError:
+        raise
+    except Exception as e:
+        raise ValueError(f"--model: building it on fake tensors failed: {e}") from e
+
+
+def _fake_tp_workload(factory, cfg: PlanConfig, tp_rank: int, plain):
+    """tp rank ``tp_rank``'s model, built with a stand-in layout on fake tensors."""
+    layout = stand_in_layout(cfg.tp, tp_rank, cfg.world // cfg.tp)
+    torch.manual_seed(0)
+    try:
+        return tp_workload(factory, layout, plain)
+    except Exception as e:
+        raise ValueError(f"--model with --tp {cfg.tp}: building it failed: {e}") from e
 
 
 def _units(model: nn.Module, cfg: PlanConfig, policy: MixedPrecision, degree: int):
@@ -316,10 +363,11 @@ def aggregate(collectives: list[Collective]) -> list[dict]:
     return list(rows.values())
 
 
-def _activation_bytes(work, per_rank: int, policy: MixedPrecision, mode) -> int:
+def _activation_bytes(work, per_rank: int, policy: MixedPrecision, mode, tp: bool):
     """What autograd saves for backward in one forward and loss of a rank's micro-batch, each
     storage once, the parameters left out: counted on fake tensors, so kernels save what they
-    would on the device (the ``zerokit.memory.measure_activations`` way, for any model)."""
+    would on the device (the ``zerokit.memory.measure_activations`` way, for any model).
+    With ``tp``, also the tensor-parallel collectives of that forward, loss and backward."""
     model = work.model
     if policy.param_dtype is not None:  # the compute copy, as zerokit's buckets hold it
         keep = policy.full_precision_modules
@@ -340,9 +388,14 @@ def _activation_bytes(work, per_rank: int, policy: MixedPrecision, mode) -> int:
             seen[storage._cdata] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        work.loss_fn(model(x), y)
-    return sum(seen.values())
+    calls: list[tuple[str, int, int]] = []
+    recording = recording_tp_collectives(calls) if tp else contextlib.nullcontext()
+    with recording:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = work.loss_fn(model(x), y)
+        if tp:
+            loss.backward()
+    return sum(seen.values()), calls
 
 
 def _real_batch(work, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

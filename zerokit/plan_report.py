@@ -12,9 +12,12 @@ _MEMORY = ("params", "grads", "optimizer", "transient", "activations")
 def format_plan(report: dict) -> str:
     groups = summarize(report)
     n, level = report["world"], report["level"]
-    shards = report["sharding_degree"]
-    where = f"{n} ranks" + (
-        f" (sharded over {shards}, {n // shards} replicas)" if shards < n else ""
+    shards, tp = report["sharding_degree"], report.get("tp", 1)
+    dp = n // tp
+    where = (
+        f"{n} ranks"
+        + (f" (tp {tp} x dp {dp})" if tp > 1 else "")
+        + (f" (ZeRO sharded over {shards}, {dp // shards} replicas)" if shards < dp else "")
     )
     lines = [
         f"{report['model']}: {report['params']:,} parameters, level '{level}' on {where}, "
@@ -53,9 +56,14 @@ def format_plan(report: dict) -> str:
                 f"{format_bytes(c['bytes']):>12}  {c['what']}"
             )
         k = 3 if level == "p_g_os" else 2
+        psi = "Ψ/tp" if tp > 1 else "Ψ"
         lines.append(
             f"  sent per rank per step: {format_bytes(body['bytes_per_step'])} (ring algorithm); "
-            f"ZeRO paper {k}Ψ(N-1)/N: {format_bytes(report['paper_bytes_per_step'])}"
+            f"ZeRO paper {k}{psi}(N-1)/N over the {dp} data-parallel ranks: "
+            f"{format_bytes(report['paper_bytes_per_step'])}"
+            if tp > 1
+            else f"  sent per rank per step: {format_bytes(body['bytes_per_step'])} (ring "
+            f"algorithm); ZeRO paper {k}Ψ(N-1)/N: {format_bytes(report['paper_bytes_per_step'])}"
         )
     return "\n".join(lines)
 

@@ -24,6 +24,7 @@ tensor that diverged first named.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -37,9 +38,11 @@ import torch.distributed as dist
 
 from .api import LEVELS, group_sharded_parallel
 from .launch import local_backend, spawn_local
+from .layout import init_hybrid_parallel
 from .mixed_precision import MixedPrecision
 from .scaler import ShardedGradScaler
-from .workload import Workload, build_workload, load_factory
+from .tensor_parallel import gather_full_state_dict
+from .workload import Workload, accepts_layout, build_workload, load_factory, tp_workload
 
 FP32_TOLERANCE = 2e-5
 MIXED_PRECISION_FACTOR = 4.0
@@ -59,6 +62,9 @@ class VerifyConfig:
     """``pkg.module:factory`` (``zerokit.workload``); None: the built-in small GPT."""
     nproc: int = 2
     """Ranks to start."""
+    tp: int = 1
+    """Tensor-parallel degree: ``nproc // tp`` data-parallel replicas of ``tp`` ranks, ZeRO
+    over each tp rank's dp group (``zerokit.workload``: the factory takes ``layout``)."""
     steps: int = 4
     """Training steps compared."""
     batch: int = 8
@@ -91,17 +97,43 @@ def check_config(cfg: VerifyConfig) -> None:
         raise ValueError(f"--nproc must be at least 1, got {cfg.nproc}")
     if cfg.steps < 1:
         raise ValueError(f"--steps must be at least 1, got {cfg.steps}")
-    if cfg.batch < 1 or cfg.batch % cfg.nproc:
-        raise ValueError(f"--batch {cfg.batch} must divide evenly across {cfg.nproc} ranks")
+    if cfg.tp < 1 or cfg.nproc % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} must be at least 1 and divide --nproc {cfg.nproc}")
+    dp = cfg.nproc // cfg.tp
+    if cfg.batch < 1 or cfg.batch % dp:
+        raise ValueError(
+            f"--batch {cfg.batch} must divide evenly across {dp} ranks"
+            + (
+                f" (the data-parallel ones: --nproc {cfg.nproc} / --tp {cfg.tp})"
+                if cfg.tp > 1
+                else ""
+            )
+        )
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
     if not cfg.lr > 0:
         raise ValueError(f"--lr must be positive, got {cfg.lr}")
     if cfg.tolerance is not None and not cfg.tolerance > 0:
         raise ValueError(f"--tolerance must be positive, got {cfg.tolerance}")
-    build_workload(
-        load_factory(cfg.model), batch=cfg.batch, seq=cfg.seq, per_rank=cfg.batch // cfg.nproc
-    )
+    factory = load_factory(cfg.model)
+    if cfg.tp > 1:
+        if not accepts_layout(factory):
+            raise ValueError(
+                f"--tp {cfg.tp}: the factory {cfg.model} takes no 'layout' keyword. A factory "
+                "for tensor parallelism is called factory(layout=None) for the plain model and "
+                "factory(layout=layout) for the tensor-parallel one, built from the same seed "
+                "(see zerokit.workload)"
+            )
+        factory = functools.partial(factory, layout=None)
+        if cfg.model is None:
+            _check_builtin_tp(cfg.tp)
+    build_workload(factory, batch=cfg.batch, seq=cfg.seq, per_rank=cfg.batch // dp)
+
+
+def _check_builtin_tp(tp: int) -> None:
+    heads = 8  # default_model's; its width 256 and vocabulary 2048 split wherever heads do
+    if heads % tp:
+        raise ValueError(f"--tp {tp}: the built-in GPT's {heads} heads are not divisible by it")
 
 
 def run_verify(cfg: VerifyConfig, progress: Callable[[str], None] = print) -> dict:
@@ -119,6 +151,7 @@ def run_verify(cfg: VerifyConfig, progress: Callable[[str], None] = print) -> di
         "model": cfg.model or "built-in GPT",
         "level": cfg.level,
         "nproc": cfg.nproc,
+        "tp": cfg.tp,
         "backend": backend,
         "batch": cfg.batch,
         "precision": cfg.mixed_precision or "fp32",
@@ -131,31 +164,40 @@ def run_verify(cfg: VerifyConfig, progress: Callable[[str], None] = print) -> di
 def _verify_rank(rank: int, world_size: int, cfg: VerifyConfig, out: str) -> None:
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dp = world_size // cfg.tp
+    layout = init_hybrid_parallel(dp, cfg.tp) if cfg.tp > 1 else None
+    factory = load_factory(cfg.model)
+    plain_factory = factory if layout is None else functools.partial(factory, layout=None)
     torch.manual_seed(0)
-    work = build_workload(
-        load_factory(cfg.model), batch=cfg.batch, seq=cfg.seq, per_rank=cfg.batch // world_size
-    )
-    model = work.model.to(device)
+    plain = build_workload(plain_factory, batch=cfg.batch, seq=cfg.seq, per_rank=cfg.batch // dp)
+    work = plain
+    if layout is not None:  # the tp model from the same seed: its full parameters are plain's
+        torch.manual_seed(0)
+        work = tp_workload(factory, layout, plain)
     low = LOW[cfg.mixed_precision]
     one_process = dist.new_group([0])  # every rank takes part in making it
     # rank 0's references start from the model every rank starts from (the wrap broadcasts it)
-    exact = _Trainer(copy.deepcopy(model), cfg) if rank == 0 else None
+    exact = _Trainer(copy.deepcopy(plain.model).to(device), cfg) if rank == 0 else None
     same_policy = None
     if low is not None and rank == 0:
-        same_policy = _Trainer(copy.deepcopy(model), cfg, cfg.level, low, one_process)
-    dist_run = _Trainer(model, cfg, cfg.level, low, None)
-    per_rank = cfg.batch // world_size
-    mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        start = copy.deepcopy(plain.model).to(device)
+        same_policy = _Trainer(start, cfg, cfg.level, low, one_process)
+    group = layout.dp_group if layout is not None else None  # ZeRO across the replicas
+    dist_run = _Trainer(work.model.to(device), cfg, cfg.level, low, group)
+    per_rank = cfg.batch // dp
+    dp_rank = layout.dp_rank if layout is not None else rank
+    mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     rows = []
     for step in range(cfg.steps):
-        x, y = (t.to(device) for t in work.make_batch(step, cfg.batch))
+        x, y = (t.to(device) for t in plain.make_batch(step, cfg.batch))
         loss = dist_run.step(x[mine], y[mine], work, step)
-        dist.all_reduce(loss)  # equal slices: the mean of the ranks' means is the batch's
-        full = dist_run.model.state_dict()  # collective: full fp32 (master) tensors
+        # equal slices: the mean of the ranks' means is the batch's (a tp group's ranks agree)
+        dist.all_reduce(loss)
+        full = gather_full_state_dict(dist_run.model)  # collective: full fp32 (master) tensors
         if rank == 0:
-            ref_loss = exact.step(x, y, work, step)
+            ref_loss = exact.step(x, y, plain, step)
             if same_policy is not None:
-                ref_loss = same_policy.step(x, y, work, step)
+                ref_loss = same_policy.step(x, y, plain, step)
             mean = loss.item() / world_size
             rows.append(_compare_step(step, mean, ref_loss.item(), full, exact, same_policy))
     if rank == 0:
@@ -253,6 +295,11 @@ def _rms_ratio(entries) -> float:
     return distributed / max(one_process, _RMS_FLOOR)
 
 
+def _tp(report: dict) -> str:
+    tp = report.get("tp", 1)
+    return f" (tp {tp} x dp {report['nproc'] // tp})" if tp > 1 else ""
+
+
 def format_report(report: dict, verdict: dict) -> str:
     """The per-step table and the verdict, as ``zerokit verify`` prints them."""
     mixed = report["precision"] != "fp32"
@@ -264,8 +311,8 @@ def format_report(report: dict, verdict: dict) -> str:
         else "max |element difference|"
     )
     lines = [
-        f"{report['model']}: level '{level}' on {n} {report['backend']} ranks against one "
-        f"process, global batch {report['batch']}, {report['precision']}, {report['optimizer']}",
+        f"{report['model']}: level '{level}' on {n} {report['backend']} ranks{_tp(report)} "
+        f"against one process, global batch {report['batch']}, {report['precision']}, {report['optimizer']}",
         f"{'step':>4}  {'loss (1 process)':>16}  {'loss (' + str(n) + ' ranks)':>15}  "
         f"{'loss diff':>9}  {'param diff':>10}  worst tensor",
     ]
@@ -286,7 +333,7 @@ def format_report(report: dict, verdict: dict) -> str:
     )
     first = verdict["first_beyond"]
     if first is None:
-        lines.append(f"PASS: {n} ranks at '{level}' train as one process does")
+        lines.append(f"PASS: {n} ranks{_tp(report)} at '{level}' train as one process does")
     else:
         value = f"{first['value']:.2f}x" if mixed else f"{first['value']:.2e}"
         lines.append(

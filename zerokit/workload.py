@@ -10,11 +10,20 @@ either
   tensors with ``batch`` rows, the same on every rank (seed it from ``step``); each rank trains
   on its slice of the rows. ``loss_fn(output, targets)`` defaults to mean squared error for
   floating-point targets and cross-entropy over the last dimension for integer targets.
+
+Tensor parallelism (``zerokit verify --tp T``): the factory must accept a ``layout`` keyword.
+``factory(layout=None)`` returns the plain model as above; ``factory(layout=layout)`` (a
+``zerokit.Layout`` with ``tp_degree`` T) the tensor-parallel one, built from the same seed, so
+that its full parameters (``tensor_parallel.gather_full_state_dict``) equal the plain model's.
+A token model built with a layout returns its rank's vocabulary slice of the logits and trains
+with ``tensor_parallel.ParallelCrossEntropy``; a tuple's ``loss_fn`` must itself suit the
+tensor-parallel output.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -58,10 +67,44 @@ def load_factory(spec: str | None) -> Callable:
     return factory
 
 
-def default_model() -> nn.Module:
+def default_model(layout=None) -> nn.Module:
+    """``zerokit compare``'s GPT; with a layout, its tensor-parallel twin (same seed, same
+    full parameters)."""
     from .models.gpt import GPT, GPTConfig
 
-    return GPT(GPTConfig(vocab_size=2048, block_size=64, n_layer=6, n_head=8, n_embd=256))
+    cfg = GPTConfig(
+        vocab_size=2048,
+        block_size=64,
+        n_layer=6,
+        n_head=8,
+        n_embd=256,
+        tensor_parallel=layout is not None,
+    )
+    return GPT(cfg, layout)
+
+
+def accepts_layout(factory: Callable) -> bool:
+    """Whether ``factory(layout=...)`` is a valid call (a ``layout`` keyword or ``**kwargs``)."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.kind is p.VAR_KEYWORD
+        or (p.name == "layout" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+        for p in params
+    )
+
+
+def tp_workload(factory: Callable, layout, plain: Workload) -> Workload:
+    """The tensor-parallel workload: ``factory(layout=layout)``; a token model trains on the
+    plain model's batches with ``ParallelCrossEntropy`` (its logits are a vocabulary slice)."""
+    from .tensor_parallel import ParallelCrossEntropy
+
+    made = factory(layout=layout)
+    if isinstance(made, nn.Module):
+        return Workload(made, plain.make_batch, ParallelCrossEntropy(layout=layout))
+    return as_workload(made, 0)
 
 
 def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

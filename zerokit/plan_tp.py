@@ -1,0 +1,72 @@
+"""Tensor parallelism in ``zerokit plan``: the tp model built on fake tensors for one tp rank
+with a stand-in layout, and the collectives its real layers issue in one forward, loss and
+backward, recorded by stand-ins for ``torch.distributed``'s collectives (they move nothing).
+
+Unlike the ZeRO schedule in ``zerokit.plan`` (written out from the core's rules), these are
+the calls zerokit's tensor-parallel layers and ``ParallelCrossEntropy`` really make, so a
+change there shows up here by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
+import torch.distributed as dist
+
+from .layout import Layout
+
+
+class StandInGroup:
+    """What the tp layers ask of a process group: its size and this rank's place in it."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+def stand_in_layout(tp: int, tp_rank: int, dp: int) -> Layout:
+    """A ``Layout`` for building tp rank ``tp_rank``'s model: no process group behind it."""
+    return Layout(
+        dp_degree=dp,
+        tp_degree=tp,
+        dp_rank=0,
+        tp_rank=tp_rank,
+        dp_group=StandInGroup(dp, 0),
+        tp_group=StandInGroup(tp, tp_rank),
+    )
+
+
+@contextlib.contextmanager
+def recording_tp_collectives(out: list[tuple[str, int, int]]) -> Iterator[None]:
+    """Within: ``torch.distributed``'s collectives on a ``StandInGroup`` append
+    ``(op, group size, bytes of the logical collective)`` to ``out`` and do nothing else.
+    Bytes as ``zerokit.plan.Collective`` counts them: an all-reduce's tensor, an all-gather's
+    output; an all-to-all's input."""
+
+    def all_reduce(tensor, op=None, group=None, async_op=False):
+        out.append(("all_reduce", group.size(), tensor.nbytes))
+
+    def all_gather(parts, tensor, group=None, async_op=False):
+        out.append(("all_gather", group.size(), sum(p.nbytes for p in parts)))
+
+    def all_to_all_single(output, input, *args, group=None, **kwargs):
+        out.append(("all_to_all", group.size(), input.nbytes))
+
+    def vocab_start(local_vocab, group):  # its values are not needed on fake tensors
+        out.append(("all_reduce", group.size(), group.size() * 8))  # an int64 per tp rank
+        return 0
+
+    with (
+        mock.patch.object(dist, "all_reduce", all_reduce),
+        mock.patch.object(dist, "all_gather", all_gather),
+        mock.patch.object(dist, "all_to_all_single", all_to_all_single),
+        mock.patch("zerokit.tensor_parallel.cross_entropy.vocab_start", vocab_start),
+    ):
+        yield
