@@ -201,7 +201,6 @@ def _compare(args) -> int:
     cfg = CompareConfig(
         model=args.model,
         nproc=args.nproc,
-        tp=args.tp,
         steps=args.steps,
         batch=args.batch,
         seq=args.seq,
