@@ -3,15 +3,26 @@ abandoned collective.
 
 Note (why the end of a script could abort): gloo runs each collective on a worker thread of
 its own, which still holds the collective's work, and so the tensors it was given, for a
-moment after ``wait()`` has returned in Python. Dropping that last reference to a tensor that
-has a Python object takes the GIL (torch 2.13 releases the Python object when its C++
-reference count falls back to one). If the main thread has meanwhile reached interpreter
-finalization, the worker is terminated inside ``take_gil`` while unwinding a ``noexcept``
-destructor: "terminate called without an active exception", exit status -6, after every
-result was delivered. So every tensor zerokit hands to a collective is a fresh view recorded
-here (weakly); its Python object dies exactly when the last holder, Python or gloo's worker,
-lets go. At exit (``atexit`` runs while the interpreter is still intact) the main thread
-waits, the GIL released, until every handed tensor has died: then no worker holds one.
+moment after ``wait()`` has returned in Python. Letting go of a tensor that has a Python object
+takes the GIL (torch 2.13 keeps a tensor's Python object alive while C++ holds the tensor, and
+releases it when the C++ count falls back to one), even if Python still uses the tensor. If the
+main thread has meanwhile reached interpreter finalization, the worker is terminated inside
+``take_gil`` while unwinding a ``noexcept`` destructor: "terminate called without an active
+exception", exit status -6, after every result was delivered. So every tensor zerokit hands to
+a collective is a fresh alias (``detach()``: same memory, its own Python object, no reference
+to the tensor it aliases) recorded here; its Python object dies exactly when the last holder,
+Python or gloo's worker, lets go. At exit (``atexit`` runs while the interpreter is still
+intact) the main thread waits, the GIL released, until every handed tensor has died: then no
+worker holds one, nor will take the GIL for one.
+
+Two details make "has died" mean "the worker is done with the GIL". The death is recorded by a
+weakref callback that is a C function (``deque.append``): a Python callback runs bytecode on
+the worker, which may hand the GIL to the waiting main thread between recording the death and
+finishing the release (the eval loop's switch request), and the main thread, seeing nothing
+left, began finalizing while the worker still had to take the GIL back (1 exit in about 50
+aborted that way). And the alias is a ``detach()``, not a view: a view holds the tensor it
+views, so the worker's release could free that tensor too, and whatever Python callbacks
+watched it would run on the worker after the view's death was recorded.
 
 Note (why a timed-out collective ends the process at once): gloo has no abort. A collective
 that timed out stays queued in the worker, which would wait for it up to the process group's
@@ -27,6 +38,7 @@ one fails, and each rank's error should be printed, not only the first one's.
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import sys
 import time
@@ -44,7 +56,11 @@ class _ProcessExit:
     instance per process; it holds no process group."""
 
     def __init__(self):
-        self.handed: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        # the handed tensors not known dead, by id of their weakref (which must stay alive for
+        # its callback to run); the weakrefs of those that died, appended by whichever thread
+        # let go last, and forgotten by the main thread
+        self.handed: dict[int, weakref.ref] = {}
+        self.died: collections.deque[weakref.ref] = collections.deque()
         self.abandoned: list[str] = []  # the calls whose collectives were given up
         self.registered = False
         self.wait: float | None = None  # set once this process has raised CollectiveTimeout
@@ -57,20 +73,31 @@ MAX_EXIT_WAIT = 20.0
 
 
 def hand(tensor: torch.Tensor) -> torch.Tensor:
-    """A fresh view of ``tensor`` to give to a collective (same memory), watched until gloo's
+    """A fresh alias of ``tensor`` to give to a collective (same memory), watched until gloo's
     worker and Python both drop it."""
-    _register()
-    view = tensor.view(tensor.shape)
-    _exit.handed.add(view)
-    return view
+    alias = tensor.detach()
+    _watch(alias)
+    return alias
 
 
 def hand_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``hand`` for tensors made for the collective alone (no view needed)."""
-    _register()
+    """``hand`` for tensors made for the collective alone (no alias needed)."""
     for t in tensors:
-        _exit.handed.add(t)
+        _watch(t)
     return tensors
+
+
+def _watch(tensor: torch.Tensor) -> None:
+    _register()
+    _forget_died()
+    ref = weakref.ref(tensor, _exit.died.append)  # a C callback: no bytecode on gloo's worker
+    _exit.handed[id(ref)] = ref
+
+
+def _forget_died() -> None:
+    """Drop the records of the handed tensors that died (main thread only)."""
+    while _exit.died:
+        _exit.handed.pop(id(_exit.died.popleft()), None)
 
 
 def abandoned(call: str) -> None:
@@ -105,8 +132,10 @@ def _at_exit() -> None:
         sys.stderr.flush()
         os._exit(1)
     deadline = time.monotonic() + SETTLE_SECONDS
-    while len(_exit.handed) and time.monotonic() < deadline:
+    _forget_died()
+    while _exit.handed and time.monotonic() < deadline:
         time.sleep(0.001)  # releases the GIL: the worker may need it to drop the tensors
+        _forget_died()
 
 
 def _leave_word() -> None:

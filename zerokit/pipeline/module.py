@@ -24,6 +24,7 @@ from torch import nn
 
 from ..core.collectives import all_reduce_
 from ..core.state import state_of
+from ..core.teardown import hand
 from ..layout import Layout, as_layout
 from ..tensor_parallel.gather_batch import distributed_params
 from ..tensor_parallel.layers import (
@@ -154,7 +155,7 @@ class PipelineModule(nn.Module):
                     mine[key] = (group, self.stage_id == where[0])
                     weight = getattr(self.stage.shared[key], self._shared_attr(layers, key))
                     with torch.no_grad():
-                        dist.broadcast(weight.data, ranks[0], group=group)
+                        dist.broadcast(hand(weight.data), ranks[0], group=group)
         return mine
 
     @staticmethod
@@ -308,10 +309,10 @@ class PipelineModule(nn.Module):
         total = total.detach().float()
         if self.num_stages > 1:
             dist.broadcast(
-                total, dist.get_global_rank(self.group, self.num_stages - 1), group=self.group
+                hand(total), dist.get_global_rank(self.group, self.num_stages - 1), group=self.group
             )
         for group in self._data_groups():
-            dist.all_reduce(total, group=group)
+            dist.all_reduce(hand(total), group=group)
         return total / self._data_size()
 
     def _sum_tied_grads(self, state) -> None:
@@ -328,7 +329,7 @@ class PipelineModule(nn.Module):
             if weight.grad is None:  # full shape even where ZeRO left the parameter empty
                 shape = shapes.get(id(weight), weight.shape)
                 weight.grad = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-            dist.all_reduce(weight.grad, group=group)
+            dist.all_reduce(hand(weight.grad), group=group)
 
     def _check_scaler(self, scaler, state) -> None:
         if scaler is None:
