@@ -100,6 +100,12 @@ def _forget_died() -> None:
         _exit.handed.pop(id(_exit.died.popleft()), None)
 
 
+def outstanding() -> int:
+    """How many handed tensors are still alive (held by Python or by a gloo worker)."""
+    _forget_died()
+    return len(_exit.handed)
+
+
 def abandoned(call: str) -> None:
     """A collective of ``call`` was given up: this process must not wait for it at exit."""
     _register()
@@ -132,10 +138,8 @@ def _at_exit() -> None:
         sys.stderr.flush()
         os._exit(1)
     deadline = time.monotonic() + SETTLE_SECONDS
-    _forget_died()
-    while _exit.handed and time.monotonic() < deadline:
+    while outstanding() and time.monotonic() < deadline:
         time.sleep(0.001)  # releases the GIL: the worker may need it to drop the tensors
-        _forget_died()
 
 
 def _leave_word() -> None:
