@@ -27,7 +27,7 @@ def test_a_handed_tensor_is_an_alias_that_holds_no_other_tensor():
 
 def test_a_handed_tensor_dies_without_running_python_code():
     before = teardown.outstanding()
-    handed = teardown.hand_all([torch.zeros(3), torch.ones(2)]) + [teardown.hand(torch.ones(4))]
+    handed = [*teardown.hand_all([torch.zeros(3), torch.ones(2)]), teardown.hand(torch.ones(4))]
     assert teardown.outstanding() == before + 3
     calls = []
 
