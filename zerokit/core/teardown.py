@@ -21,7 +21,7 @@ code run, no GIL released) has made so. Only then does the main thread drop it, 
 ``hand`` or at exit (``atexit`` runs while the interpreter is still intact, and waits, the GIL
 released, until every alias is released). Watching the aliases' deaths instead (a weakref, a
 ``WeakSet``) is not enough: the death is recorded at the start of the deallocation, before its
-GIL release (about 1 exit in 40 still aborted so).
+GIL release (1 exit in 40 to 150 still aborted so on a loaded 2-core machine).
 
 Note (why a timed-out collective ends the process at once): gloo has no abort. A collective
 that timed out stays queued in the worker, which would wait for it up to the process group's
