@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from .api import group_sharded_parallel
+from .core.teardown import hand
 from .launch import local_backend, spawn_local
 from .layout import init_hybrid_parallel
 from .memory import PeakMemory, estimate, estimate_activations, measure, measure_activations
@@ -127,9 +128,9 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
         dtype=torch.float64,
         device=device,
     )
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)  # the largest over ranks
+    dist.all_reduce(hand(values), op=dist.ReduceOp.MAX)  # the largest over ranks
     final = loss.detach().double().clone()
-    dist.all_reduce(final)
+    dist.all_reduce(hand(final))
     if rank == 0:
         params, grads, opt_bytes, peak_bytes = (int(v) for v in values.tolist())
         row = {
@@ -361,7 +362,7 @@ def _measure_activations_rank(rank: int, world_size: int, cfg: ActivationsConfig
         torch.manual_seed(0)
         measured.append(measure_activations(GPT(gpt_cfg, layout), idx).per_layer_bytes)
     values = torch.tensor(measured, dtype=torch.float64)
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)  # the largest over ranks
+    dist.all_reduce(hand(values), op=dist.ReduceOp.MAX)  # the largest over ranks
     if rank == 0:
         Path(out).write_text(json.dumps(values.tolist()))
 

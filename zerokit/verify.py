@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .api import LEVELS, group_sharded_parallel
+from .core.teardown import hand
 from .launch import local_backend, spawn_local
 from .layout import init_hybrid_parallel
 from .mixed_precision import MixedPrecision
@@ -192,7 +193,7 @@ def _verify_rank(rank: int, world_size: int, cfg: VerifyConfig, out: str) -> Non
         x, y = (t.to(device) for t in plain.make_batch(step, cfg.batch))
         loss = dist_run.step(x[mine], y[mine], work, step)
         # equal slices: the mean of the ranks' means is the batch's (a tp group's ranks agree)
-        dist.all_reduce(loss)
+        dist.all_reduce(hand(loss))
         full = gather_full_state_dict(dist_run.model)  # collective: full fp32 (master) tensors
         if rank == 0:
             ref_loss = exact.step(x, y, plain, step)

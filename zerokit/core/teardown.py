@@ -3,15 +3,25 @@ abandoned collective.
 
 Note (why the end of a script could abort): gloo runs each collective on a worker thread of
 its own, which still holds the collective's work, and so the tensors it was given, for a
-moment after ``wait()`` has returned in Python. Dropping that last reference to a tensor that
-has a Python object takes the GIL (torch 2.13 releases the Python object when its C++
-reference count falls back to one). If the main thread has meanwhile reached interpreter
+moment after ``wait()`` has returned in Python. Letting go of a tensor that has a Python object
+takes the GIL: torch 2.13 holds a strong reference to a tensor's Python object while C++ holds
+the tensor, and drops it when the C++ count falls back to one. If that was the last reference,
+the worker also deallocates the Python object, and torch's tensor deallocation releases the
+GIL and takes it back half-way. If the main thread has meanwhile reached interpreter
 finalization, the worker is terminated inside ``take_gil`` while unwinding a ``noexcept``
-destructor: "terminate called without an active exception", exit status -6, after every
-result was delivered. So every tensor zerokit hands to a collective is a fresh view recorded
-here (weakly); its Python object dies exactly when the last holder, Python or gloo's worker,
-lets go. At exit (``atexit`` runs while the interpreter is still intact) the main thread
-waits, the GIL released, until every handed tensor has died: then no worker holds one.
+destructor: "terminate called without an active exception", exit status -6, after every result
+was delivered.
+
+So the worker must never be the one that deallocates a tensor's Python object, and the exit
+must know when the worker has dropped its reference. Every tensor zerokit hands to a collective
+is a fresh alias (``detach()``: same memory, no reference to the tensor it aliases) that this
+module holds until the worker has let go: then the alias's Python reference count is back to
+what this module alone holds, which the worker's drop (a bare ``Py_DECREF`` under the GIL, no
+code run, no GIL released) has made so. Only then does the main thread drop it, at the next
+``hand`` or at exit (``atexit`` runs while the interpreter is still intact, and waits, the GIL
+released, until every alias is released). Watching the aliases' deaths instead (a weakref, a
+``WeakSet``) is not enough: the death is recorded at the start of the deallocation, before its
+GIL release (1 exit in 40 to 150 still aborted so on a loaded 2-core machine).
 
 Note (why a timed-out collective ends the process at once): gloo has no abort. A collective
 that timed out stays queued in the worker, which would wait for it up to the process group's
@@ -30,7 +40,6 @@ import atexit
 import os
 import sys
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -44,7 +53,8 @@ class _ProcessExit:
     instance per process; it holds no process group."""
 
     def __init__(self):
-        self.handed: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+        # the handed tensors, by id, held here until no one else holds them
+        self.handed: dict[int, torch.Tensor] = {}
         self.abandoned: list[str] = []  # the calls whose collectives were given up
         self.registered = False
         self.wait: float | None = None  # set once this process has raised CollectiveTimeout
@@ -57,20 +67,47 @@ MAX_EXIT_WAIT = 20.0
 
 
 def hand(tensor: torch.Tensor) -> torch.Tensor:
-    """A fresh view of ``tensor`` to give to a collective (same memory), watched until gloo's
-    worker and Python both drop it."""
-    _register()
-    view = tensor.view(tensor.shape)
-    _exit.handed.add(view)
-    return view
+    """A fresh alias of ``tensor`` to give to a collective (same memory), held until gloo's
+    worker and the caller both let go of it."""
+    alias = tensor.detach()
+    _hold(alias)
+    return alias
 
 
 def hand_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``hand`` for tensors made for the collective alone (no view needed)."""
-    _register()
+    """``hand`` for tensors made for the collective alone (no alias needed)."""
     for t in tensors:
-        _exit.handed.add(t)
+        _hold(t)
     return tensors
+
+
+def _hold(tensor: torch.Tensor) -> None:
+    _register()
+    _release_unused()
+    _exit.handed[id(tensor)] = tensor
+
+
+def _refs(held: dict[int, torch.Tensor], key: int) -> int:
+    return sys.getrefcount(held[key])
+
+
+#: what ``_refs`` reads for a tensor that only its dict holds (interpreters count differently)
+_ALONE = _refs({0: torch.empty(0)}, 0)
+
+
+def _release_unused() -> None:
+    """Drop, on this (the main) thread, the handed tensors that nobody else holds any more: no
+    C++ holder (gloo's worker has dropped its reference, which it does under the GIL) and no
+    Python one."""
+    held = _exit.handed
+    for key in [k for k in held if held[k]._use_count() == 1 and _refs(held, k) == _ALONE]:
+        del held[key]
+
+
+def outstanding() -> int:
+    """How many handed tensors someone (gloo's worker or Python) still holds."""
+    _release_unused()
+    return len(_exit.handed)
 
 
 def abandoned(call: str) -> None:
@@ -105,7 +142,7 @@ def _at_exit() -> None:
         sys.stderr.flush()
         os._exit(1)
     deadline = time.monotonic() + SETTLE_SECONDS
-    while len(_exit.handed) and time.monotonic() < deadline:
+    while outstanding() and time.monotonic() < deadline:
         time.sleep(0.001)  # releases the GIL: the worker may need it to drop the tensors
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.state import state_of
+from ..core.teardown import hand
 from ..tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 
@@ -53,4 +54,4 @@ def _sum_tied(stage: nn.Module, tied: list[tuple[nn.Parameter, dist.ProcessGroup
         if weight.grad is None:  # full shape even where ZeRO left the parameter empty
             shape = shapes.get(id(weight), weight.shape)
             weight.grad = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
-        dist.all_reduce(weight.grad, group=group)
+        dist.all_reduce(hand(weight.grad), group=group)

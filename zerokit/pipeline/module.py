@@ -29,6 +29,7 @@ from torch import nn
 
 from ..clip import clip_grad_norm_
 from ..core.state import state_of
+from ..core.teardown import hand
 from ..grad_scope import GradScope
 from ..layout import Layout, as_layout
 from ..scaler import ShardedGradScaler, agree_found_inf
@@ -192,7 +193,7 @@ class PipelineModule(nn.Module):
                     mine[key] = (group, self.stage_id == where[0])
                     weight = getattr(self.stage.shared[key], self._shared_attr(layers, key))
                     with torch.no_grad():
-                        dist.broadcast(weight.data, ranks[0], group=group)
+                        dist.broadcast(hand(weight.data), ranks[0], group=group)
         return mine
 
     @staticmethod
@@ -364,10 +365,10 @@ class PipelineModule(nn.Module):
         total = total.detach().float()
         if self.num_stages > 1:
             dist.broadcast(
-                total, dist.get_global_rank(self.group, self.num_stages - 1), group=self.group
+                hand(total), dist.get_global_rank(self.group, self.num_stages - 1), group=self.group
             )
         for group in self._data_groups():
-            dist.all_reduce(total, group=group)
+            dist.all_reduce(hand(total), group=group)
         return total / self._data_size()
 
     def _check_scaler(self, scaler, state) -> None:

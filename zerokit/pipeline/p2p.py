@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..core.teardown import hand
+
 _MAX_DIMS = 8
 _DTYPES = [
     torch.float32,
@@ -44,15 +46,15 @@ class Mailbox:
         header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
         dst = self._global(stage)
         for t in (header, tensor):
-            self._pending.append((dist.isend(t, dst, group=self.group), t))
+            self._pending.append((dist.isend(hand(t), dst, group=self.group), t))
 
     def recv(self, stage: int) -> torch.Tensor:
         src = self._global(stage)
         header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64)
-        dist.recv(header, src, group=self.group)
+        dist.recv(hand(header), src, group=self.group)
         dtype, ndim = _DTYPES[int(header[0])], int(header[1])
         tensor = torch.empty(header[2 : 2 + ndim].tolist(), dtype=dtype)
-        dist.recv(tensor, src, group=self.group)
+        dist.recv(hand(tensor), src, group=self.group)
         return tensor
 
     def finish(self) -> None:

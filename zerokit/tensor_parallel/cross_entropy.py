@@ -13,12 +13,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from ..core.teardown import hand
 from ..layout import Layout, as_layout
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group.size() > 1:
-        dist.all_reduce(x, op=op, group=group)
+        dist.all_reduce(hand(x), op=op, group=group)
     return x
 
 

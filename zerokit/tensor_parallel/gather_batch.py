@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..core.checks import is_distributed
+from ..core.teardown import hand, hand_all
 from .mappings import gather_from_sequence_parallel_region
 from .topology import TPSplit
 
@@ -40,7 +41,7 @@ def _check_batch(x: torch.Tensor, group: ProcessGroup) -> None:
     another batch size fails here on every rank, not inside gloo."""
     size = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
     sizes = [torch.empty_like(size) for _ in range(group.size())]
-    dist.all_gather(sizes, size, group=group)
+    dist.all_gather(hand_all(sizes), hand(size), group=group)
     got = [int(s) for s in sizes]
     if len(set(got)) > 1:
         raise ValueError(
@@ -53,7 +54,7 @@ def _exchange(x: torch.Tensor, send: list[int], receive: list[int], group) -> to
     """A flat all-to-all: ``send[k]`` elements of ``x`` (in order) to rank k, ``receive[k]``
     from rank k, returned in rank order."""
     out = x.new_empty(sum(receive))
-    dist.all_to_all_single(out, x.contiguous().view(-1), receive, send, group=group)
+    dist.all_to_all_single(hand(out), hand(x.contiguous().view(-1)), receive, send, group=group)
     return out
 
 

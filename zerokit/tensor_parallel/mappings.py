@@ -20,12 +20,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..core.teardown import hand, hand_all
+
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if group.size() == 1:
         return x
     x = x.contiguous().clone()
-    dist.all_reduce(x, group=group)
+    dist.all_reduce(hand(x), group=group)
     return x
 
 
@@ -43,7 +45,7 @@ def _gather_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(group.size())]
-    dist.all_gather(parts, x, group=group)
+    dist.all_gather(hand_all(parts), hand(x), group=group)
     return torch.cat(parts, dim=-1)
 
 
@@ -66,7 +68,7 @@ def _gather_first(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(group.size())]
-    dist.all_gather(parts, x, group=group)
+    dist.all_gather(hand_all(parts), hand(x), group=group)
     return torch.cat(parts, dim=0)  # [s, ...] from every rank's [s/t, ...]
 
 
@@ -79,7 +81,7 @@ def _reduce_scatter_first(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     _check_sequence(x, size)
     x = x.contiguous()
     received = torch.empty_like(x)  # block r of every rank, in rank order
-    dist.all_to_all_single(received, x, group=group)
+    dist.all_to_all_single(hand(received), hand(x), group=group)
     return received.view(size, x.shape[0] // size, *x.shape[1:]).sum(dim=0)
 
 

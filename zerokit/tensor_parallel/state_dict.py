@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core.teardown import hand, hand_all
 from .layers import TensorParallelLayer
 from .topology import TPSplit
 
@@ -36,7 +37,7 @@ def _gather_split(local: torch.Tensor, layer: TensorParallelLayer, split: TPSpli
     padded = local.new_zeros(shape)
     padded.narrow(split.dim, 0, local.shape[split.dim]).copy_(local)
     parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
+    dist.all_gather(hand_all(parts), hand(padded), group=group)
     return split.assemble([p.narrow(split.dim, 0, n) for p, n in zip(parts, sizes)])
 
 
