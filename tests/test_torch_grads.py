@@ -98,6 +98,10 @@ def _refusals(rank, world_size):
     def read_values(model):
         return sum(p.grad.sum() for p in model.parameters() if p.grad is not None)
 
+    def add_a_tensor(model):  # arithmetic with a whole tensor: refused by name, not by torch
+        grad = max((p for p in model.parameters() if p.grad is not None), key=torch.numel).grad
+        return grad + torch.ones(grad.shape)  # several elements: not a number either
+
     def one_norm(model):
         return next(p for p in model.parameters() if p.grad is not None).grad.norm().item()
 
@@ -106,6 +110,7 @@ def _refusals(rank, world_size):
         ("os_g", {"step_in_backward": True}, _torch_value_clip, "already applied"),
         ("p_g_os", {"step_in_backward": True}, _torch_norm_clip, "already applied"),
         ("os_g", {}, read_values, "placeholder"),
+        ("os_g", {}, add_a_tensor, "placeholder"),
         ("p_g_os", {}, one_norm, "summed over the ranks"),
     ]:
         _, (model, opt) = reference_pair("awkward", "sgd")

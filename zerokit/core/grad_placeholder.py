@@ -85,11 +85,10 @@ class GradPlaceholder(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         this = args[0] if args else None
-        ord_ = float(args[1] if len(args) > 1 else kwargs.get("ord", 2.0))
         if func is aten._foreach_norm.Scalar and len(args) < 3 and not kwargs.get("dtype"):
-            return [t._norm_part(ord_) for t in this]
+            return [t._norm_part(_norm_order(args, kwargs)) for t in this]
         if func is aten.linalg_vector_norm.default and _norm_args_plain(args, kwargs):
-            return this._norm_part(ord_)
+            return this._norm_part(_norm_order(args, kwargs))
         if func in _ELEMENTWISE_INPLACE and isinstance(this, GradPlaceholder):
             if all(_is_number(a) for a in (*args[1:], *kwargs.values())):
                 this._apply_inplace(func, args[1:], kwargs)
@@ -149,7 +148,7 @@ class NormPart(torch.Tensor):
             part = args[0]
             if part.dim() != 1:
                 raise ShardedGradError("a sharded gradient's norm alone is not known here")
-            return part._global(float(args[1] if len(args) > 1 else kwargs.get("ord", 2.0)))
+            return part._global(_norm_order(args, kwargs))
         raise ShardedGradError(
             f"{getattr(func, '__name__', func)} on the norm of a sharded gradient: it is known "
             "only summed over the ranks, in the sequence torch.nn.utils.clip_grad_norm_ runs "
@@ -195,6 +194,12 @@ def _flat(args, kwargs) -> list:
     for a in (*args, *kwargs.values()):
         flat.extend(a if isinstance(a, (list, tuple)) else [a])
     return flat
+
+
+def _norm_order(args, kwargs) -> float:
+    """The ``ord`` of a norm call (read only for norms: another op's second argument may be a
+    whole tensor)."""
+    return float(args[1] if len(args) > 1 else kwargs.get("ord", 2.0))
 
 
 def _norm_args_plain(args, kwargs) -> bool:
