@@ -7,8 +7,13 @@ aborts. So a handed tensor is held until every other holder let go, then release
 thread; and it is an alias that holds no other tensor, whose release could be the last one.
 """
 
+import ctypes
+import os
+import threading
+import time
 import weakref
 
+import pytest
 import torch
 
 from zerokit.core import teardown
@@ -36,3 +41,30 @@ def test_the_last_holder_of_a_handed_tensor_does_not_deallocate_it():
     assert alive() is not None  # so it did not deallocate the Python object
     assert teardown.outstanding() == before  # the main thread released it
     assert alive() is None
+
+
+def _named_spinner(name: bytes, stop: threading.Event) -> None:
+    """A thread that the kernel names ``name`` (as torch names gloo's workers) and that stays
+    runnable until ``stop`` is set, as a worker still dropping a collective's tensors does."""
+    libc = ctypes.CDLL(None)
+    libc.prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME: this thread's comm
+    while not stop.is_set():
+        pass
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+def test_the_exit_waits_while_a_gloo_worker_is_runnable():
+    assert teardown.gloo_workers_asleep()  # none here, or all idle
+    stop = threading.Event()
+    worker = threading.Thread(target=_named_spinner, args=(teardown.GLOO_WORKER.encode(), stop))
+    worker.start()
+    try:
+        time.sleep(0.05)  # it has named itself and spins
+        assert not teardown.gloo_workers_asleep()
+    finally:
+        stop.set()
+        worker.join()
+    deadline = time.monotonic() + 10  # join() returns before the kernel has ended the thread
+    while not teardown.gloo_workers_asleep() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert teardown.gloo_workers_asleep()

@@ -23,6 +23,14 @@ released, until every alias is released). Watching the aliases' deaths instead (
 ``WeakSet``) is not enough: the death is recorded at the start of the deallocation, before its
 GIL release (1 exit in 40 to 150 still aborted so on a loaded 2-core machine).
 
+The user's own collectives (``dist.all_reduce(total)`` to print a loss) race the same way, and
+zerokit cannot hold their tensors: plain torch with DDP aborts so too (2 exits in 40 on a loaded
+2-core machine; pytorch/pytorch#190489, open). And ``destroy_process_group()`` does not join the
+workers while anything (a wrapped model) still holds the group. So the exit also waits until
+every gloo worker thread of this process (``pt_gloo_runloop`` in ``/proc/self/task``) has been
+asleep for several checks in a row while this thread kept the GIL released: a worker that has
+something left to drop is runnable, or wakes as soon as the GIL is free.
+
 Note (why a timed-out collective ends the process at once): gloo has no abort. A collective
 that timed out stays queued in the worker, which would wait for it up to the process group's
 own timeout (30 minutes by default) when the group is destroyed at exit. So after a
@@ -46,6 +54,11 @@ import torch.distributed as dist
 
 #: how long the exit waits for gloo's workers to let go of finished collectives
 SETTLE_SECONDS = 5.0
+#: how many checks in a row (``QUIET_PAUSE`` s apart) must find every gloo worker asleep
+QUIET_CHECKS = 3
+QUIET_PAUSE = 0.002
+#: the name torch gives gloo's worker threads
+GLOO_WORKER = "pt_gloo_runloop"
 
 
 class _ProcessExit:
@@ -141,9 +154,32 @@ def _at_exit() -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    deadline = time.monotonic() + SETTLE_SECONDS
-    while outstanding() and time.monotonic() < deadline:
-        time.sleep(0.001)  # releases the GIL: the worker may need it to drop the tensors
+    deadline, quiet = time.monotonic() + SETTLE_SECONDS, 0
+    while quiet < QUIET_CHECKS and time.monotonic() < deadline:
+        quiet = quiet + 1 if not outstanding() and gloo_workers_asleep() else 0
+        time.sleep(QUIET_PAUSE)  # releases the GIL: a worker may need it to drop a tensor
+
+
+def gloo_workers_asleep() -> bool:
+    """Whether every gloo worker thread of this process is asleep (waiting for work, or for the
+    GIL, which this thread then releases). True where ``/proc`` cannot tell."""
+    tasks = "/proc/self/task"
+    try:
+        threads = os.listdir(tasks)
+    except OSError:  # no /proc (not Linux): the handed tensors alone are waited for
+        return True
+    for thread in threads:
+        try:
+            with open(f"{tasks}/{thread}/comm") as comm:
+                if comm.read().strip() != GLOO_WORKER:
+                    continue
+            with open(f"{tasks}/{thread}/stat") as stat:
+                state = stat.read().rpartition(")")[2].split()[0]  # the name may hold spaces
+        except (OSError, IndexError):  # the thread ended meanwhile
+            continue
+        if state in ("R", "D"):  # runnable or inside the kernel; "Z": ended a moment ago
+            return False
+    return True
 
 
 def _leave_word() -> None:
