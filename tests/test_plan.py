@@ -303,3 +303,82 @@ def _expand(spans: str) -> list[int]:
 def test_usage_errors_exit_2(capsys, args, message):
     code, _, err = _plan(capsys, *args)
     assert code == 2 and message in err, err
+
+
+# -- pipelines ------------------------------------------------------------------------------------
+class PipeRecorder(Recorder):
+    """Also records the pipeline's own raw calls (its transfers, the tied weights' sum, the
+    loss), each with its group's size; p2p as a pair."""
+
+    def install(self) -> None:
+        dist.isend = self._raw(dist.isend, "isend")
+        super().install()
+
+    def _raw(self, fn, name):
+        def wrapper(*args, **kwargs):
+            if self.on and getattr(self._inside, "depth", 0) == 0:
+                tensor = args[0]
+                if name in ("isend", "send", "recv"):
+                    self.calls.append(("recv" if name == "recv" else "send", 2, tensor.nbytes))
+                elif name in ("all_reduce", "broadcast"):
+                    group = kwargs.get("group")
+                    size = group.size() if group is not None else dist.get_world_size()
+                    self.calls.append((name, size, tensor.nbytes))
+                else:
+                    self.bypassing.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+
+def _pipeline_step_equals_plan(rank, world_size, pp, levels, schedule, micro_batches):
+    from zerokit.models.gpt import gpt_layers, lm_loss
+    from zerokit.pipeline import PipelineModule
+    from zerokit.plan_pp import plan_with_calls as plan_pipeline
+
+    dp = world_size // pp
+    layout = init_hybrid_parallel(dp, 1, pp_degree=pp)
+    recorder = PipeRecorder()
+    recorder.install()
+    per_rank, batch = 2 * micro_batches, 2 * micro_batches * dp
+    for level in levels:
+        cfg = PlanConfig(
+            world=world_size, level=level, model=MODEL, batch=batch, seq=SEQ, pp=pp,
+            micro_batches=micro_batches, schedule=schedule, buffer_max_size=BUFFER,
+        )  # fmt: skip
+        report, planned = plan_pipeline(cfg)
+        torch.manual_seed(0)
+        work = build_workload(load_factory(MODEL), batch=batch, seq=SEQ, per_rank=per_rank)
+        pipe = PipelineModule(gpt_layers(work.model.cfg), lm_loss, layout=layout)
+        opt = torch.optim.AdamW(pipe.stage.parameters(), lr=1e-3)
+        _, opt, _ = group_sharded_parallel(
+            pipe.stage, opt, level, group=layout.dp_group, buffer_max_size=BUFFER
+        )
+        mine = slice(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
+        for step in range(2):  # the second step is the steady one the plan describes
+            recorder.on, recorder.calls, recorder.bypassing = step == 1, [], []
+            x, y = (t[mine] for t in work.make_batch(step, batch))
+            pipe.forward_backward((x, y), schedule, micro_batches)
+            if step == 1:
+                measured = measure(pipe.stage, opt)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        recorder.on = False
+        what = f"pp {pp} {schedule} m={micro_batches} level={level} world={world_size} rank={rank}"
+        assert not recorder.bypassing, f"{what}: collectives outside the helpers"
+        entry = report["ranks"][rank]
+        want = sorted((c.op, c.group_size, c.bytes) for c in planned[entry["stage"]])
+        assert sorted(recorder.calls) == want, f"{what}: recorded {recorder.calls}"
+        memory = entry["memory"]
+        got = {"params": measured.params, "grads": measured.grads, "optimizer": measured.optimizer}
+        assert got == {k: memory[k] for k in got}, f"{what}: measured {got}, planned {memory}"
+
+
+def test_a_real_pipeline_step_sends_and_holds_what_the_plan_says():
+    run_distributed(_pipeline_step_equals_plan, 2, 2, LEVELS, "1f1b", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "fthenb"])
+def test_a_real_pp2_x_dp2_step_sends_and_holds_what_the_plan_says(schedule):
+    run_distributed(_pipeline_step_equals_plan, 4, 2, LEVELS, schedule, 3)
