@@ -291,7 +291,15 @@ def _expand(spans: str) -> list[int]:
     [
         (["--world", "4", "--level", "os", "--batch", "6"], "must divide evenly across 4"),
         (["--world", "4", "--level", "os", "--sharding-degree", "3"], "must be at least 1 and"),
-        (["--world", "4", "--level", "os", "--pp", "2"], "--pp 2: plan covers data and tensor"),
+        (["--world", "4", "--level", "os", "--pp", "3"], "--pp 3 must be at least 1 and divide"),
+        (
+            ["--world", "4", "--level", "os", "--pp", "2", "--micro-batches", "3", "--batch", "4"],
+            "--micro-batches 3 must be at least 1 and divide the 2 rows",
+        ),
+        (
+            ["--world", "4", "--level", "os", "--pp", "2", "--model", "compare_models:mlp"],
+            "pipelines are planned and verified for zerokit.models.gpt.GPT",
+        ),
         (["--world", "4", "--level", "os", "--tp", "3"], "--tp 3 must be at least 1 and divide"),
         (
             ["--world", "4", "--level", "os", "--tp", "2", "--model", MODEL],

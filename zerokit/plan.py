@@ -63,7 +63,8 @@ class PlanConfig:
     schedule: str = "1f1b"
     """The pipeline's schedule: '1f1b', 'fthenb' or 'naive'."""
     batch: int | None = None
-    """Global batch in rows, split evenly across the ranks; None: one row per rank."""
+    """Global batch in rows, split evenly across the ranks; None: one row per rank (per
+    micro-batch under ``pp``)."""
     seq: int = 32
     """Tokens per sequence (token models)."""
     mixed_precision: str | None = None
@@ -125,7 +126,7 @@ def check_config(cfg: PlanConfig) -> None:
             f"--sharding-degree {degree} must be at least 1 and divide --world"
             + (f" / --tp = {dp}" if cfg.tp > 1 else "")
         )
-    batch = cfg.batch if cfg.batch is not None else dp
+    batch = cfg.batch if cfg.batch is not None else dp * (cfg.micro_batches or cfg.pp)
     if batch < 1 or batch % dp:
         raise ValueError(
             f"--batch {batch} must divide evenly across {dp} ranks"

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .mixed_precision import MixedPrecision
 from .pipeline.module import PipelineStage
 from .pipeline.partition import partition
 from .pipeline.schedules import peak_in_flight, schedule
-from .mixed_precision import MixedPrecision
 from .plan import (
     LOW,
     Collective,
@@ -165,7 +165,9 @@ def stage_collectives(
             ops.reduce(u, level)
         ops.end_of_backward(units, None)
     if num_stages > 1:
-        ops.out.append(Collective("broadcast", num_stages, _LOSS_BYTES, "the loss, from the last stage"))
+        ops.out.append(
+            Collective("broadcast", num_stages, _LOSS_BYTES, "the loss, from the last stage")
+        )
     for size in ops.data_groups:
         ops.add("all_reduce", size, _LOSS_BYTES, "the loss, averaged")
     ops.step(units, level)
@@ -227,8 +229,8 @@ def plan_with_calls(cfg) -> tuple[dict, dict[int, list[Collective]]]:
     policy = MixedPrecision(param_dtype=low)
     per_stage = cfg.world // cfg.pp
     degree = cfg.sharding_degree or per_stage
-    batch = cfg.batch if cfg.batch is not None else per_stage
     m = cfg.micro_batches or cfg.pp
+    batch = cfg.batch if cfg.batch is not None else per_stage * m
     check_pp(cfg.pp, cfg.world, cfg.tp, m, batch // per_stage, cfg.mixed_precision)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         factory = load_factory(cfg.model)
@@ -253,9 +255,7 @@ def plan_with_calls(cfg) -> tuple[dict, dict[int, list[Collective]]]:
                     activations=saved,
                     input_bytes=x.nbytes,
                     output_bytes=out.nbytes if s < cfg.pp - 1 else 0,
-                    tied=tuple(
-                        (len(tied[k]), _tied_grad_bytes(stage, k)) for k in copies
-                    ),
+                    tied=tuple((len(tied[k]), _tied_grad_bytes(stage, k)) for k in copies),
                 )
             )
             x = out.detach()
@@ -267,9 +267,7 @@ def _report(cfg, plans: list[StagePlan], psi: int, degree: int, batch: int, m: i
     replicas = per_stage // degree
     calls, stages = {}, []
     for p in plans:
-        calls[p.stage] = stage_collectives(
-            p, cfg.pp, cfg.level, degree, replicas, cfg.schedule, m
-        )
+        calls[p.stage] = stage_collectives(p, cfg.pp, cfg.level, degree, replicas, cfg.schedule, m)
         held = in_flight(cfg.schedule, cfg.pp, p.stage, m)
         psi_stage = sum(b.numel for u in p.units for b in u.layouts)
         itemsize = LOW[cfg.mixed_precision].itemsize if cfg.mixed_precision else 4
@@ -285,13 +283,17 @@ def _report(cfg, plans: list[StagePlan], psi: int, degree: int, batch: int, m: i
                 "activations_per_micro_batch": p.activations,
                 "micro_batches_in_flight": held,
                 "transient": stage_transient(p, cfg.pp, cfg.level, m),
-                "paper_bytes_per_step": round(k * psi_stage * (per_stage - 1) / per_stage * itemsize),
+                "paper_bytes_per_step": round(
+                    k * psi_stage * (per_stage - 1) / per_stage * itemsize
+                ),
             }
         )
     ranks = []
     for rank in range(cfg.world):
         p = plans[rank // per_stage]
-        memory = rank_memory(p.units, cfg.level, (rank % per_stage) % degree, p.frozen, cfg.optimizer)
+        memory = rank_memory(
+            p.units, cfg.level, (rank % per_stage) % degree, p.frozen, cfg.optimizer
+        )
         memory.update(
             transient=stages[p.stage]["transient"]["total"],
             activations=p.activations * stages[p.stage]["micro_batches_in_flight"],
