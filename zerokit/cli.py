@@ -259,6 +259,20 @@ def _add_verify_parser(commands) -> None:
         "factory must take a 'layout' keyword (default %(default)s)",
     )
     verify.add_argument(
+        "--pp",
+        type=int,
+        default=VerifyConfig.pp,
+        help="pipeline stages: a zerokit.models.gpt.GPT as a PipelineModule of gpt_layers, ZeRO "
+        "over each stage's --nproc/--pp ranks (default %(default)s)",
+    )
+    verify.add_argument(
+        "--micro-batches", type=int, help="micro-batches of a pipeline step (default: --pp)"
+    )
+    verify.add_argument(
+        "--schedule", choices=["1f1b", "fthenb", "naive"], default=VerifyConfig.schedule,
+        help="the pipeline's schedule (default %(default)s)",
+    )  # fmt: skip
+    verify.add_argument(
         "--batch", type=int, default=VerifyConfig.batch, help="global rows (default %(default)s)"
     )
     verify.add_argument(
@@ -286,6 +300,9 @@ def _verify(args) -> int:
         model=args.model,
         nproc=args.nproc,
         tp=args.tp,
+        pp=args.pp,
+        micro_batches=args.micro_batches,
+        schedule=args.schedule,
         steps=args.steps,
         batch=args.batch,
         seq=args.seq,

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from .mixed_precision import MixedPrecision
+from .models.gpt import gpt_layers, lm_loss
+from .pipeline.describe import SharedLayerDesc
 from .pipeline.module import PipelineStage
 from .pipeline.partition import partition
 from .pipeline.schedules import peak_in_flight, schedule
@@ -51,7 +53,7 @@ from .plan import (
     transient_bytes,
 )
 from .plan import plan_with_calls as plain_plan
-from .workload import load_factory
+from .workload import check_pipeline_model, load_factory
 
 HEADER_BYTES = 80  # p2p.py: a header of 10 int64 before every tensor sent
 _LOSS_BYTES = 4  # the float32 mean loss, broadcast from the last stage and averaged
@@ -74,14 +76,7 @@ class StagePlan:
 
 def gpt_stage_layers(model, what: str) -> tuple[list, object]:
     """The built-in GPT's (or a preset's) layers for ``PipelineModule`` and its loss."""
-    from .models.gpt import GPT, gpt_layers, lm_loss
-
-    if not isinstance(model, GPT):
-        raise ValueError(
-            f"--pp: pipelines are planned and verified for zerokit.models.gpt.GPT models (the "
-            f"built-in GPT, zerokit.models.presets), split by models.gpt.gpt_layers; {what} "
-            f"returned {type(model).__name__}"
-        )
+    check_pipeline_model(model, what)
     return gpt_layers(model.cfg), lm_loss
 
 
@@ -94,8 +89,6 @@ def build_stages(layers: list, pp: int) -> tuple[list[int], list[PipelineStage]]
 
 def tied_stages(layers: list, bounds: list[int]) -> dict[str, list[int]]:
     """Each shared key on several stages -> those stages (as ``PipelineModule`` finds them)."""
-    from .pipeline.describe import SharedLayerDesc
-
     where: dict[str, list[int]] = {}
     for i, item in enumerate(layers):
         if isinstance(item, SharedLayerDesc):
