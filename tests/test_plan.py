@@ -9,6 +9,7 @@ import json
 import re
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -339,6 +340,43 @@ class PipeRecorder(Recorder):
         return wrapper
 
 
+class _Saved:
+    """A tensor autograd saved, held for it: when autograd lets go, so does the meter."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class SavedMeter:
+    """The most bytes autograd holds saved for backward at once over a schedule, each storage
+    once, the stage's parameters left out (as the plan counts activations)."""
+
+    def __init__(self, stage):
+        self.stage, self.live, self.peak, self.count = stage, 0, 0, {}
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in {p.untyped_storage()._cdata for p in self.stage.parameters()}:
+            return t
+        self.count[key] = self.count.get(key, 0) + 1
+        if self.count[key] == 1:
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        held = _Saved(t)
+        weakref.finalize(held, self._drop, key, storage.nbytes())
+        return held
+
+    def _drop(self, key, nbytes):
+        self.count[key] -= 1
+        if not self.count[key]:
+            self.live -= nbytes
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Saved) else held
+
+
 def _pipeline_step_equals_plan(rank, world_size, pp, levels, schedule, micro_batches, segment):
     """``segment``: the unit size; small, a stage is several units (the linears, embeddings)
     instead of one root unit, so the gathers of forward and backward differ. Then the model is
@@ -374,7 +412,9 @@ def _pipeline_step_equals_plan(rank, world_size, pp, levels, schedule, micro_bat
         for step in range(2):  # the second step is the steady one the plan describes
             recorder.on, recorder.calls, recorder.bypassing = step == 1, [], []
             x, y = (t[mine] for t in work.make_batch(step, batch))
-            pipe.forward_backward((x, y), schedule, micro_batches)
+            meter = SavedMeter(pipe.stage)
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                pipe.forward_backward((x, y), schedule, micro_batches)
             if step == 1:
                 measured = measure(pipe.stage, opt)
             opt.step()
@@ -388,6 +428,11 @@ def _pipeline_step_equals_plan(rank, world_size, pp, levels, schedule, micro_bat
         memory = entry["memory"]
         got = {"params": measured.params, "grads": measured.grads, "optimizer": measured.optimizer}
         assert got == {k: memory[k] for k in got}, f"{what}: measured {got}, planned {memory}"
+        # the micro-batches in flight: equal within 2 % (the rows are views of the rank's
+        # whole batch, whose tokens and labels a real step saves as one storage)
+        assert abs(meter.peak - memory["activations"]) <= 0.02 * meter.peak, (
+            f"{what}: saved at most {meter.peak} bytes at once, planned {memory['activations']}"
+        )
 
 
 def test_a_real_pipeline_step_sends_and_holds_what_the_plan_says():
