@@ -14,7 +14,10 @@ rest is derived from those layouts by the rules the core follows, written out he
   still one logical collective, and its bytes are counted as a ring would send them).
 
 So this is not a run of the wrapping code against a fake process group: a change to the core's
-schedule must be mirrored here. tests/test_plan.py holds the two together: it records the
+schedule must be mirrored here. (Note: ``group_sharded_parallel`` itself does run on a fake-tensor
+model over torch's ``"fake"`` backend, once the store meetings of ``core.agreement`` are stood in
+for; a step does not: the core reads agreed values back (``_agree_on_order``'s digest, the
+contributed flags in ``finish_backward``), which fake tensors do not have.) tests/test_plan.py holds the two together: it records the
 collectives and measures the memory of real 2- and 3-rank steps at every level and requires
 the same ops, calls, bytes and memory as this plan.
 """
