@@ -5,6 +5,7 @@ calls and bytes, one by one), no collective bypasses those helpers, and every ra
 every level, in fp32, bf16 and fp16. Then the CLI: the pinned JSON, grouping of alike ranks,
 usage errors."""
 
+import itertools
 import json
 import re
 import sys
@@ -377,7 +378,9 @@ class SavedMeter:
         return held.tensor if isinstance(held, _Saved) else held
 
 
-def _pipeline_step_equals_plan(rank, world_size, pp, levels, schedule, micro_batches, segment):
+def _pipeline_step_equals_plan(
+    rank, world_size, pp, levels, schedule, micro_batches, segment, precision=None
+):
     """``segment``: the unit size; small, a stage is several units (the linears, embeddings)
     instead of one root unit, so the gathers of forward and backward differ. Then the model is
     untied (the tied head uses the embedding's weight without calling its module, which at
@@ -397,7 +400,7 @@ def _pipeline_step_equals_plan(rank, world_size, pp, levels, schedule, micro_bat
         cfg = PlanConfig(
             world=world_size, level=level, model=model, batch=batch, seq=SEQ, pp=pp,
             micro_batches=micro_batches, schedule=schedule, buffer_max_size=BUFFER,
-            segment_size=segment,
+            segment_size=segment, mixed_precision=precision,
         )  # fmt: skip
         report, planned = plan_pipeline(cfg)
         torch.manual_seed(0)
@@ -406,7 +409,7 @@ def _pipeline_step_equals_plan(rank, world_size, pp, levels, schedule, micro_bat
         opt = torch.optim.AdamW(pipe.stage.parameters(), lr=1e-3)
         _, opt, _ = group_sharded_parallel(
             pipe.stage, opt, level, group=layout.dp_group, buffer_max_size=BUFFER,
-            segment_size=segment,
+            segment_size=segment, mixed_precision=MixedPrecision(param_dtype=LOW[precision]),
         )  # fmt: skip
         mine = slice(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
         for step in range(2):  # the second step is the steady one the plan describes
@@ -420,7 +423,8 @@ def _pipeline_step_equals_plan(rank, world_size, pp, levels, schedule, micro_bat
             opt.step()
             opt.zero_grad(set_to_none=True)
         recorder.on = False
-        what = f"pp {pp} {schedule} m={micro_batches} level={level} world={world_size} rank={rank}"
+        what = f"pp {pp} {schedule} m={micro_batches} {precision or 'fp32'} level={level} "
+        what += f"world={world_size} rank={rank}"
         assert not recorder.bypassing, f"{what}: collectives outside the helpers"
         entry = report["ranks"][rank]
         want = sorted((c.op, c.group_size, c.bytes) for c in planned[entry["stage"]])
@@ -443,3 +447,32 @@ def test_a_real_pipeline_step_sends_and_holds_what_the_plan_says():
 @pytest.mark.parametrize("schedule, segment", [("1f1b", 200), ("fthenb", 200), ("1f1b", 2**20)])
 def test_a_real_pp2_x_dp2_step_sends_and_holds_what_the_plan_says(schedule, segment):
     run_distributed(_pipeline_step_equals_plan, 4, 2, LEVELS, schedule, 3, segment)
+
+
+@pytest.mark.slow
+def test_a_real_bf16_pipeline_step_sends_and_holds_what_the_plan_says():
+    run_distributed(_pipeline_step_equals_plan, 4, 2, LEVELS, "1f1b", 2, 200, "bf16")
+
+
+def test_pipeline_json_and_printout_group_ranks_by_stage(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    code, out, _ = _plan(
+        capsys, "--model", MODEL, "--world", "6", "--pp", "3", "--level", "os_g",
+        "--seq", str(SEQ), "--schedule", "fthenb", "--micro-batches", "2", "--json", str(path),
+    )  # fmt: skip
+    assert code == 0, out
+    report = json.loads(path.read_text())
+    assert (report["pp"], report["micro_batches"], report["schedule"]) == (3, 2, "fthenb")
+    # pp is outermost: ranks 2s and 2s+1 are stage s; F-then-B holds every micro-batch
+    assert [e["stage"] for e in report["ranks"]] == [0, 0, 1, 1, 2, 2]
+    assert [s["micro_batches_in_flight"] for s in report["stages"]] == [2, 2, 2]
+    layers = [s["layers"] for s in report["stages"]]
+    assert layers[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(layers))
+    for entry in report["ranks"]:
+        whats = {c["what"] for c in entry["collectives"]}  # activations flow forward only
+        assert ("receive activations" in whats) == (entry["stage"] > 0)
+        assert ("send activations" in whats) == (entry["stage"] < 2)
+        stage = report["stages"][entry["stage"]]
+        assert entry["memory"]["activations"] == 2 * stage["activations_per_micro_batch"]
+    for s in range(3):
+        assert re.search(rf"ranks {2 * s}-{2 * s + 1} \(stage {s}\)$", out, flags=re.M), out
