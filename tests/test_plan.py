@@ -387,7 +387,7 @@ def _pipeline_step_equals_plan(
     'p_g_os' needs the embedding in the root unit); tied, the stages with a copy defer their
     reduction until the copies are summed."""
     model = MODEL if segment == 2**20 else "verify_models:tiny_gpt_untied"
-    from zerokit.models.gpt import gpt_layers, lm_loss
+    from zerokit.models.gpt import gpt_layers
     from zerokit.pipeline import PipelineModule
     from zerokit.plan_pp import plan_with_calls as plan_pipeline
 
@@ -405,7 +405,7 @@ def _pipeline_step_equals_plan(
         report, planned = plan_pipeline(cfg)
         torch.manual_seed(0)
         work = build_workload(load_factory(model), batch=batch, seq=SEQ, per_rank=per_rank)
-        pipe = PipelineModule(gpt_layers(work.model.cfg), lm_loss, layout=layout)
+        pipe = PipelineModule(gpt_layers(work.model.cfg), work.loss_fn, layout=layout)
         opt = torch.optim.AdamW(pipe.stage.parameters(), lr=1e-3)
         _, opt, _ = group_sharded_parallel(
             pipe.stage, opt, level, group=layout.dp_group, buffer_max_size=BUFFER,

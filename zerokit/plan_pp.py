@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .mixed_precision import MixedPrecision
-from .models.gpt import gpt_layers, lm_loss
+from .models.gpt import gpt_layers
 from .pipeline.describe import SharedLayerDesc
 from .pipeline.module import PipelineStage
 from .pipeline.partition import partition
@@ -74,10 +74,10 @@ class StagePlan:
     tied: tuple[tuple[int, int], ...]  # (stages holding the copy, bytes of its gradient)
 
 
-def gpt_stage_layers(model, what: str) -> tuple[list, object]:
-    """The built-in GPT's (or a preset's) layers for ``PipelineModule`` and its loss."""
+def gpt_stage_layers(model, what: str) -> list:
+    """The built-in GPT's (or a preset's) layers for ``PipelineModule``."""
     check_pipeline_model(model, what)
-    return gpt_layers(model.cfg), lm_loss
+    return gpt_layers(model.cfg)
 
 
 def build_stages(layers: list, pp: int) -> tuple[list[int], list[PipelineStage]]:
@@ -125,9 +125,12 @@ def stage_collectives(
         nonlocal root_gathered
         if level != "p_g_os":
             return
-        for u in sorted(units, key=lambda u: not u.is_root):  # the root first, then in order
-            if u.is_root and root_gathered:
-                continue
+        others = [u for u in units if not u.is_root]  # forward in order, backward reversed
+        if not root_gathered:
+            for u in units:
+                if u.is_root:
+                    ops.gather(u, when)
+        for u in others if when == "forward" else reversed(others):
             ops.gather(u, when)
         root_gathered = True
 
@@ -229,7 +232,8 @@ def plan_with_calls(cfg) -> tuple[dict, dict[int, list[Collective]]]:
         factory = load_factory(cfg.model)
         plain = _fake_workload(factory, cfg.seq, 1)
         psi = sum(p.numel() for p in plain.model.parameters())
-        layers, loss_fn = gpt_stage_layers(plain.model, cfg.model or "the built-in GPT")
+        layers = gpt_stage_layers(plain.model, cfg.model or "the built-in GPT")
+        loss_fn = plain.loss_fn  # the workload's, as without a pipeline (fp32 cross-entropy)
         bounds, stages = build_stages(layers, cfg.pp)
         tied = tied_stages(layers, bounds)
         x, y = (mode.from_tensor(t) for t in _real_batch(plain, batch // per_stage // m))
@@ -248,7 +252,7 @@ def plan_with_calls(cfg) -> tuple[dict, dict[int, list[Collective]]]:
                     activations=saved,
                     input_bytes=x.nbytes,
                     output_bytes=out.nbytes if s < cfg.pp - 1 else 0,
-                    tied=tuple((len(tied[k]), _tied_grad_bytes(stage, k)) for k in copies),
+                    tied=tuple((len(tied[k]), _tied_grad_bytes(stage, k, layers)) for k in copies),
                 )
             )
             x = out.detach()
@@ -350,7 +354,8 @@ def _stage_forward(stage, x, policy: MixedPrecision, loss_fn, y):
     return sum(seen.values()), out
 
 
-def _tied_grad_bytes(stage, key: str) -> int:
+def _tied_grad_bytes(stage, key: str, layers: list) -> int:
     """The tied copy's gradient, summed across stages in the compute dtype (``finalize.py``)."""
-    weight = stage.shared[key].weight
+    attr = next(d.shared_weight_attr for d in layers if getattr(d, "key", None) == key)
+    weight = getattr(stage.shared[key], attr)
     return weight.numel() * weight.element_size()

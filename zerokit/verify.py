@@ -217,7 +217,9 @@ def _verify_rank(rank: int, world_size: int, cfg: VerifyConfig, out: str) -> Non
     group = layout.dp_group if layout is not None else None  # ZeRO across the replicas
     if cfg.pp > 1:
         optimizer = functools.partial(OPTIMIZERS[cfg.optimizer], lr=cfg.lr)
-        pipe = PipelineTrainer(plain.model.to(device), layout, optimizer, cfg.level, low, cfg)
+        pipe = PipelineTrainer(
+            plain.model.to(device), plain.loss_fn, layout, optimizer, cfg.level, low, cfg
+        )
     else:
         dist_run = _Trainer(work.model.to(device), cfg, cfg.level, low, group)
     per_rank = cfg.batch // dp

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .api import group_sharded_parallel
 from .layout import Layout
 from .mixed_precision import MixedPrecision
-from .models.gpt import GPT, gpt_layers, gpt_pipeline_state_dict, lm_loss
+from .models.gpt import GPT, gpt_layers, gpt_pipeline_state_dict
 from .pipeline import PipelineModule
 from .scaler import ShardedGradScaler
 from .tensor_parallel import gather_full_state_dict
@@ -22,9 +22,10 @@ class PipelineTrainer:
     """``plain``'s parameters as a pipeline over ``layout``'s stages, each stage's rank
     holding and stepping its ZeRO shard of the stage (``layout.dp_group``)."""
 
-    def __init__(self, plain: GPT, layout: Layout, make_optimizer, level: str, low, cfg):
+    def __init__(self, plain: GPT, loss_fn, layout: Layout, make_optimizer, level: str, low, cfg):
         self.cfg, self.layout = plain.cfg, layout
-        self.pipe = PipelineModule(gpt_layers(self.cfg), lm_loss, layout=layout)
+        # the workload's loss, as the one-process runs use (cross-entropy in fp32)
+        self.pipe = PipelineModule(gpt_layers(self.cfg), loss_fn, layout=layout)
         whole = gpt_pipeline_state_dict(plain.state_dict(), self.cfg)
         stage = self.pipe.stage
         stage.load_state_dict({k: whole[k] for k in stage.state_dict()})  # the same start
