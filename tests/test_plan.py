@@ -5,10 +5,12 @@ calls and bytes, one by one), no collective bypasses those helpers, and every ra
 every level, in fp32, bf16 and fp16. Then the CLI: the pinned JSON, grouping of alike ranks,
 usage errors."""
 
+import itertools
 import json
 import re
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -291,7 +293,15 @@ def _expand(spans: str) -> list[int]:
     [
         (["--world", "4", "--level", "os", "--batch", "6"], "must divide evenly across 4"),
         (["--world", "4", "--level", "os", "--sharding-degree", "3"], "must be at least 1 and"),
-        (["--world", "4", "--level", "os", "--pp", "2"], "--pp 2: plan covers data and tensor"),
+        (["--world", "4", "--level", "os", "--pp", "3"], "--pp 3 must be at least 1 and divide"),
+        (
+            ["--world", "4", "--level", "os", "--pp", "2", "--micro-batches", "3", "--batch", "4"],
+            "--micro-batches 3 must be at least 1 and divide the 2 rows",
+        ),
+        (
+            ["--world", "4", "--level", "os", "--pp", "2", "--model", "compare_models:mlp"],
+            "pipelines are planned and verified for zerokit.models.gpt.GPT",
+        ),
         (["--world", "4", "--level", "os", "--tp", "3"], "--tp 3 must be at least 1 and divide"),
         (
             ["--world", "4", "--level", "os", "--tp", "2", "--model", MODEL],
@@ -303,3 +313,166 @@ def _expand(spans: str) -> list[int]:
 def test_usage_errors_exit_2(capsys, args, message):
     code, _, err = _plan(capsys, *args)
     assert code == 2 and message in err, err
+
+
+# -- pipelines ------------------------------------------------------------------------------------
+class PipeRecorder(Recorder):
+    """Also records the pipeline's own raw calls (its transfers, the tied weights' sum, the
+    loss), each with its group's size; p2p as a pair."""
+
+    def install(self) -> None:
+        dist.isend = self._raw(dist.isend, "isend")
+        super().install()
+
+    def _raw(self, fn, name):
+        def wrapper(*args, **kwargs):
+            if self.on and getattr(self._inside, "depth", 0) == 0:
+                tensor = args[0]
+                if name in ("isend", "send", "recv"):
+                    self.calls.append(("recv" if name == "recv" else "send", 2, tensor.nbytes))
+                elif name in ("all_reduce", "broadcast"):
+                    group = kwargs.get("group")
+                    size = group.size() if group is not None else dist.get_world_size()
+                    self.calls.append((name, size, tensor.nbytes))
+                else:
+                    self.bypassing.append(name)
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+
+class _Saved:
+    """A tensor autograd saved, held for it: when autograd lets go, so does the meter."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class SavedMeter:
+    """The most bytes autograd holds saved for backward at once over a schedule, each storage
+    once, the stage's parameters left out (as the plan counts activations)."""
+
+    def __init__(self, stage):
+        self.stage, self.live, self.peak, self.count = stage, 0, 0, {}
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in {p.untyped_storage()._cdata for p in self.stage.parameters()}:
+            return t
+        self.count[key] = self.count.get(key, 0) + 1
+        if self.count[key] == 1:
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        held = _Saved(t)
+        weakref.finalize(held, self._drop, key, storage.nbytes())
+        return held
+
+    def _drop(self, key, nbytes):
+        self.count[key] -= 1
+        if not self.count[key]:
+            self.live -= nbytes
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Saved) else held
+
+
+def _pipeline_step_equals_plan(
+    rank, world_size, pp, levels, schedule, micro_batches, segment, precision=None
+):
+    """``segment``: the unit size; small, a stage is several units (the linears, embeddings)
+    instead of one root unit, so the gathers of forward and backward differ. Then the model is
+    untied (the tied head uses the embedding's weight without calling its module, which at
+    'p_g_os' needs the embedding in the root unit); tied, the stages with a copy defer their
+    reduction until the copies are summed."""
+    model = MODEL if segment == 2**20 else "verify_models:tiny_gpt_untied"
+    from zerokit.models.gpt import gpt_layers
+    from zerokit.pipeline import PipelineModule
+    from zerokit.plan_pp import plan_with_calls as plan_pipeline
+
+    dp = world_size // pp
+    layout = init_hybrid_parallel(dp, 1, pp_degree=pp)
+    recorder = PipeRecorder()
+    recorder.install()
+    per_rank, batch = 2 * micro_batches, 2 * micro_batches * dp
+    for level in levels:
+        cfg = PlanConfig(
+            world=world_size, level=level, model=model, batch=batch, seq=SEQ, pp=pp,
+            micro_batches=micro_batches, schedule=schedule, buffer_max_size=BUFFER,
+            segment_size=segment, mixed_precision=precision,
+        )  # fmt: skip
+        report, planned = plan_pipeline(cfg)
+        torch.manual_seed(0)
+        work = build_workload(load_factory(model), batch=batch, seq=SEQ, per_rank=per_rank)
+        pipe = PipelineModule(gpt_layers(work.model.cfg), work.loss_fn, layout=layout)
+        opt = torch.optim.AdamW(pipe.stage.parameters(), lr=1e-3)
+        _, opt, _ = group_sharded_parallel(
+            pipe.stage, opt, level, group=layout.dp_group, buffer_max_size=BUFFER,
+            segment_size=segment, mixed_precision=MixedPrecision(param_dtype=LOW[precision]),
+        )  # fmt: skip
+        mine = slice(layout.dp_rank * per_rank, (layout.dp_rank + 1) * per_rank)
+        for step in range(2):  # the second step is the steady one the plan describes
+            recorder.on, recorder.calls, recorder.bypassing = step == 1, [], []
+            x, y = (t[mine] for t in work.make_batch(step, batch))
+            meter = SavedMeter(pipe.stage)
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                pipe.forward_backward((x, y), schedule, micro_batches)
+            if step == 1:
+                measured = measure(pipe.stage, opt)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        recorder.on = False
+        what = f"pp {pp} {schedule} m={micro_batches} {precision or 'fp32'} level={level} "
+        what += f"world={world_size} rank={rank}"
+        assert not recorder.bypassing, f"{what}: collectives outside the helpers"
+        entry = report["ranks"][rank]
+        want = sorted((c.op, c.group_size, c.bytes) for c in planned[entry["stage"]])
+        assert sorted(recorder.calls) == want, f"{what}: recorded {recorder.calls}"
+        memory = entry["memory"]
+        got = {"params": measured.params, "grads": measured.grads, "optimizer": measured.optimizer}
+        assert got == {k: memory[k] for k in got}, f"{what}: measured {got}, planned {memory}"
+        # the micro-batches in flight: equal within 2 % (the rows are views of the rank's
+        # whole batch, whose tokens and labels a real step saves as one storage)
+        assert abs(meter.peak - memory["activations"]) <= 0.02 * meter.peak, (
+            f"{what}: saved at most {meter.peak} bytes at once, planned {memory['activations']}"
+        )
+
+
+def test_a_real_pipeline_step_sends_and_holds_what_the_plan_says():
+    run_distributed(_pipeline_step_equals_plan, 2, 2, LEVELS, "1f1b", 2, 2**20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule, segment", [("1f1b", 200), ("fthenb", 200), ("1f1b", 2**20)])
+def test_a_real_pp2_x_dp2_step_sends_and_holds_what_the_plan_says(schedule, segment):
+    run_distributed(_pipeline_step_equals_plan, 4, 2, LEVELS, schedule, 3, segment)
+
+
+@pytest.mark.slow
+def test_a_real_bf16_pipeline_step_sends_and_holds_what_the_plan_says():
+    run_distributed(_pipeline_step_equals_plan, 4, 2, LEVELS, "1f1b", 2, 200, "bf16")
+
+
+def test_pipeline_json_and_printout_group_ranks_by_stage(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    code, out, _ = _plan(
+        capsys, "--model", MODEL, "--world", "6", "--pp", "3", "--level", "os_g",
+        "--seq", str(SEQ), "--schedule", "fthenb", "--micro-batches", "2", "--json", str(path),
+    )  # fmt: skip
+    assert code == 0, out
+    report = json.loads(path.read_text())
+    assert (report["pp"], report["micro_batches"], report["schedule"]) == (3, 2, "fthenb")
+    # pp is outermost: ranks 2s and 2s+1 are stage s; F-then-B holds every micro-batch
+    assert [e["stage"] for e in report["ranks"]] == [0, 0, 1, 1, 2, 2]
+    assert [s["micro_batches_in_flight"] for s in report["stages"]] == [2, 2, 2]
+    layers = [s["layers"] for s in report["stages"]]
+    assert layers[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(layers))
+    for entry in report["ranks"]:
+        whats = {c["what"] for c in entry["collectives"]}  # activations flow forward only
+        assert ("receive activations" in whats) == (entry["stage"] > 0)
+        assert ("send activations" in whats) == (entry["stage"] < 2)
+        stage = report["stages"][entry["stage"]]
+        assert entry["memory"]["activations"] == 2 * stage["activations_per_micro_batch"]
+    for s in range(3):
+        assert re.search(rf"ranks {2 * s}-{2 * s + 1} \(stage {s}\)$", out, flags=re.M), out

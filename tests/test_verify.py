@@ -90,9 +90,46 @@ def test_tensor_parallel_trains_as_one_process(capsys, nproc, tp, level):
 
 
 @pytest.mark.parametrize(
+    "nproc, pp, level, schedule, precision",
+    [
+        (2, 2, "p_g_os", "1f1b", None),
+        pytest.param(4, 2, "os_g", "fthenb", None, marks=pytest.mark.slow),
+        pytest.param(2, 2, "os_g", "1f1b", "fp16", marks=pytest.mark.slow),
+    ],
+)
+def test_a_pipeline_trains_as_one_process(capsys, nproc, pp, level, schedule, precision):
+    """The GPT as a PipelineModule (its tied embedding on the first and last stage), each stage
+    sharded over its data-parallel ranks: the whole model's parameters, gathered from the
+    stages under the plain GPT's names, equal one process's, step by step."""
+    code, out, _ = _verify(
+        capsys, "--model", "verify_models:tiny_gpt", "--level", level, "--nproc", str(nproc),
+        "--pp", str(pp), "--schedule", schedule, "--batch", "4", "--seq", "8", "--steps", "3",
+        *(["--mixed-precision", precision] if precision else []),
+    )  # fmt: skip
+    assert code == 0, out
+    assert f"(pp {pp} x dp {nproc // pp})" in out
+    rows = _step_rows(out)
+    assert [int(r[0]) for r in rows] == [1, 2, 3]
+    for _, one, ranks, loss_diff, param_diff, _ in rows:
+        assert abs(float(one) - float(ranks)) <= 1e-5 and float(loss_diff) <= 1e-5
+        if precision is None:  # (mixed precision: a ratio, judged by the verdict)
+            assert float(param_diff) <= FP32_TOLERANCE
+    assert "PASS" in out
+
+
+@pytest.mark.parametrize(
     "args, message",
     [
         (["--level", "os", "--batch", "7"], "must divide evenly across 2 ranks"),
+        (["--level", "os", "--pp", "3"], "--pp 3 must be at least 1 and divide --nproc 2"),
+        (
+            ["--level", "os", "--pp", "2", "--model", "compare_models:mlp"],
+            "pipelines are planned and verified for zerokit.models.gpt.GPT",
+        ),
+        (
+            ["--level", "os", "--pp", "2", "--batch", "2", "--micro-batches", "3"],
+            "--micro-batches 3 must be at least 1 and divide the 2 rows",
+        ),
         (["--level", "os", "--model", "no_such_module:make"], "cannot import"),
         (["--level", "os", "--tolerance", "0"], "--tolerance must be positive"),
         (["--level", "os", "--model", "compare_models:bad_batch"], "make_batch(0, 8) must"),

@@ -57,3 +57,13 @@ def tiny_gpt_tp(layout=None):
         tensor_parallel=layout is not None,
     )
     return GPT(cfg, layout)
+
+
+def tiny_gpt_untied():
+    """``tiny_gpt`` with its own output head (no weight shared by the first and last layer)."""
+    from zerokit.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(
+        GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, tie_weights=False)
+    )

@@ -25,7 +25,8 @@ from .compare_report import (
     write_activations_plot,
     write_plot,
 )
-from .plan import PlanConfig, make_plan
+from .plan import PlanConfig
+from .plan_pp import make_plan
 from .plan_report import format_plan
 from .verify import VerifyConfig, format_report, judge, run_verify
 
@@ -258,6 +259,20 @@ def _add_verify_parser(commands) -> None:
         "factory must take a 'layout' keyword (default %(default)s)",
     )
     verify.add_argument(
+        "--pp",
+        type=int,
+        default=VerifyConfig.pp,
+        help="pipeline stages: a zerokit.models.gpt.GPT as a PipelineModule of gpt_layers, ZeRO "
+        "over each stage's --nproc/--pp ranks (default %(default)s)",
+    )
+    verify.add_argument(
+        "--micro-batches", type=int, help="micro-batches of a pipeline step (default: --pp)"
+    )
+    verify.add_argument(
+        "--schedule", choices=["1f1b", "fthenb", "naive"], default=VerifyConfig.schedule,
+        help="the pipeline's schedule (default %(default)s)",
+    )  # fmt: skip
+    verify.add_argument(
         "--batch", type=int, default=VerifyConfig.batch, help="global rows (default %(default)s)"
     )
     verify.add_argument(
@@ -285,6 +300,9 @@ def _verify(args) -> int:
         model=args.model,
         nproc=args.nproc,
         tp=args.tp,
+        pp=args.pp,
+        micro_batches=args.micro_batches,
+        schedule=args.schedule,
         steps=args.steps,
         batch=args.batch,
         seq=args.seq,
@@ -344,7 +362,20 @@ def _add_plan_parser(commands) -> None:
         help="tensor-parallel degree; ZeRO over --world/--tp ranks (a --model factory must take "
         "a 'layout' keyword)",
     )
-    plan.add_argument("--pp", type=int, default=1, help="pipeline stages (only 1 yet)")
+    plan.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages (the built-in GPT or a preset, split as PipelineModule splits "
+        "models.gpt.gpt_layers); ZeRO over each stage's --world/--pp ranks",
+    )
+    plan.add_argument(
+        "--micro-batches", type=int, help="micro-batches of a pipeline step (default: --pp)"
+    )
+    plan.add_argument(
+        "--schedule", choices=["1f1b", "fthenb", "naive"], default="1f1b",
+        help="the pipeline's schedule (default %(default)s)",
+    )  # fmt: skip
     plan.add_argument(
         "--batch", type=int, help="global rows, split across ranks (default: one per rank)"
     )
@@ -357,11 +388,6 @@ def _add_plan_parser(commands) -> None:
 
 def _plan(args) -> int:
     try:
-        if args.pp != 1:
-            raise ValueError(
-                f"--pp {args.pp}: plan covers data and tensor parallelism (ZeRO, hybrid "
-                "sharding, --tp) so far; --pp other than 1 is not planned yet"
-            )
         report = make_plan(
             PlanConfig(
                 world=args.world,
@@ -369,6 +395,9 @@ def _plan(args) -> int:
                 model=args.model,
                 sharding_degree=args.sharding_degree,
                 tp=args.tp,
+                pp=args.pp,
+                micro_batches=args.micro_batches,
+                schedule=args.schedule,
                 batch=args.batch,
                 seq=args.seq,
                 mixed_precision=args.mixed_precision,

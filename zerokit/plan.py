@@ -14,7 +14,10 @@ rest is derived from those layouts by the rules the core follows, written out he
   still one logical collective, and its bytes are counted as a ring would send them).
 
 So this is not a run of the wrapping code against a fake process group: a change to the core's
-schedule must be mirrored here. tests/test_plan.py holds the two together: it records the
+schedule must be mirrored here. (Note: ``group_sharded_parallel`` itself does run on a fake-tensor
+model over torch's ``"fake"`` backend, once the store meetings of ``core.agreement`` are stood in
+for; a step does not: the core reads agreed values back (``_agree_on_order``'s digest, the
+contributed flags in ``finish_backward``), which fake tensors do not have.) tests/test_plan.py holds the two together: it records the
 collectives and measures the memory of real 2- and 3-rank steps at every level and requires
 the same ops, calls, bytes and memory as this plan.
 """
@@ -55,8 +58,16 @@ class PlanConfig:
     tp: int = 1
     """Tensor-parallel degree: each rank holds its tp slice; ZeRO over the world / tp ranks
     holding the same slice (the factory takes ``layout``, as for ``zerokit verify --tp``)."""
+    pp: int = 1
+    """Pipeline stages (``zerokit.plan_pp``): the built-in GPT or a preset, split as
+    ``PipelineModule`` splits ``models.gpt.gpt_layers``; ZeRO over each stage's world / pp ranks."""
+    micro_batches: int | None = None
+    """Micro-batches of a pipeline step (None: ``pp``)."""
+    schedule: str = "1f1b"
+    """The pipeline's schedule: '1f1b', 'fthenb' or 'naive'."""
     batch: int | None = None
-    """Global batch in rows, split evenly across the ranks; None: one row per rank."""
+    """Global batch in rows, split evenly across the ranks; None: one row per rank (per
+    micro-batch under ``pp``)."""
     seq: int = 32
     """Tokens per sequence (token models)."""
     mixed_precision: str | None = None
@@ -72,7 +83,7 @@ class Collective:
     """One logical collective of a step; ``bytes`` is its whole tensor (a reduce-scatter's
     input, an all-gather's output)."""
 
-    op: str  # "all_reduce", "reduce_scatter" or "all_gather"
+    op: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv"
     group_size: int
     bytes: int
     what: str
@@ -80,6 +91,8 @@ class Collective:
     @property
     def sent(self) -> float:
         """Bytes each rank sends, by the ring algorithm."""
+        if self.op in ("send", "recv"):  # point to point: the sender sends it all
+            return self.bytes if self.op == "send" else 0
         n = self.group_size
         share = self.bytes * (n - 1) / n
         return 2 * share if self.op == "all_reduce" else share
@@ -107,18 +120,21 @@ def check_config(cfg: PlanConfig) -> None:
         raise ValueError(f"--world must be at least 1, got {cfg.world}")
     if cfg.tp < 1 or cfg.world % cfg.tp:
         raise ValueError(f"--tp {cfg.tp} must be at least 1 and divide --world {cfg.world}")
-    dp = cfg.world // cfg.tp
+    if cfg.pp < 1 or cfg.world % (cfg.tp * cfg.pp):
+        raise ValueError(f"--pp {cfg.pp} must be at least 1 and divide --world {cfg.world}")
+    dp = cfg.world // (cfg.tp * cfg.pp)
     degree = cfg.sharding_degree or dp
     if degree < 1 or dp % degree:
         raise ValueError(
             f"--sharding-degree {degree} must be at least 1 and divide --world"
             + (f" / --tp = {dp}" if cfg.tp > 1 else "")
         )
-    batch = cfg.batch if cfg.batch is not None else dp
+    batch = cfg.batch if cfg.batch is not None else dp * (cfg.micro_batches or cfg.pp)
     if batch < 1 or batch % dp:
         raise ValueError(
             f"--batch {batch} must divide evenly across {dp} ranks"
             + (" (the data-parallel ones: --world / --tp)" if cfg.tp > 1 else "")
+            + (" (the data-parallel ones of a stage: --world / --pp)" if cfg.pp > 1 else "")
         )
     if cfg.optimizer not in STATE_PER_PARAM:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
@@ -134,6 +150,8 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     check_config(cfg)
+    if cfg.pp > 1:
+        raise ValueError("--pp: use zerokit.plan_pp.plan_with_calls, which plans pipelines")
     low = LOW[cfg.mixed_precision]
     policy = MixedPrecision(param_dtype=low)
     dp = cfg.world // cfg.tp
@@ -306,48 +324,82 @@ def schedule(
     """The logical collectives of one steady training step, in the order the core issues them
     (within a phase), for every rank alike. ``degree``: the shard group's size; ``replicas``:
     how many copies of it (hybrid sharding)."""
-    out: list[Collective] = []
-    data_groups = [degree] + ([replicas] if replicas > 1 else [])
+    ops = Ops(degree, replicas)
+    if level == "p_g_os":
+        for u in sorted(units, key=lambda u: not u.is_root):  # the root first, then in order
+            ops.gather(u, "forward")
+    ops.agree_order()
+    for u in reversed(units):
+        if level == "p_g_os" and not u.is_root:
+            ops.gather(u, "backward")
+        ops.reduce(u, level)
+    ops.end_of_backward(units, low)
+    ops.step(units, level)
+    return ops.out
 
-    def add(op: str, size: int, nbytes: int, what: str) -> None:
+
+class Ops:
+    """The core's collectives, as a list: what one rank of a shard group of ``degree`` ranks
+    (``replicas`` copies of it) issues for each event of a step."""
+
+    def __init__(self, degree: int, replicas: int):
+        self.degree, self.replicas = degree, replicas
+        self.data_groups = [degree] + ([replicas] if replicas > 1 else [])
+        self.out: list[Collective] = []
+
+    def add(self, op: str, size: int, nbytes: int, what: str) -> None:
         if size > 1:  # the core's collectives do nothing at group size 1
-            out.append(Collective(op, size, nbytes, what))
+            self.out.append(Collective(op, size, nbytes, what))
 
-    def gather(u: _Unit, when: str) -> None:
+    def gather(self, u: _Unit, when: str) -> None:
         # (the per-gather agreement is a debug option, ShardingConfig(debug_agreement=True):
         # off the step's path, so not planned)
         for b in u.layouts:
-            add("all_gather", degree, b.padded_numel * u.compute, f"gather parameters ({when})")
+            self.add(
+                "all_gather", self.degree, b.padded_numel * u.compute, f"gather parameters ({when})"
+            )
 
-    if level == "p_g_os":
-        for u in sorted(units, key=lambda u: not u.is_root):  # the root first, then in order
-            gather(u, "forward")
-    for size in data_groups:
-        add("all_reduce", size, _AGREE_BYTES, "agree on the units' order")
-    for u in reversed(units):
-        if level == "p_g_os" and not u.is_root:
-            gather(u, "backward")
+    def agree_order(self) -> None:
+        """A forward whose output requires grad: the units' order agreed."""
+        for size in self.data_groups:
+            self.add("all_reduce", size, _AGREE_BYTES, "agree on the units' order")
+
+    def reduce(self, u: _Unit, level: str) -> None:
+        degree, replicas = self.degree, self.replicas
         for b in u.layouts:
             full, shard = b.padded_numel * u.reduce, b.shard_numel
             if level == "os":
-                add("all_reduce", degree, full, "reduce gradients")
-                add("all_reduce", replicas, shard * u.reduce, "replicas: reduce gradient shard")
+                self.add("all_reduce", degree, full, "reduce gradients")
+                self.add(
+                    "all_reduce", replicas, shard * u.reduce, "replicas: reduce gradient shard"
+                )
                 if replicas > 1:
-                    add("all_gather", degree, full, "replicas: spread reduced gradients")
+                    self.add("all_gather", degree, full, "replicas: spread reduced gradients")
             else:
-                add("reduce_scatter", degree, full, "reduce gradients")
-                add("all_reduce", replicas, shard * u.master, "replicas: reduce gradient shard")
-    flags = sum(len(b.slots) for u in units for b in u.layouts)
-    for size in data_groups:
-        add("all_reduce", size, flags, "agree which parameters have gradients")
-    if low == torch.float16:  # the loss scaler's inf/nan check
-        for size in data_groups:
-            add("all_reduce", size, 4, "loss scaler: agree on inf/nan")
-    if level != "p_g_os":
-        for u in units:
-            for b in u.layouts:
-                add("all_gather", degree, b.padded_numel * u.compute, "gather updated shards")
-    return out
+                self.add("reduce_scatter", degree, full, "reduce gradients")
+                self.add(
+                    "all_reduce", replicas, shard * u.master, "replicas: reduce gradient shard"
+                )
+
+    def end_of_backward(self, units: list[_Unit], low: torch.dtype | None) -> None:
+        """A synchronised backward's end: which parameters have gradients; fp16's inf check."""
+        flags = sum(len(b.slots) for u in units for b in u.layouts)
+        for size in self.data_groups:
+            self.add("all_reduce", size, flags, "agree which parameters have gradients")
+        if low == torch.float16:  # the loss scaler's inf/nan check
+            for size in self.data_groups:
+                self.add("all_reduce", size, 4, "loss scaler: agree on inf/nan")
+
+    def step(self, units: list[_Unit], level: str) -> None:
+        if level != "p_g_os":
+            for u in units:
+                for b in u.layouts:
+                    self.add(
+                        "all_gather",
+                        self.degree,
+                        b.padded_numel * u.compute,
+                        "gather updated shards",
+                    )
 
 
 def aggregate(collectives: list[Collective]) -> list[dict]:

@@ -13,10 +13,16 @@ def format_plan(report: dict) -> str:
     groups = summarize(report)
     n, level = report["world"], report["level"]
     shards, tp = report["sharding_degree"], report.get("tp", 1)
-    dp = n // tp
+    pp = report.get("pp", 1)
+    dp = n // tp // pp
     where = (
         f"{n} ranks"
         + (f" (tp {tp} x dp {dp})" if tp > 1 else "")
+        + (
+            f" (pp {pp} x dp {dp}; {report['schedule']}, {report['micro_batches']} micro-batches)"
+            if pp > 1
+            else ""
+        )
         + (f" (ZeRO sharded over {shards}, {dp // shards} replicas)" if shards < dp else "")
     )
     lines = [
@@ -30,24 +36,42 @@ def format_plan(report: dict) -> str:
         "what autograd saves for a rank's micro-batch)",
         "".join(f"{k:>13}" for k in _MEMORY) + f"{'sum':>13}  ranks",
     ]
+    if pp > 1:
+        lines[2:2] = _stages(report)
     rows: dict[str, list[int]] = {}  # ranks whose printed figures are equal share a row
     for ranks, body in groups:
         memory = body["memory"]
         figures = "".join(f"{format_bytes(memory[k]):>13}" for k in _MEMORY)
-        rows.setdefault(figures + f"{format_bytes(sum(memory[k] for k in _MEMORY)):>13}", [])
-        rows[figures + f"{format_bytes(sum(memory[k] for k in _MEMORY)):>13}"] += ranks
-    for figures, ranks in rows.items():
+        figures += f"{format_bytes(sum(memory[k] for k in _MEMORY)):>13}"
+        rows.setdefault((body.get("stage"), figures), []).extend(ranks)
+    for (stage, figures), ranks in rows.items():
         ranks.sort()
         label = f"rank {_span(ranks)}" if len(ranks) == 1 else f"ranks {_span(ranks)}"
-        lines.append(f"{figures}  {label}")
-    t = report["transient"]
-    lines.append(
-        f"transient = gathered parameters {format_bytes(t['gathered'])} + staged "
-        f"gradients {format_bytes(t['staging'])}"
-    )
-    distinct = {repr(body["collectives"]) for _, body in groups}
-    for ranks, body in groups if len(distinct) > 1 else groups[:1]:
+        lines.append(f"{figures}  {label}" + (f" (stage {stage})" if stage is not None else ""))
+    for stage in report.get("stages", [{"transient": report["transient"]}]):
+        t = stage["transient"]
+        lines.append(
+            (f"stage {stage['stage']}: " if "stage" in stage else "")
+            + f"transient = gathered parameters {format_bytes(t['gathered'])} + staged "
+            f"gradients {format_bytes(t['staging'])}"
+            + (
+                f" + sent, held to the schedule's end {format_bytes(t['sent'])}"
+                if "sent" in t
+                else ""
+            )
+        )
+    distinct: dict[str, tuple[list[int], dict]] = {}  # ranks sending alike share a table
+    for ranks, body in groups:
+        key = repr((body.get("stage"), body["collectives"]))
+        distinct.setdefault(key, ([], body))[0].extend(ranks)
+    for ranks, body in distinct.values():
+        ranks.sort()
         who = "every rank alike" if len(distinct) == 1 else f"ranks {_span(ranks)}"
+        if "stage" in body:
+            who += f", stage {body['stage']}"
+            paper = report["stages"][body["stage"]]["paper_bytes_per_step"]
+        else:
+            paper = report["paper_bytes_per_step"]
         lines += ["", f"collectives of one training step ({who}):"]
         lines.append(f"  {'op':<15}{'group':>6}{'calls':>7}{'bytes':>12}  purpose")
         for c in body["collectives"]:
@@ -63,7 +87,9 @@ def format_plan(report: dict) -> str:
             f"{format_bytes(report['paper_bytes_per_step'])}"
             if tp > 1
             else f"  sent per rank per step: {format_bytes(body['bytes_per_step'])} (ring "
-            f"algorithm); ZeRO paper {k}Ψ(N-1)/N: {format_bytes(report['paper_bytes_per_step'])}"
+            f"algorithm); ZeRO paper {k}Ψ(N-1)/N"
+            + (" (Ψ the stage's, N its ranks)" if pp > 1 else "")
+            + f": {format_bytes(paper)}"
         )
     return "\n".join(lines)
 
@@ -77,3 +103,16 @@ def _span(ranks: list[int]) -> str:
         else:
             runs.append([r])
     return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
+
+
+def _stages(report: dict) -> list[str]:
+    """The split: each stage's layers, parameters and activations held."""
+    lines = ["stages (PipelineModule's split by parameters of models.gpt.gpt_layers):"]
+    for st in report["stages"]:
+        a, b = st["layers"]
+        lines.append(
+            f"  stage {st['stage']}: layers {a}-{b - 1}, {st['params']:,} parameters, ranks "
+            f"{st['ranks'][0]}-{st['ranks'][1]}; activations {format_bytes(st['activations_per_micro_batch'])}"
+            f" per micro-batch x {st['micro_batches_in_flight']} in flight"
+        )
+    return [*lines, ""]

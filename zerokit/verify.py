@@ -41,9 +41,18 @@ from .core.teardown import hand
 from .launch import local_backend, spawn_local
 from .layout import init_hybrid_parallel
 from .mixed_precision import MixedPrecision
+from .pipeline.schedules import SCHEDULES
 from .scaler import ShardedGradScaler
 from .tensor_parallel import gather_full_state_dict
-from .workload import Workload, accepts_layout, build_workload, load_factory, tp_workload
+from .verify_pp import PipelineTrainer
+from .workload import (
+    Workload,
+    accepts_layout,
+    build_workload,
+    check_pipeline_model,
+    load_factory,
+    tp_workload,
+)
 
 FP32_TOLERANCE = 2e-5
 MIXED_PRECISION_FACTOR = 4.0
@@ -66,6 +75,13 @@ class VerifyConfig:
     tp: int = 1
     """Tensor-parallel degree: ``nproc // tp`` data-parallel replicas of ``tp`` ranks, ZeRO
     over each tp rank's dp group (``zerokit.workload``: the factory takes ``layout``)."""
+    pp: int = 1
+    """Pipeline stages (``zerokit.verify_pp``): the model, a ``zerokit.models.gpt.GPT``, as a
+    ``PipelineModule`` of ``gpt_layers``; ZeRO over each stage's ``nproc // pp`` ranks."""
+    micro_batches: int | None = None
+    """Micro-batches of a pipeline step (None: ``pp``)."""
+    schedule: str = "1f1b"
+    """The pipeline's schedule: '1f1b', 'fthenb' or 'naive'."""
     steps: int = 4
     """Training steps compared."""
     batch: int = 8
@@ -100,7 +116,11 @@ def check_config(cfg: VerifyConfig) -> None:
         raise ValueError(f"--steps must be at least 1, got {cfg.steps}")
     if cfg.tp < 1 or cfg.nproc % cfg.tp:
         raise ValueError(f"--tp {cfg.tp} must be at least 1 and divide --nproc {cfg.nproc}")
-    dp = cfg.nproc // cfg.tp
+    if cfg.pp < 1 or cfg.nproc % cfg.pp:
+        raise ValueError(f"--pp {cfg.pp} must be at least 1 and divide --nproc {cfg.nproc}")
+    if cfg.pp > 1 and cfg.tp > 1:
+        raise ValueError("--pp with --tp: models.gpt.gpt_layers has no tensor-parallel layers yet")
+    dp = cfg.nproc // cfg.tp // cfg.pp
     if cfg.batch < 1 or cfg.batch % dp:
         raise ValueError(
             f"--batch {cfg.batch} must divide evenly across {dp} ranks"
@@ -128,7 +148,17 @@ def check_config(cfg: VerifyConfig) -> None:
         factory = functools.partial(factory, layout=None)
         if cfg.model is None:
             _check_builtin_tp(cfg.tp)
-    build_workload(factory, batch=cfg.batch, seq=cfg.seq, per_rank=cfg.batch // dp)
+    work = build_workload(factory, batch=cfg.batch, seq=cfg.seq, per_rank=cfg.batch // dp)
+    if cfg.pp > 1:
+        check_pipeline_model(work.model, cfg.model or "the built-in GPT")
+        m = cfg.micro_batches or cfg.pp
+        if m < 1 or (cfg.batch // dp) % m:
+            raise ValueError(
+                f"--micro-batches {m} must be at least 1 and divide the {cfg.batch // dp} rows "
+                "each data-parallel rank runs (--batch / (--nproc / --pp))"
+            )
+        if cfg.schedule not in SCHEDULES:
+            raise ValueError(f"--schedule must be one of {', '.join(SCHEDULES)}")
 
 
 def _check_builtin_tp(tp: int) -> None:
@@ -153,6 +183,7 @@ def run_verify(cfg: VerifyConfig, progress: Callable[[str], None] = print) -> di
         "level": cfg.level,
         "nproc": cfg.nproc,
         "tp": cfg.tp,
+        "pp": cfg.pp,
         "backend": backend,
         "batch": cfg.batch,
         "precision": cfg.mixed_precision or "fp32",
@@ -165,14 +196,14 @@ def run_verify(cfg: VerifyConfig, progress: Callable[[str], None] = print) -> di
 def _verify_rank(rank: int, world_size: int, cfg: VerifyConfig, out: str) -> None:
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dp = world_size // cfg.tp
-    layout = init_hybrid_parallel(dp, cfg.tp) if cfg.tp > 1 else None
+    dp = world_size // cfg.tp // cfg.pp
+    layout = init_hybrid_parallel(dp, cfg.tp, pp_degree=cfg.pp) if cfg.tp * cfg.pp > 1 else None
     factory = load_factory(cfg.model)
-    plain_factory = factory if layout is None else functools.partial(factory, layout=None)
+    plain_factory = factory if cfg.tp == 1 else functools.partial(factory, layout=None)
     torch.manual_seed(0)
     plain = build_workload(plain_factory, batch=cfg.batch, seq=cfg.seq, per_rank=cfg.batch // dp)
     work = plain
-    if layout is not None:  # the tp model from the same seed: its full parameters are plain's
+    if cfg.tp > 1:  # the tp model from the same seed: its full parameters are plain's
         torch.manual_seed(0)
         work = tp_workload(factory, layout, plain)
     low = LOW[cfg.mixed_precision]
@@ -184,22 +215,32 @@ def _verify_rank(rank: int, world_size: int, cfg: VerifyConfig, out: str) -> Non
         start = copy.deepcopy(plain.model).to(device)
         same_policy = _Trainer(start, cfg, cfg.level, low, one_process)
     group = layout.dp_group if layout is not None else None  # ZeRO across the replicas
-    dist_run = _Trainer(work.model.to(device), cfg, cfg.level, low, group)
+    if cfg.pp > 1:
+        optimizer = functools.partial(OPTIMIZERS[cfg.optimizer], lr=cfg.lr)
+        pipe = PipelineTrainer(
+            plain.model.to(device), plain.loss_fn, layout, optimizer, cfg.level, low, cfg
+        )
+    else:
+        dist_run = _Trainer(work.model.to(device), cfg, cfg.level, low, group)
     per_rank = cfg.batch // dp
     dp_rank = layout.dp_rank if layout is not None else rank
     mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     rows = []
     for step in range(cfg.steps):
         x, y = (t.to(device) for t in plain.make_batch(step, cfg.batch))
-        loss = dist_run.step(x[mine], y[mine], work, step)
-        # equal slices: the mean of the ranks' means is the batch's (a tp group's ranks agree)
-        dist.all_reduce(hand(loss))
-        full = gather_full_state_dict(dist_run.model)  # collective: full fp32 (master) tensors
+        if cfg.pp > 1:  # the pipeline's loss is the global batch's mean already
+            mean = pipe.step(x[mine], y[mine], step).item()
+            full = pipe.full_state()
+        else:
+            loss = dist_run.step(x[mine], y[mine], work, step)
+            # equal slices: the mean of the ranks' means is the batch's (tp groups agree)
+            dist.all_reduce(hand(loss))
+            mean = loss.item() / world_size
+            full = gather_full_state_dict(dist_run.model)  # collective: full fp32 (master)
         if rank == 0:
             ref_loss = exact.step(x, y, plain, step)
             if same_policy is not None:
                 ref_loss = same_policy.step(x, y, plain, step)
-            mean = loss.item() / world_size
             rows.append(_compare_step(step, mean, ref_loss.item(), full, exact, same_policy))
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
@@ -297,7 +338,9 @@ def _rms_ratio(entries) -> float:
 
 
 def _tp(report: dict) -> str:
-    tp = report.get("tp", 1)
+    tp, pp = report.get("tp", 1), report.get("pp", 1)
+    if pp > 1:
+        return f" (pp {pp} x dp {report['nproc'] // pp})"
     return f" (tp {tp} x dp {report['nproc'] // tp})" if tp > 1 else ""
 
 

@@ -11,6 +11,10 @@ either
   on its slice of the rows. ``loss_fn(output, targets)`` defaults to mean squared error for
   floating-point targets and cross-entropy over the last dimension for integer targets.
 
+Pipelines (``zerokit plan --pp``, ``zerokit verify --pp``): the factory returns a
+``zerokit.models.gpt.GPT`` (the built-in one, a preset, any ``GPTConfig``), split into stages
+as ``PipelineModule`` splits ``models.gpt.gpt_layers(model.cfg)``.
+
 Tensor parallelism (``zerokit verify --tp T``): the factory must accept a ``layout`` keyword.
 ``factory(layout=None)`` returns the plain model as above; ``factory(layout=layout)`` (a
 ``zerokit.Layout`` with ``tp_degree`` T) the tensor-parallel one, built from the same seed, so
@@ -33,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models.gpt import synthetic_batch
+from .models.gpt import GPT, synthetic_batch
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ def load_factory(spec: str | None) -> Callable:
 def default_model(layout=None) -> nn.Module:
     """``zerokit compare``'s GPT; with a layout, its tensor-parallel twin (same seed, same
     full parameters)."""
-    from .models.gpt import GPT, GPTConfig
+    from .models.gpt import GPTConfig
 
     cfg = GPTConfig(
         vocab_size=2048,
@@ -81,6 +85,16 @@ def default_model(layout=None) -> nn.Module:
         tensor_parallel=layout is not None,
     )
     return GPT(cfg, layout)
+
+
+def check_pipeline_model(model: nn.Module, what: str) -> None:
+    """``--pp`` takes a ``zerokit.models.gpt.GPT``; anything else is a usage error."""
+    if not isinstance(model, GPT):
+        raise ValueError(
+            f"--pp: pipelines are planned and verified for zerokit.models.gpt.GPT models (the "
+            f"built-in GPT, zerokit.models.presets), split by models.gpt.gpt_layers; {what} "
+            f"returned {type(model).__name__}"
+        )
 
 
 def accepts_layout(factory: Callable) -> bool:
