@@ -259,10 +259,12 @@ def reference_gpt(cfg, batches, clip):
     return model, init, gpt_pipeline_state_dict(model.state_dict(), cfg), losses
 
 
-def _gpt(rank, world_size, level):
+def _gpt(rank, world_size, level, segment_size=2**20):
     """``PipelineModule(gpt_layers(cfg), lm_loss)`` against ``GPT(cfg)``: training (the tied
     embedding on the first stage, the head on the last), clipping, ``eval_batch``; then with
-    dropout, ``eval_batch`` runs in eval mode and leaves the stage training."""
+    dropout, ``eval_batch`` runs in eval mode and leaves the stage training. A small
+    ``segment_size`` makes each layer a unit of its own: the head, which uses the tied copy's
+    weight without calling the embedding, must still find it gathered at 'p_g_os'."""
     layout = None if level is None else zerokit.init_hybrid_parallel(2, 1, pp_degree=2)
     dp = 1 if layout is None else 2
     batches = global_batches(STEPS, batch=4 * dp)
@@ -272,7 +274,9 @@ def _gpt(rank, world_size, level):
     load_stage(pipe, init)
     opt = torch.optim.SGD(pipe.stage.parameters(), lr=0.2, momentum=0.9)
     if layout is not None:
-        _, opt, _ = zerokit.group_sharded_parallel(pipe.stage, opt, level, group=layout.dp_group)
+        _, opt, _ = zerokit.group_sharded_parallel(
+            pipe.stage, opt, level, group=layout.dp_group, segment_size=segment_size
+        )
     mine = slice(0, None) if layout is None else slice(layout.dp_rank * 4, layout.dp_rank * 4 + 4)
     losses = [
         pipe.train_batch((x[mine], y[mine]), opt, "1f1b", 2, clip_norm=0.5).item()
@@ -312,3 +316,8 @@ def test_gpt_as_a_pipeline():
 @pytest.mark.slow
 def test_gpt_as_a_pipeline_dp2_zero():
     run_distributed(_gpt, 4, "os_g")
+
+
+@pytest.mark.slow
+def test_gpt_as_a_pipeline_dp2_stage3_a_unit_per_layer():
+    run_distributed(_gpt, 4, "p_g_os", 1)

@@ -20,6 +20,7 @@ torch.Size([])
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -91,7 +92,7 @@ class PipelineStage(nn.Module):
                 x = func(x)
             else:
                 layer = getattr(self, where)[name]
-                x = func(layer, x) if func is not None else layer(x)
+                x = _run_as_forward(layer, func, x) if func is not None else layer(x)
         return x
 
     def grad_scope(self) -> GradScope:
@@ -99,6 +100,17 @@ class PipelineStage(nn.Module):
         reduced over ``group`` too, and a later copy of a tied weight is not counted again."""
         left_out = frozenset(id(getattr(self.shared[k], a)) for k, a in self._copies.items())
         return GradScope(self, self._across, left_out)
+
+
+def _run_as_forward(layer: nn.Module, func: Callable, x):
+    """``func(layer, x)`` run as ``layer``'s forward (a tied head using the embedding's weight):
+    the hooks around a forward fire, so at 'p_g_os' the layer's unit is gathered for it and
+    again for its backward, as for a call of the layer itself."""
+    layer.forward = functools.partial(func, layer)  # an instance attribute, for this call only
+    try:
+        return layer(x)
+    finally:
+        del layer.forward
 
 
 class PipelineModule(nn.Module):
