@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
 CLIP = 0.05  # well under the gradient norm: the clip binds
+LR = 0.04  # not Net's default: a checkpoint's hyperparameters are seen to be read
 
 
 class Net(pl.LightningModule):
@@ -70,7 +71,7 @@ def data(n: int) -> TensorDataset:
 def fresh(batches: int) -> Net:
     """The module, seeded, training on ``batches`` global batches per epoch."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net(lr=LR)
     model.data = data(batches * GLOBAL_BATCH)
     return model
 
@@ -111,7 +112,7 @@ def run_resume(strategy, devices: int, ckpt_dir: str, resume_strategy=None) -> t
     t.fit(model)
     unbroken = params(t, model)
     torch.manual_seed(123)  # resuming must not depend on the fresh module's weights
-    model = Net(lr=0.05)
+    model = Net(lr=LR)
     model.data = data(2 * GLOBAL_BATCH)
     t = trainer(resume_strategy or strategy, devices, max_epochs=2)
     t.fit(model, ckpt_path=os.path.join(ckpt_dir, "epoch=0-step=2.ckpt"))

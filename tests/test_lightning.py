@@ -40,7 +40,15 @@ def reference(tmp_path_factory):
         "unclipped": run.run_clip_accum("auto", 1, clip=None)[0],
         "resume": run.run_resume("auto", 1, ckpts)[0],
         "fp32": run.run_short("auto", 1, "32-true")[0],
+        "epoch0": os.path.join(ckpts, "epoch=0-step=2.ckpt"),  # Lightning's own file
     }
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> tuple:
+    """(the results of one 2-rank launch at every level, its output directory)."""
+    out = tmp_path_factory.mktemp("two-ranks")
+    return launch(out, 2), out
 
 
 def assert_close(got: dict, want: dict, what: str, tol: float = TOL) -> None:
@@ -62,8 +70,8 @@ def check(results: dict, reference: dict, levels) -> None:
     assert_close(results["cross"], reference["resume"], f"{levels[0]} resumed at {levels[-1]}")
 
 
-def test_trainer_two_ranks_every_level(tmp_path, reference):
-    results = launch(tmp_path, 2)
+def test_trainer_two_ranks_every_level(two_ranks, reference):
+    results, out = two_ranks
     check(results, reference, LEVELS)
     # the clip bound: without it one process ends elsewhere (else the test proves nothing)
     clipped, unclipped = reference["clip_accum"][0], reference["unclipped"]
@@ -79,8 +87,40 @@ def test_trainer_two_ranks_every_level(tmp_path, reference):
         moved = (fp32[name] - start[name]).abs().mean()
         assert (bf16[name] - fp32[name]).abs().mean() <= 0.2 * moved, name
     # ModelCheckpoint wrote zerokit checkpoints: directories of shards and an index
-    ckpt = tmp_path / "ckpt-os" / "epoch=0-step=2.ckpt"
+    ckpt = out / "ckpt-os" / "epoch=0-step=2.ckpt"
     assert (ckpt / "index.json").is_file()
+
+
+def test_consolidated_for_one_process(two_ranks, reference, tmp_path):
+    """`zerokit ckpt consolidate DIR --lightning OUT` of a checkpoint ModelCheckpoint wrote at
+    2 ranks, level 'p_g_os': Lightning's one-file format, read by load_from_checkpoint and by
+    a one-process Trainer's fit(ckpt_path=...), as Lightning's own file from one process is."""
+    from zerokit.cli import main as cli
+
+    one = str(tmp_path / "one.ckpt")
+    saved = two_ranks[1] / "ckpt-p_g_os" / "epoch=0-step=2.ckpt"
+    assert cli(["ckpt", "consolidate", str(saved), "--lightning", one]) == 0
+    got = torch.load(one, weights_only=True)
+    want = torch.load(reference["epoch0"], weights_only=False)  # Lightning pickles hparams
+    assert got.keys() == want.keys()
+    for key in ("epoch", "global_step", "loops", "lr_schedulers", "hyper_parameters"):
+        assert got[key] == want[key], key
+    assert_close(got["state_dict"], want["state_dict"], "state_dict")
+    (got_opt,), (want_opt,) = got["optimizer_states"], want["optimizer_states"]
+    assert got_opt["param_groups"][0]["params"] == want_opt["param_groups"][0]["params"]
+    assert got_opt["param_groups"][0]["lr"] == want_opt["param_groups"][0]["lr"]
+    for i, state in want_opt["state"].items():
+        assert_close(got_opt["state"][i], state, f"optimizer state of parameter {i}")
+
+    model = run.Net.load_from_checkpoint(one)
+    assert model.hparams.lr == run.LR != run.Net().hparams.lr
+    assert_close(model.state_dict(), want["state_dict"], "load_from_checkpoint")
+    # a one-process Trainer resumes from it and ends where the unbroken run ends
+    model = run.fresh(2)
+    torch.nn.init.zeros_(model.gain)  # resuming must not depend on the module's weights
+    t = run.trainer("auto", 1, max_epochs=2)
+    t.fit(model, ckpt_path=one)
+    assert_close(run.params(t, model), reference["resume"], "resumed on one process")
 
 
 @pytest.mark.slow

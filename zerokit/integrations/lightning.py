@@ -48,6 +48,7 @@ from torch import nn
 from .. import checkpoint as zk_checkpoint
 from ..api import group_sharded_parallel
 from ..checkpoint.holdings import OPTIM_PREFIX
+from ..checkpoint.lightning_file import EXTRA_PREFIX
 from ..checkpoint.reading import CheckpointReader
 from ..clip import clip_grad_norm_
 from ..config import ShardingConfig
@@ -57,8 +58,6 @@ from . import _lightning_common as common
 from .fabric import ZeroKitFabricStrategy
 
 __all__ = ["ZeroKitFabricStrategy", "ZeroKitPrecision", "ZeroKitStrategy"]
-
-EXTRA_PREFIX = "lightning/"  # Lightning's checkpoint key K is the zerokit extra "lightning/K"
 
 
 class _Root(nn.Module):
