@@ -142,7 +142,7 @@ def test_consolidate_lightning_file(tmp_path, capsys):
     model = Model(blocks=2)
     opt = torch.optim.AdamW([{"params": model.blocks.parameters(), "lr": 0.5},
                              {"params": [model.emb.weight, *getattr(model, LONG).parameters()]}])  # fmt: skip
-    for step in range(2):
+    for _ in range(2):
         for p in model.parameters():
             p.grad = torch.randn_like(p)
         opt.step()

@@ -76,7 +76,9 @@ def _read_extra(reader: CheckpointReader, key: str) -> Any:
 
 def _model_state(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     index = reader.index
-    state = {n: reader.read_full(n) for n in index["tensors"] if not n.startswith(OPTIM_PREFIX + ".")}
+    state = {
+        n: reader.read_full(n) for n in index["tensors"] if not n.startswith(OPTIM_PREFIX + ".")
+    }
     for alias, target in index["aliases"].items():
         state[alias] = state[target]  # one tensor under both names, as torch saves tied weights
     return state
