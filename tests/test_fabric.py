@@ -53,6 +53,7 @@ def test_fabric_two_ranks_every_level(tmp_path):
 
 def test_fabric_names_and_refusals():
     from lightning.fabric import Fabric
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
     from zerokit.integrations.fabric import ZeroKitFabricStrategy
@@ -65,3 +66,9 @@ def test_fabric_names_and_refusals():
         Fabric(accelerator="cpu", devices=2, strategy="zerokit_os", precision="bf16-true")
     with pytest.raises(TypeError, match="find_unused_parameters"):
         ZeroKitFabricStrategy("os", find_unused_parameters=True)
+
+    class MyIO(TorchCheckpointIO):
+        pass
+
+    with pytest.raises(ValueError, match=r"Fabric\(plugins=\[MyIO"):
+        Fabric(accelerator="cpu", devices=2, strategy="zerokit_os", plugins=[MyIO()])

@@ -144,16 +144,45 @@ def test_trainer_under_torchrun(tmp_path, reference):
 
 def test_import_zerokit_imports_no_lightning():
     code = (
-        "import sys, zerokit, zerokit.integrations; "
+        "import sys, zerokit, zerokit.integrations, zerokit.cli, zerokit.checkpoint.lightning_file; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')]; "
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(HERE))
 
 
+def test_names_need_the_import():
+    """Lightning finds no third-party strategy by itself: a name is known once
+    ``zerokit.integrations.lightning`` is imported, in the Trainer's and Fabric's registries."""
+    code = """
+import lightning.pytorch as pl
+from lightning.fabric import Fabric
+kw = dict(accelerator="cpu", devices=2, logger=False)
+try:
+    pl.Trainer(strategy="zerokit_os_g", **kw)
+    raise SystemExit("known before the import")
+except ValueError as e:
+    assert "zerokit_os_g" in str(e), e
+import zerokit.integrations.lightning as zl
+for name, level in [("zerokit", "p_g_os"), ("zerokit_os", "os"), ("zerokit_os_g", "os_g"),
+                    ("zerokit_p_g_os", "p_g_os")]:
+    strategy = pl.Trainer(strategy=name, **kw).strategy
+    assert type(strategy) is zl.ZeroKitStrategy and strategy.level == level, (name, strategy)
+    strategy = Fabric(strategy=name, accelerator="cpu", devices=2).strategy
+    assert type(strategy) is zl.ZeroKitFabricStrategy and strategy.level == level, name
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=os.path.dirname(HERE), timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_refused_options_named():
     from lightning.pytorch import Trainer
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
     from lightning.pytorch.strategies import StrategyRegistry
+
+    class MyIO(TorchCheckpointIO):
+        pass
 
     from zerokit.integrations.lightning import ZeroKitStrategy
 
@@ -163,8 +192,14 @@ def test_refused_options_named():
     kw = {"accelerator": "cpu", "devices": 2, "logger": False}
     with pytest.raises(ValueError, match="sync_batchnorm"):
         Trainer(strategy=ZeroKitStrategy("os"), sync_batchnorm=True, **kw)
-    with pytest.raises(ValueError, match="precision='bf16-true'"):
-        Trainer(strategy=ZeroKitStrategy("os"), precision="bf16-true", **kw)
+    for precision in ("bf16-true", "16-true", "64-true"):
+        with pytest.raises(ValueError, match=f"precision='{precision}'"):
+            Trainer(strategy=ZeroKitStrategy("os"), precision=precision, **kw)
+    with pytest.raises(ValueError, match=r"plugins=\[AsyncCheckpointIO"):
+        Trainer(strategy="zerokit_os", plugins=[AsyncCheckpointIO()], **kw)
+    with pytest.raises(ValueError, match=r"plugins=\[MyIO"):
+        Trainer(strategy=ZeroKitStrategy("os", checkpoint_io=MyIO()), **kw)
+    Trainer(strategy="zerokit_os", plugins=[TorchCheckpointIO()], **kw)  # the default: unused
     with pytest.raises(TypeError, match="find_unused_parameters"):
         ZeroKitStrategy("os", find_unused_parameters=True)
     with pytest.raises(ValueError, match="unknown level"):

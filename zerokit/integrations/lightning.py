@@ -23,7 +23,14 @@ keep the optimizer they were built on). Lightning's options become zerokit's:
   ``extra``; ``fit(ckpt_path=path)`` resumes from it, at another level or world size too.
 
 Refused, by name, at ``Trainer(...)``: ``sync_batchnorm=True``, precisions other than
-``32-true``/``16-mixed``/``bf16-mixed``; at ``fit``: more than one optimizer.
+``32-true``/``16-mixed``/``bf16-mixed`` (``"16-true"``, ``"bf16-true"``, ``"64-true"``, ...), a
+``CheckpointIO`` plugin (``plugins=[AsyncCheckpointIO()]``); at ``fit``: more than one
+optimizer; at ``save_checkpoint``: ``storage_options``.
+
+Lightning finds no third-party strategy by itself: its registry holds its own classes, filled
+when ``lightning.pytorch.strategies`` is imported (entry points are read for callbacks only,
+``lightning.pytorch.callbacks_factory``, and after the strategy is chosen). So the names exist
+once this module is imported; it registers them in Fabric's registry too.
 """
 
 from __future__ import annotations
@@ -207,10 +214,12 @@ class ZeroKitStrategy(DDPStrategy):
         # called by Trainer(...) once its options are set: refuse what we cannot honour now
         if self._layer_sync is not None:
             raise ValueError(
-                "ZeroKitStrategy cannot honour Trainer(sync_batchnorm=True): SyncBatchNorm is "
-                "not supported with zerokit's sharded modules; remove sync_batchnorm=True "
-                "(each rank then normalizes over its own micro-batch, as DDP without it)"
+                "ZeroKitStrategy cannot honour Trainer(sync_batchnorm=True): zerokit is not "
+                "tested with nn.SyncBatchNorm (torch runs it on GPUs only); remove "
+                "sync_batchnorm=True (each rank then normalizes over its own micro-batch, as "
+                "DDP without it)"
             )
+        common.refuse_checkpoint_io("ZeroKitStrategy", "Trainer", self._checkpoint_io)
         super()._configure_launcher()
 
     # -- setup and teardown --------------------------------------------------------------
