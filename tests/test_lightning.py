@@ -40,6 +40,7 @@ def reference(tmp_path_factory):
         "unclipped": run.run_clip_accum("auto", 1, clip=None)[0],
         "resume": run.run_resume("auto", 1, ckpts)[0],
         "fp32": run.run_short("auto", 1, "32-true")[0],
+        "manual": run.run_manual("auto", 1),
         "epoch0": os.path.join(ckpts, "epoch=0-step=2.ckpt"),  # Lightning's own file
     }
 
@@ -86,6 +87,7 @@ def test_trainer_two_ranks_every_level(two_ranks, reference):
         assert bf16[name].dtype == torch.float32, name
         moved = (fp32[name] - start[name]).abs().mean()
         assert (bf16[name] - fp32[name]).abs().mean() <= 0.2 * moved, name
+    assert_close(results["manual"], reference["manual"], "manual optimization")
     # ModelCheckpoint wrote zerokit checkpoints: directories of shards and an index
     ckpt = out / "ckpt-os" / "epoch=0-step=2.ckpt"
     assert (ckpt / "index.json").is_file()
