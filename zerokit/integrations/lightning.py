@@ -5,8 +5,8 @@
 
 Names: ``"zerokit"`` (= ``"zerokit_p_g_os"``), ``"zerokit_os"``, ``"zerokit_os_g"``,
 ``"zerokit_p_g_os"`` (Fabric's strategy, ``ZeroKitFabricStrategy`` in ``fabric.py``, is
-re-exported here and registered under the same names in Fabric's registry). The strategy is Lightning's DDP strategy for everything but the model
-(its launcher, so a plain ``python train.py`` starts the ranks, or torchrun does; its process
+re-exported here and registered under the same names in Fabric's registry). The strategy is
+Lightning's DDP strategy for everything but the model (its launcher, so a plain ``python train.py`` starts the ranks, or torchrun does; its process
 group, ``DistributedSampler``, barrier and reductions). After ``configure_optimizers`` it wraps
 the LightningModule and its optimizer with ``group_sharded_parallel`` (in place: LR schedulers
 keep the optimizer they were built on). Lightning's options become zerokit's:
@@ -20,7 +20,9 @@ keep the optimizer they were built on). Lightning's options become zerokit's:
   reduced there);
 * ``trainer.save_checkpoint(path)`` (and ``ModelCheckpoint``) -> a zerokit sharded checkpoint
   directory, Lightning's own state (epoch, step, loops, callbacks, schedulers, hparams) in its
-  ``extra``; ``fit(ckpt_path=path)`` resumes from it, at another level or world size too.
+  ``extra``; ``fit(ckpt_path=path)`` resumes from it, at another level or world size too;
+  ``zerokit ckpt consolidate path --lightning one.ckpt`` makes it Lightning's one file, for
+  ``load_from_checkpoint`` on one process (``zerokit/checkpoint/lightning_file.py``).
 
 Refused, by name, at ``Trainer(...)``: ``sync_batchnorm=True``, precisions other than
 ``32-true``/``16-mixed``/``bf16-mixed`` (``"16-true"``, ``"bf16-true"``, ``"64-true"``, ...), a
