@@ -206,3 +206,11 @@ def test_refused_options_named():
         ZeroKitStrategy("os", find_unused_parameters=True)
     with pytest.raises(ValueError, match="unknown level"):
         ZeroKitStrategy("zero3")
+
+
+def test_resuming_from_a_one_file_checkpoint_is_refused(tmp_path):
+    from zerokit.integrations.lightning import ZeroKitStrategy
+
+    (tmp_path / "ddp.ckpt").write_bytes(b"a Lightning file")
+    with pytest.raises(ValueError, match="load_from_checkpoint"):
+        ZeroKitStrategy("os").load_checkpoint(tmp_path / "ddp.ckpt")

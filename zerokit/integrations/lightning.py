@@ -27,7 +27,8 @@ keep the optimizer they were built on). Lightning's options become zerokit's:
 Refused, by name, at ``Trainer(...)``: ``sync_batchnorm=True``, precisions other than
 ``32-true``/``16-mixed``/``bf16-mixed`` (``"16-true"``, ``"bf16-true"``, ``"64-true"``, ...), a
 ``CheckpointIO`` plugin (``plugins=[AsyncCheckpointIO()]``); at ``fit``: more than one
-optimizer; at ``save_checkpoint``: ``storage_options``.
+optimizer, a one-file ``ckpt_path`` (another strategy's); at ``save_checkpoint``:
+``storage_options``.
 
 Lightning finds no third-party strategy by itself: its registry holds its own classes, filled
 when ``lightning.pytorch.strategies`` is imported (entry points are read for callbacks only,
@@ -348,6 +349,13 @@ class ZeroKitStrategy(DDPStrategy):
         """Collective: load the shards into the wrapped model (and optimizer, when fitting) and
         return Lightning's state for it to restore the rest."""
         path = self.broadcast(os.fspath(checkpoint_path))
+        if os.path.isfile(path):
+            raise ValueError(
+                f"ZeroKitStrategy resumes from the checkpoint directories it saves; {path} is a "
+                "file (Lightning's one-file format, written by another strategy or by `zerokit "
+                "ckpt consolidate --lightning`): take its weights with "
+                "YourModule.load_from_checkpoint(path) and fit without ckpt_path"
+            )
         module = self.lightning_module
         assert module is not None
         with CheckpointReader(path) as reader:
