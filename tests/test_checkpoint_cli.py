@@ -175,3 +175,10 @@ def test_consolidate_lightning_file(tmp_path, capsys):
     fresh = torch.optim.AdamW([{"params": model.blocks.parameters(), "lr": 0.5},
                                {"params": [model.emb.weight, *getattr(model, LONG).parameters()]}])  # fmt: skip
     fresh.load_state_dict(state)  # torch takes it as its own
+    # saved without the optimizer (Lightning's weights_only): no optimizer_states, as Lightning's
+    checkpoint.save(tmp_path / "weights", model, extra=extra)
+    assert cli(["ckpt", "consolidate", str(tmp_path / "weights"), "--lightning", str(out)]) == 0
+    assert "optimizer_states" not in torch.load(out, weights_only=True)
+    inside = str(path / "one.ckpt")
+    assert cli(["ckpt", "consolidate", str(path), "--lightning", inside]) == 2
+    assert "inside the checkpoint" in capsys.readouterr().err
