@@ -69,6 +69,7 @@ def check(results: dict, reference: dict, levels) -> None:
         assert_close(unbroken, reference["resume"], f"{level} 2 epochs")
         assert_close(resumed, reference["resume"], f"{level} resumed from epoch 0")
     assert_close(results["cross"], reference["resume"], f"{levels[0]} resumed at {levels[-1]}")
+    assert_close(results["manual"], reference["manual"], f"{levels[-1]} manual optimization")
 
 
 def test_trainer_two_ranks_every_level(two_ranks, reference):
@@ -87,7 +88,6 @@ def test_trainer_two_ranks_every_level(two_ranks, reference):
         assert bf16[name].dtype == torch.float32, name
         moved = (fp32[name] - start[name]).abs().mean()
         assert (bf16[name] - fp32[name]).abs().mean() <= 0.2 * moved, name
-    assert_close(results["manual"], reference["manual"], "manual optimization")
     # ModelCheckpoint wrote zerokit checkpoints: directories of shards and an index
     ckpt = out / "ckpt-os" / "epoch=0-step=2.ckpt"
     assert (ckpt / "index.json").is_file()
@@ -127,8 +127,8 @@ def test_consolidated_for_one_process(two_ranks, reference, tmp_path):
 
 @pytest.mark.slow
 def test_trainer_three_ranks(tmp_path, reference):
-    """Uneven shards: 132 parameters over 3 ranks."""
-    check(launch(tmp_path, 3, ("os_g", "p_g_os")), reference, ("os_g", "p_g_os"))
+    """Uneven shards: 132 parameters over 3 ranks, at one level (every level: test_fabric)."""
+    check(launch(tmp_path, 3, ("p_g_os",)), reference, ("p_g_os",))
 
 
 @pytest.mark.slow
