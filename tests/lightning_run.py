@@ -11,6 +11,8 @@ Scenarios, each over a global batch of ``GLOBAL_BATCH`` split by ``DistributedSa
   records, at each backward, whether it would reduce (``require_backward_grad_sync``).
 * ``resume``: 2 epochs of 2 steps with ``ModelCheckpoint`` each epoch; then a fresh Trainer
   and module resume from the epoch-0 checkpoint and train epoch 1.
+* ``manual``: manual optimization (``manual_backward``, a binding ``clip_gradients``, the
+  optimizer's and scheduler's steps called by the module), 2 epochs of 4 steps.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 GLOBAL_BATCH = 6  # divisible by 1, 2 and 3 ranks
 CLIP = 0.05  # well under the gradient norm: the clip binds
+LR = 0.04  # not Net's default: a checkpoint's hyperparameters are seen to be read
 
 
 class Net(pl.LightningModule):
@@ -62,6 +65,23 @@ class Net(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class Manual(Net):
+    """Manual optimization: the step's backward, clip and step called by the module."""
+
+    def __init__(self, lr: float = 0.05):
+        super().__init__(lr)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(self(x), y))
+        self.clip_gradients(opt, gradient_clip_val=CLIP, gradient_clip_algorithm="norm")
+        opt.step()
+        self.lr_schedulers().step()
+
+
 def data(n: int) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g))
@@ -70,7 +90,7 @@ def data(n: int) -> TensorDataset:
 def fresh(batches: int) -> Net:
     """The module, seeded, training on ``batches`` global batches per epoch."""
     torch.manual_seed(0)
-    model = Net()
+    model = Net(lr=LR)
     model.data = data(batches * GLOBAL_BATCH)
     return model
 
@@ -111,11 +131,20 @@ def run_resume(strategy, devices: int, ckpt_dir: str, resume_strategy=None) -> t
     t.fit(model)
     unbroken = params(t, model)
     torch.manual_seed(123)  # resuming must not depend on the fresh module's weights
-    model = Net(lr=0.05)
+    model = Net(lr=LR)
     model.data = data(2 * GLOBAL_BATCH)
     t = trainer(resume_strategy or strategy, devices, max_epochs=2)
     t.fit(model, ckpt_path=os.path.join(ckpt_dir, "epoch=0-step=2.ckpt"))
     return unbroken, params(t, model)
+
+
+def run_manual(strategy, devices: int) -> dict:
+    torch.manual_seed(0)
+    model = Manual(lr=LR)
+    model.data = data(4 * GLOBAL_BATCH)
+    t = trainer(strategy, devices, max_epochs=2)
+    t.fit(model)
+    return params(t, model)
 
 
 def run_short(strategy, devices: int, precision: str) -> tuple[dict, list]:
@@ -148,6 +177,7 @@ def main() -> None:
         f"zerokit_{levels[0]}", args.devices, ckpts, resume_strategy=other
     )[1]
     results["bf16"] = run_short(other, args.devices, "bf16-mixed")
+    results["manual"] = run_manual(other, args.devices)
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         torch.save(results, os.path.join(args.out, "results.pt"))
     print("lightning_run done", file=sys.stderr)

@@ -132,3 +132,53 @@ def test_a_consolidated_checkpoint_loads_strictly_with_tied_names(saved, tmp_pat
     for key, value in model.state_dict().items():
         assert torch.equal(plain.state_dict()[key], value), key
     assert plain.head.weight is plain.emb.weight
+
+
+def test_consolidate_lightning_file(tmp_path, capsys):
+    """``--lightning``: Lightning's entries ("lightning/K" in the extra) as its keys, the model's
+    state_dict (tied names included) and the optimizer's as torch gives them. No Lightning
+    needed: the file is a plain dict."""
+    torch.manual_seed(0)
+    model = Model(blocks=2)
+    opt = torch.optim.AdamW([{"params": model.blocks.parameters(), "lr": 0.5},
+                             {"params": [model.emb.weight, *getattr(model, LONG).parameters()]}])  # fmt: skip
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    plain = tmp_path / "plain"
+    checkpoint.save(plain, model, opt, extra={"step": 2})
+    assert cli(["ckpt", "consolidate", str(plain), "--lightning", str(tmp_path / "x.ckpt")]) == 2
+    assert "holds no Lightning state" in capsys.readouterr().err
+    assert cli(["ckpt", "consolidate", str(plain)]) == 2
+    assert "give an output file (or --lightning PATH)" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["plain"]
+
+    path, out = tmp_path / "ckpt", tmp_path / "one.ckpt"
+    hparams = {"lr": 0.5, "sizes": [4, 7]}
+    extra = {"lightning/epoch": 3, "lightning/hyper_parameters": hparams, "other": 1}
+    checkpoint.save(path, model, opt, extra=extra)
+    assert cli(["ckpt", "consolidate", str(path), "--lightning", str(out)]) == 0
+    got = torch.load(out, weights_only=True)
+    assert sorted(got) == ["epoch", "hyper_parameters", "optimizer_states", "state_dict"]
+    assert got["epoch"] == 3 and got["hyper_parameters"] == hparams
+    want = model.state_dict()
+    assert got["state_dict"].keys() == want.keys()  # head.weight (tied) included
+    assert all(torch.equal(got["state_dict"][k], v) for k, v in want.items())
+    (state,), want = got["optimizer_states"], opt.state_dict()
+    for g, w in zip(state["param_groups"], want["param_groups"], strict=True):
+        assert g == {k: list(v) if isinstance(v, tuple) else v for k, v in w.items()}
+    assert state["state"].keys() == want["state"].keys()
+    for i, s in want["state"].items():
+        assert s.keys() == state["state"][i].keys()
+        assert all(torch.equal(state["state"][i][k], v) for k, v in s.items()), i
+    fresh = torch.optim.AdamW([{"params": model.blocks.parameters(), "lr": 0.5},
+                               {"params": [model.emb.weight, *getattr(model, LONG).parameters()]}])  # fmt: skip
+    fresh.load_state_dict(state)  # torch takes it as its own
+    # saved without the optimizer (Lightning's weights_only): no optimizer_states, as Lightning's
+    checkpoint.save(tmp_path / "weights", model, extra=extra)
+    assert cli(["ckpt", "consolidate", str(tmp_path / "weights"), "--lightning", str(out)]) == 0
+    assert "optimizer_states" not in torch.load(out, weights_only=True)
+    inside = str(path / "one.ckpt")
+    assert cli(["ckpt", "consolidate", str(path), "--lightning", inside]) == 2
+    assert "inside the checkpoint" in capsys.readouterr().err

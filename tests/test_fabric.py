@@ -28,13 +28,17 @@ def assert_close(got: dict, want: dict, what: str) -> None:
         assert err <= TOL, f"{what}: {name} differs from one process by {err:.3g}"
 
 
-def test_fabric_two_ranks_every_level(tmp_path):
+def launch(tmp_path, devices: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, os.path.join(HERE, "fabric_run.py"), str(tmp_path), "--devices", "2"]
+    cmd = [sys.executable, os.path.join(HERE, "fabric_run.py"), str(tmp_path)]
+    cmd += ["--devices", str(devices)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-6000:]
-    results = torch.load(os.path.join(tmp_path, "results.pt"))
+    return torch.load(os.path.join(tmp_path, "results.pt"))
+
+
+def check(results: dict) -> None:
     want, norms = run.train_one_process()
     # the clip binds: every step's norm is well over it (else the test proves nothing)
     assert min(norms) > 2 * run.CLIP
@@ -48,11 +52,22 @@ def test_fabric_two_ranks_every_level(tmp_path):
         resumed_at = run.LEVELS[(i + 1) % len(run.LEVELS)]
         assert got["step"] == run.SAVE_AT and got["remainder"] == {}
         assert_close(got["resumed"], want, f"saved at {level}, resumed at {resumed_at}")
+
+
+def test_fabric_two_ranks_every_level(tmp_path):
+    check(launch(tmp_path, 2))
     assert (tmp_path / "ckpt-os" / "index.json").is_file()  # a zerokit checkpoint directory
+
+
+@pytest.mark.slow
+def test_fabric_three_ranks_every_level(tmp_path):
+    """Uneven shards: 130 parameters over 3 ranks (each of 6 rows per global batch: 2)."""
+    check(launch(tmp_path, 3))
 
 
 def test_fabric_names_and_refusals():
     from lightning.fabric import Fabric
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
     from zerokit.integrations.fabric import ZeroKitFabricStrategy
@@ -65,3 +80,9 @@ def test_fabric_names_and_refusals():
         Fabric(accelerator="cpu", devices=2, strategy="zerokit_os", precision="bf16-true")
     with pytest.raises(TypeError, match="find_unused_parameters"):
         ZeroKitFabricStrategy("os", find_unused_parameters=True)
+
+    class MyIO(TorchCheckpointIO):
+        pass
+
+    with pytest.raises(ValueError, match=r"Fabric\(plugins=\[MyIO"):
+        Fabric(accelerator="cpu", devices=2, strategy="zerokit_os", plugins=[MyIO()])

@@ -318,7 +318,11 @@ def _positional_entries(help_text: str) -> list[str]:
     "command, flags, positionals",
     [
         (["inspect"], {"--tensors"}, ["checkpoint"]),
-        (["consolidate"], {"--max-shard-size", "--optimizer"}, ["checkpoint", "output"]),
+        (
+            ["consolidate"],
+            {"--max-shard-size", "--optimizer", "--lightning"},
+            ["checkpoint", "output"],
+        ),
     ],
 )
 def test_ckpt_help_shows_every_default(command, flags, positionals):

@@ -8,6 +8,7 @@ import sys
 
 from .consolidate import consolidate, describe, parse_size
 from .index import CheckpointError
+from .lightning_file import consolidate_lightning
 
 _CHECKPOINT_HELP = "the checkpoint directory zerokit.checkpoint.save wrote"
 
@@ -25,15 +26,27 @@ def add_parser(commands) -> None:
     )
     consolidate_cmd = ckpt_commands.add_parser(
         "consolidate",
-        help="write the full model as one safetensors file (or a Hugging Face style set)",
+        help="write the full model as one safetensors file (or a Hugging Face style set), "
+        "or a Lightning checkpoint file",
         description=(
             "Write the full model with the plain model's names. Tied weights are stored once; "
-            "zerokit.checkpoint.load_consolidated(path, model) loads it, tied names included."
+            "zerokit.checkpoint.load_consolidated(path, model) loads it, tied names included. "
+            "--lightning: a checkpoint ZeroKitStrategy saved, as Lightning's one file."
         ),
     )
     consolidate_cmd.add_argument("checkpoint", help=_CHECKPOINT_HELP)
     consolidate_cmd.add_argument(
-        "output", help="a .safetensors file, or a directory with --max-shard-size"
+        "output",
+        nargs="?",
+        help="a .safetensors file, or a directory with --max-shard-size (may be left out "
+        "with --lightning)",
+    )
+    consolidate_cmd.add_argument(
+        "--lightning",
+        metavar="PATH",
+        help="also write, for a checkpoint ZeroKitStrategy saved, the file Lightning reads on "
+        "one process (LightningModule.load_from_checkpoint, Trainer.fit(ckpt_path=...)): the "
+        "full state_dict, the optimizer state and Lightning's own state (default: none)",
     )
     consolidate_cmd.add_argument(
         "--max-shard-size",
@@ -55,8 +68,16 @@ def run(args: argparse.Namespace) -> int:
             report, ok = describe(args.checkpoint, tensors=args.tensors)
             _print(report)
             return 0 if ok else 1
-        max_size = parse_size(args.max_shard_size) if args.max_shard_size else None
-        written = consolidate(args.checkpoint, args.output, max_size, args.optimizer)
+        if args.output is None and args.lightning is None:
+            raise ValueError("give an output file (or --lightning PATH)")
+        written = []
+        if args.output is not None:
+            max_size = parse_size(args.max_shard_size) if args.max_shard_size else None
+            written += consolidate(args.checkpoint, args.output, max_size, args.optimizer)
+        elif args.max_shard_size or args.optimizer:
+            raise ValueError("--max-shard-size and --optimizer need an output")
+        if args.lightning is not None:
+            written += consolidate_lightning(args.checkpoint, args.lightning)
         _print("\n".join(f"wrote {path}" for path in written))
     except BrokenPipeError:  # `zerokit ckpt inspect ... | head`: the reader has gone
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from ..api import LEVELS
 from ..checkpoint.reading import CheckpointReader
@@ -89,6 +90,16 @@ def refuse_precision(who: str, plugin: Any) -> ValueError:
         "precision '32-true', '16-mixed' or 'bf16-mixed' (zerokit keeps fp32 master shards "
         "and computes in the low dtype)"
     )
+
+
+def refuse_checkpoint_io(who: str, trainer: str, io: Any) -> None:
+    """A ``CheckpointIO`` plugin would be passed over in silence: refuse it."""
+    if io is not None and type(io) is not TorchCheckpointIO:  # the default, unused
+        raise ValueError(
+            f"{who} cannot honour {trainer}(plugins=[{type(io).__name__}(...)]): zerokit writes "
+            "its own sharded checkpoint directories, not through a CheckpointIO plugin; remove "
+            "the plugin"
+        )
 
 
 def saved_extra_keys(path: str, prefix: str = "") -> list[str]:

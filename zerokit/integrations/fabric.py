@@ -160,6 +160,11 @@ class ZeroKitFabricStrategy(DDPStrategy):
     def precision(self, plugin: Precision | None) -> None:
         self._precision = _to_zerokit_precision(plugin)
 
+    def _configure_launcher(self) -> None:
+        # called by Fabric(...) once its options are set: refuse what we cannot honour now
+        common.refuse_checkpoint_io(WHO, "Fabric", self._checkpoint_io)
+        super()._configure_launcher()
+
     # -- setup ---------------------------------------------------------------------------
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler=None):

@@ -5,8 +5,8 @@
 
 Names: ``"zerokit"`` (= ``"zerokit_p_g_os"``), ``"zerokit_os"``, ``"zerokit_os_g"``,
 ``"zerokit_p_g_os"`` (Fabric's strategy, ``ZeroKitFabricStrategy`` in ``fabric.py``, is
-re-exported here and registered under the same names in Fabric's registry). The strategy is Lightning's DDP strategy for everything but the model
-(its launcher, so a plain ``python train.py`` starts the ranks, or torchrun does; its process
+re-exported here and registered under the same names in Fabric's registry). The strategy is
+Lightning's DDP strategy for everything but the model (its launcher, so a plain ``python train.py`` starts the ranks, or torchrun does; its process
 group, ``DistributedSampler``, barrier and reductions). After ``configure_optimizers`` it wraps
 the LightningModule and its optimizer with ``group_sharded_parallel`` (in place: LR schedulers
 keep the optimizer they were built on). Lightning's options become zerokit's:
@@ -20,10 +20,20 @@ keep the optimizer they were built on). Lightning's options become zerokit's:
   reduced there);
 * ``trainer.save_checkpoint(path)`` (and ``ModelCheckpoint``) -> a zerokit sharded checkpoint
   directory, Lightning's own state (epoch, step, loops, callbacks, schedulers, hparams) in its
-  ``extra``; ``fit(ckpt_path=path)`` resumes from it, at another level or world size too.
+  ``extra``; ``fit(ckpt_path=path)`` resumes from it, at another level or world size too;
+  ``zerokit ckpt consolidate path --lightning one.ckpt`` makes it Lightning's one file, for
+  ``load_from_checkpoint`` on one process (``zerokit/checkpoint/lightning_file.py``).
 
 Refused, by name, at ``Trainer(...)``: ``sync_batchnorm=True``, precisions other than
-``32-true``/``16-mixed``/``bf16-mixed``; at ``fit``: more than one optimizer.
+``32-true``/``16-mixed``/``bf16-mixed`` (``"16-true"``, ``"bf16-true"``, ``"64-true"``, ...), a
+``CheckpointIO`` plugin (``plugins=[AsyncCheckpointIO()]``); at ``fit``: more than one
+optimizer, a one-file ``ckpt_path`` (another strategy's); at ``save_checkpoint``:
+``storage_options``.
+
+Lightning finds no third-party strategy by itself: its registry holds its own classes, filled
+when ``lightning.pytorch.strategies`` is imported (entry points are read for callbacks only,
+``lightning.pytorch.callbacks_factory``, and after the strategy is chosen). So the names exist
+once this module is imported; it registers them in Fabric's registry too.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ from torch import nn
 from .. import checkpoint as zk_checkpoint
 from ..api import group_sharded_parallel
 from ..checkpoint.holdings import OPTIM_PREFIX
+from ..checkpoint.lightning_file import EXTRA_PREFIX
 from ..checkpoint.reading import CheckpointReader
 from ..clip import clip_grad_norm_
 from ..config import ShardingConfig
@@ -57,8 +68,6 @@ from . import _lightning_common as common
 from .fabric import ZeroKitFabricStrategy
 
 __all__ = ["ZeroKitFabricStrategy", "ZeroKitPrecision", "ZeroKitStrategy"]
-
-EXTRA_PREFIX = "lightning/"  # Lightning's checkpoint key K is the zerokit extra "lightning/K"
 
 
 class _Root(nn.Module):
@@ -208,10 +217,12 @@ class ZeroKitStrategy(DDPStrategy):
         # called by Trainer(...) once its options are set: refuse what we cannot honour now
         if self._layer_sync is not None:
             raise ValueError(
-                "ZeroKitStrategy cannot honour Trainer(sync_batchnorm=True): SyncBatchNorm is "
-                "not supported with zerokit's sharded modules; remove sync_batchnorm=True "
-                "(each rank then normalizes over its own micro-batch, as DDP without it)"
+                "ZeroKitStrategy cannot honour Trainer(sync_batchnorm=True): zerokit is not "
+                "tested with nn.SyncBatchNorm (torch runs it on GPUs only); remove "
+                "sync_batchnorm=True (each rank then normalizes over its own micro-batch, as "
+                "DDP without it)"
             )
+        common.refuse_checkpoint_io("ZeroKitStrategy", "Trainer", self._checkpoint_io)
         super()._configure_launcher()
 
     # -- setup and teardown --------------------------------------------------------------
@@ -338,6 +349,13 @@ class ZeroKitStrategy(DDPStrategy):
         """Collective: load the shards into the wrapped model (and optimizer, when fitting) and
         return Lightning's state for it to restore the rest."""
         path = self.broadcast(os.fspath(checkpoint_path))
+        if os.path.isfile(path):
+            raise ValueError(
+                f"ZeroKitStrategy resumes from the checkpoint directories it saves; {path} is a "
+                "file (Lightning's one-file format, written by another strategy or by `zerokit "
+                "ckpt consolidate --lightning`): take its weights with "
+                "YourModule.load_from_checkpoint(path) and fit without ckpt_path"
+            )
         module = self.lightning_module
         assert module is not None
         with CheckpointReader(path) as reader:

@@ -1,0 +1,109 @@
+"""A checkpoint ``ZeroKitStrategy`` saved, as the one file Lightning reads on one process:
+``zerokit ckpt consolidate DIR --lightning OUT.ckpt``, then ``MyModule.load_from_checkpoint(
+"OUT.ckpt")`` or ``Trainer(devices=1).fit(model, ckpt_path="OUT.ckpt")``. Imports nothing of
+Lightning: the file is a ``torch.save``d dict of Lightning's keys.
+
+``ZeroKitStrategy.save_checkpoint`` keeps each entry K of Lightning's checkpoint dict (epoch,
+global step, loops, callbacks, LR schedulers, hyperparameters, version) as the extra state
+``"lightning/K"``, all but two: the model and the optimizer, which it writes as shards. This
+module rebuilds those two: ``state_dict`` under the LightningModule's own names (tied names
+each, as ``Module.state_dict`` gives them) and ``optimizer_states`` as
+``torch.optim.Optimizer.state_dict`` gives one (parameters numbered in param-group order).
+
+Note: unlike the shards, the file is pickle (Lightning's format) and is built whole in memory.
+An entry saved per rank (values that differed between ranks) is rank 0's, as Lightning's own
+``save_checkpoint`` writes rank 0's dict.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from . import extra as extra_state
+from .holdings import OPTIM_PREFIX
+from .index import CheckpointError, dtype_from_name
+from .reading import CheckpointReader
+
+EXTRA_PREFIX = "lightning/"  # Lightning's checkpoint key K is the zerokit extra "lightning/K"
+
+
+def consolidate_lightning(checkpoint: str | os.PathLike, output: str | os.PathLike) -> list[str]:
+    """Write the Lightning checkpoint file ``output`` from the zerokit checkpoint directory
+    ``checkpoint`` (saved by ``ZeroKitStrategy``); returns ``[output]``."""
+    output = os.fspath(output)
+    with CheckpointReader(checkpoint) as reader:
+        _check_output(output, reader.directory)
+        keys = [k for k in reader.index.get("extra", {}) if k.startswith(EXTRA_PREFIX)]
+        if not keys:
+            raise CheckpointError(
+                f"{reader.directory} holds no Lightning state (it was not saved by "
+                "ZeroKitStrategy): consolidate it to a .safetensors file instead"
+            )
+        reader.verify_all()
+        state: dict[str, Any] = {k[len(EXTRA_PREFIX) :]: _read_extra(reader, k) for k in keys}
+        state["state_dict"] = _model_state(reader)
+        if reader.index["optimizer"] is not None:  # not a weights-only save
+            state["optimizer_states"] = [_optimizer_state(reader)]
+    partial = f"{output}.partial-{os.getpid()}"
+    try:
+        torch.save(state, partial)
+        os.replace(partial, output)
+    finally:
+        if os.path.lexists(partial):
+            os.unlink(partial)
+    return [output]
+
+
+def _check_output(output: str, directory: str) -> None:
+    if os.path.isdir(output) or output.endswith(os.sep):
+        raise CheckpointError(f"--lightning {output} is a directory: give a file name")
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"--lightning {output}: the directory {parent} does not exist")
+    real = os.path.realpath(directory)
+    if os.path.commonpath([os.path.realpath(output), real]) == real:
+        raise CheckpointError(f"{output} is inside the checkpoint {directory} it reads")
+
+
+def _read_extra(reader: CheckpointReader, key: str) -> Any:
+    value = reader.index["extra"][key]["values"][0]  # per rank: rank 0's
+    tensors = [reader.read_tensor(ref["file"], ref["key"]) for ref in value["tensors"]]
+    return extra_state.decode(value["json"], tensors, f"extra {key!r}")
+
+
+def _model_state(reader: CheckpointReader) -> dict[str, torch.Tensor]:
+    index = reader.index
+    state = {
+        n: reader.read_full(n) for n in index["tensors"] if not n.startswith(OPTIM_PREFIX + ".")
+    }
+    for alias, target in index["aliases"].items():
+        state[alias] = state[target]  # one tensor under both names, as torch saves tied weights
+    return state
+
+
+def _optimizer_state(reader: CheckpointReader) -> dict[str, Any]:
+    """The saved optimizer as ``Optimizer.state_dict()``: parameters numbered 0, 1, ... in the
+    order of their param groups."""
+    saved, aliases = reader.index["optimizer"], reader.index["aliases"]
+    numbers: dict[str, int] = {}
+    groups = []
+    for group in saved["param_groups"]:
+        ids = [numbers.setdefault(name, len(numbers)) for name in group["params"]]
+        groups.append({**group["hyperparameters"], "params": ids})
+    state: dict[int, dict[str, Any]] = {}
+    for name, number in numbers.items():
+        name = aliases.get(name, name)  # state is kept under the tensor's stored name
+        entry = {k: reader.read_full(t) for k, t in saved["state_tensors"].get(name, {}).items()}
+        for key, scalar in saved["scalar_state"].get(name, {}).items():
+            dtype = scalar["tensor_dtype"]
+            entry[key] = (
+                scalar["value"]
+                if dtype is None
+                else torch.tensor(scalar["value"], dtype=dtype_from_name(dtype, key))
+            )
+        if entry:
+            state[number] = entry
+    return {"state": state, "param_groups": groups}
