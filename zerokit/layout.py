@@ -214,3 +214,18 @@ def _singleton_group() -> ProcessGroup:
     me = dist.get_rank()
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
     return groups[me]
+
+
+def init_mesh(dp: int = 1, tp: int = 1, pp: int = 1) -> Layout:
+    """The named mesh pp x dp x tp, as the run's ``Layout`` (collective: every rank calls it,
+    after ``torch.distributed.init_process_group``). tp varies fastest: global rank =
+    ``(pp_index * dp + dp_index) * tp + tp_index`` (Megatron's order). A torch ``DeviceMesh``
+    with dims named "pp", "dp", "tp" is accepted wherever this is. Degrees whose product is not
+    the world size are refused before any communication."""
+    world = dist.get_world_size() if dist.is_initialized() else None
+    if world is not None and dp * tp * pp != world:
+        raise ValueError(
+            f"init_mesh: dp * tp * pp = {dp} * {tp} * {pp} = {dp * tp * pp}, but the world "
+            f"size is {world}"
+        )
+    return init_hybrid_parallel(dp, tp, pp_degree=pp)
