@@ -111,3 +111,95 @@ def test_tp2_by_plan_equals_one_process_at_every_level(name):
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_dp2_tp2_by_plan_equals_one_process_at_every_level(name):
     run_distributed(_equivalence, 4, name, 2, 2)
+
+
+# -- the checkpoint of a parallelized model is the Hugging Face model's ------------------------
+def _save(rank, world_size, name, path):
+    mesh = zerokit.init_mesh(dp=1, tp=2)
+    model, opt, plan = build(name)
+    model, opt = zerokit.parallelize(model, opt, mesh, plan=plan, level="p_g_os")
+    train(model, opt, mesh, steps=2)
+    zerokit.checkpoint.save(path, model, opt)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_checkpoint_consolidates_into_what_from_pretrained_loads(name, tmp_path):
+    saved, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+    run_distributed(_save, 2, name, saved)
+    assert cli(["ckpt", "consolidate", saved, os.path.join(hf, "model.safetensors")]) == 0
+    cls, config, _ = MODELS[name]()
+    config.save_pretrained(hf)
+    loaded = cls.from_pretrained(hf)
+    _, want = reference(name, steps=2)
+    got = loaded.state_dict()
+    assert set(got) == set(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, atol=TOL, rtol=0, msg=key)
+
+
+# -- bad inputs: the same ValueError on every rank, before any collective ----------------------
+def _refusals(rank, world_size):
+    cases = [
+        (dict(plan={"model.layers.*.self_attn.q_prj": "colwise"}), "q_proj"),
+        (dict(plan={"model.layers.*.self_attn": "colwise"}), "LlamaAttention"),
+        (dict(plan={"lm_head": "diagonal"}), "unknown style 'diagonal'"),
+        (dict(plan={"lm_head": "sequence"}), "manual layers"),
+        (dict(plan={"model.norm": "vocab"}), "LlamaRMSNorm"),
+        (dict(plan=None), "needs a plan"),
+        (dict(plan="lama"), "no built-in plan 'lama'"),
+    ]
+    mesh = zerokit.init_mesh(dp=1, tp=2)
+    for kwargs, needle in cases:
+        model, opt, _ = build("llama")
+        with pytest.raises(ValueError, match=needle):
+            zerokit.parallelize(model, opt, mesh, **kwargs)
+    cls, config, plan = llama(kv_heads=1)
+    with pytest.raises(ValueError, match=r"k_proj: 1 heads \(4 features / head_dim 4\).*tp degree 2"):
+        zerokit.parallelize(cls(config), torch.optim.SGD(cls(config).parameters()), mesh, plan=plan)
+    model, opt, plan = build("llama")
+    with pytest.raises(ValueError, match=r"dp \* tp \* pp = 3 \* 1 \* 1 = 3.*world size is 2"):
+        zerokit.parallelize(model, opt, strategy=zerokit.Strategy(dp=3))
+    with pytest.raises(ValueError, match=r"split_points: 'model.layer.1'.*model.layers.1"):
+        strategy = zerokit.Strategy(pp=2, plan=None)
+        zerokit.parallelize(model, opt, split_points=["model.layer.1"], strategy=strategy)
+    model, opt, plan = build("gpt2")
+    plan = {**plan, "lm_head": "replicate"}
+    with pytest.raises(ValueError, match="tied weights must be split alike"):
+        zerokit.parallelize(model, opt, mesh, plan=plan)
+    dist.barrier()  # every rank got here: none was left waiting in a collective
+
+
+def test_bad_plans_and_degrees_fail_alike_on_every_rank():
+    run_distributed(_refusals, 2)
+
+
+# -- the strategy file and the data sampler ----------------------------------------------------
+def test_strategy_loads_from_toml_json_and_yaml(tmp_path):
+    want = zerokit.Strategy(dp=2, tp=2, level="os_g", plan="llama", micro_batches=4)
+    (tmp_path / "s.toml").write_text('dp = 2\ntp = 2\nlevel = "os_g"\nplan = "llama"\nmicro_batches = 4\n')
+    (tmp_path / "s.json").write_text('{"dp": 2, "tp": 2, "level": "os_g", "plan": "llama", "micro_batches": 4}')
+    (tmp_path / "s.yaml").write_text("dp: 2\ntp: 2\nlevel: os_g\nplan: llama\nmicro_batches: 4\n")
+    for ext in ("toml", "json", "yaml"):
+        assert zerokit.Strategy.load(str(tmp_path / f"s.{ext}")) == want, ext
+    (tmp_path / "p.toml").write_text('tp = 2\n[plan]\n"model.layers.*.mlp.up_proj" = "colwise"\n')
+    assert zerokit.Strategy.load(str(tmp_path / "p.toml")).plan == {
+        "model.layers.*.mlp.up_proj": "colwise"
+    }
+    (tmp_path / "bad.toml").write_text("dp = 2\ntensor = 2\n")
+    with pytest.raises(ValueError, match=r"unknown strategy keys \['tensor'\]"):
+        zerokit.Strategy.load(str(tmp_path / "bad.toml"))
+    with pytest.raises(ValueError, match="level must be one of"):
+        zerokit.Strategy(level="zero3")
+    with pytest.raises(TypeError):
+        zerokit.Strategy(2, 2)  # keyword-only
+
+
+def test_sampler_splits_over_dp_only():
+    data = list(range(10))
+    seen = {}
+    for dp_rank in range(2):
+        for tp_rank in range(2):
+            layout = zerokit.Layout(2, 2, dp_rank, tp_rank, None, None)
+            seen[dp_rank, tp_rank] = list(zerokit.data.sampler(data, layout, seed=3))
+    assert seen[0, 0] == seen[0, 1] and seen[1, 0] == seen[1, 1]  # tp ranks: the same batches
+    assert sorted(seen[0, 0] + seen[1, 0]) == data  # dp ranks: each index once
