@@ -126,6 +126,7 @@ def _save(rank, world_size, name, path):
 def test_checkpoint_consolidates_into_what_from_pretrained_loads(name, tmp_path):
     saved, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     run_distributed(_save, 2, name, saved)
+    os.makedirs(hf)
     assert cli(["ckpt", "consolidate", saved, os.path.join(hf, "model.safetensors")]) == 0
     cls, config, _ = MODELS[name]()
     config.save_pretrained(hf)
@@ -203,3 +204,43 @@ def test_sampler_splits_over_dp_only():
             seen[dp_rank, tp_rank] = list(zerokit.data.sampler(data, layout, seed=3))
     assert seen[0, 0] == seen[0, 1] and seen[1, 0] == seen[1, 1]  # tp ranks: the same batches
     assert sorted(seen[0, 0] + seen[1, 0]) == data  # dp ranks: each index once
+
+
+LAUNCHED = '''
+import torch, torch.distributed as dist, zerokit
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+ref.load_state_dict(model.state_dict())
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model, opt = zerokit.parallelize(model, opt)  # the strategy comes from $ZEROKIT_STRATEGY
+for step in range(3):
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m(x).square().mean().backward()
+        o.step()
+        o.zero_grad()
+with torch.no_grad():
+    x = torch.randn(5, 6)
+    assert torch.allclose(model(x), ref(x), atol=1e-6), "launched run differs from one process"
+print("rank", dist.get_rank(), "tp", zerokit.Strategy.from_env().tp, "ok")
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+def test_launch_hands_the_strategy_to_every_rank(tmp_path):
+    script, strategy = tmp_path / "train.py", tmp_path / "strategy.toml"
+    script.write_text(LAUNCHED)
+    strategy.write_text('tp = 2\nlevel = "os_g"\n[plan]\n"0" = "colwise"\n"2" = "rowwise"\n')
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "zerokit", "launch", "--strategy", str(strategy), str(script)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 0 tp 2 ok" in done.stdout and "rank 1 tp 2 ok" in done.stdout, done.stdout
+    bad = subprocess.run(cmd[:-1] + ["--nproc", "3", str(script)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "world size is 3" in bad.stderr, bad.stderr
