@@ -2,6 +2,7 @@
 dp x tp) at every ZeRO level trains as one process does on the global batch; its checkpoint
 consolidates into a file ``from_pretrained`` loads; bad plans fail alike on every rank."""
 
+import json
 import os
 
 import pytest
@@ -85,12 +86,19 @@ def train(model, opt, mesh, steps=STEPS):
     return losses
 
 
-def _equivalence(rank, world_size, name, dp, tp_degree):
+def _equivalence(rank, world_size, name, dp, tp_degree, device_mesh=False):
     ref_losses, ref_state = reference(name)
-    mesh = zerokit.init_mesh(dp=dp, tp=tp_degree)
+    if device_mesh:  # torch's DeviceMesh, tp the last (fastest) dim, is taken as the mesh
+        from torch.distributed.device_mesh import init_device_mesh
+
+        torch_mesh = init_device_mesh("cpu", (dp, tp_degree), mesh_dim_names=("dp", "tp"))
+        mesh = zerokit.layout.as_layout(torch_mesh)
+    else:
+        mesh = zerokit.init_mesh(dp=dp, tp=tp_degree)
     for level in zerokit.LEVELS:
         model, opt, plan = build(name)
-        model, opt = zerokit.parallelize(model, opt, mesh, plan=plan, level=level)
+        given = torch_mesh if device_mesh else mesh
+        model, opt = zerokit.parallelize(model, opt, given, plan=plan, level=level)
         what = f"{name} dp{dp} tp{tp_degree} {level}"
         losses = train(model, opt, mesh)
         for step, (got, want) in enumerate(zip(losses, ref_losses)):
@@ -110,7 +118,7 @@ def test_tp2_by_plan_equals_one_process_at_every_level(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_dp2_tp2_by_plan_equals_one_process_at_every_level(name):
-    run_distributed(_equivalence, 4, name, 2, 2)
+    run_distributed(_equivalence, 4, name, 2, 2, name == "gpt2")
 
 
 # -- the checkpoint of a parallelized model is the Hugging Face model's ------------------------
@@ -126,6 +134,9 @@ def _save(rank, world_size, name, path):
 def test_checkpoint_consolidates_into_what_from_pretrained_loads(name, tmp_path):
     saved, hf = str(tmp_path / "ckpt"), str(tmp_path / "hf")
     run_distributed(_save, 2, name, saved)
+    with open(os.path.join(saved, "index.json")) as f:  # the mesh is recorded
+        layout = json.load(f)["layout"]
+    assert (layout["world_size"], layout["dp_degree"], layout["tp_degree"]) == (2, 1, 2)
     os.makedirs(hf)
     assert cli(["ckpt", "consolidate", saved, os.path.join(hf, "model.safetensors")]) == 0
     cls, config, _ = MODELS[name]()
@@ -141,13 +152,13 @@ def test_checkpoint_consolidates_into_what_from_pretrained_loads(name, tmp_path)
 # -- bad inputs: the same ValueError on every rank, before any collective ----------------------
 def _refusals(rank, world_size):
     cases = [
-        (dict(plan={"model.layers.*.self_attn.q_prj": "colwise"}), "q_proj"),
-        (dict(plan={"model.layers.*.self_attn": "colwise"}), "LlamaAttention"),
-        (dict(plan={"lm_head": "diagonal"}), "unknown style 'diagonal'"),
-        (dict(plan={"lm_head": "sequence"}), "manual layers"),
-        (dict(plan={"model.norm": "vocab"}), "LlamaRMSNorm"),
-        (dict(plan=None), "needs a plan"),
-        (dict(plan="lama"), "no built-in plan 'lama'"),
+        ({"plan": {"model.layers.*.self_attn.q_prj": "colwise"}}, "q_proj"),
+        ({"plan": {"model.layers.*.self_attn": "colwise"}}, "LlamaAttention"),
+        ({"plan": {"lm_head": "diagonal"}}, "unknown style 'diagonal'"),
+        ({"plan": {"lm_head": "sequence"}}, "manual layers"),
+        ({"plan": {"model.norm": "vocab"}}, "LlamaRMSNorm"),
+        ({"plan": None}, "needs a plan"),
+        ({"plan": "lama"}, "no built-in plan 'lama'"),
     ]
     mesh = zerokit.init_mesh(dp=1, tp=2)
     for kwargs, needle in cases:
@@ -155,7 +166,9 @@ def _refusals(rank, world_size):
         with pytest.raises(ValueError, match=needle):
             zerokit.parallelize(model, opt, mesh, **kwargs)
     cls, config, plan = llama(kv_heads=1)
-    with pytest.raises(ValueError, match=r"k_proj: 1 heads \(4 features / head_dim 4\).*tp degree 2"):
+    with pytest.raises(
+        ValueError, match=r"k_proj: 1 heads \(4 features / head_dim 4\).*tp degree 2"
+    ):
         zerokit.parallelize(cls(config), torch.optim.SGD(cls(config).parameters()), mesh, plan=plan)
     model, opt, plan = build("llama")
     with pytest.raises(ValueError, match=r"dp \* tp \* pp = 3 \* 1 \* 1 = 3.*world size is 2"):
@@ -177,8 +190,12 @@ def test_bad_plans_and_degrees_fail_alike_on_every_rank():
 # -- the strategy file and the data sampler ----------------------------------------------------
 def test_strategy_loads_from_toml_json_and_yaml(tmp_path):
     want = zerokit.Strategy(dp=2, tp=2, level="os_g", plan="llama", micro_batches=4)
-    (tmp_path / "s.toml").write_text('dp = 2\ntp = 2\nlevel = "os_g"\nplan = "llama"\nmicro_batches = 4\n')
-    (tmp_path / "s.json").write_text('{"dp": 2, "tp": 2, "level": "os_g", "plan": "llama", "micro_batches": 4}')
+    (tmp_path / "s.toml").write_text(
+        'dp = 2\ntp = 2\nlevel = "os_g"\nplan = "llama"\nmicro_batches = 4\n'
+    )
+    (tmp_path / "s.json").write_text(
+        '{"dp": 2, "tp": 2, "level": "os_g", "plan": "llama", "micro_batches": 4}'
+    )
     (tmp_path / "s.yaml").write_text("dp: 2\ntp: 2\nlevel: os_g\nplan: llama\nmicro_batches: 4\n")
     for ext in ("toml", "json", "yaml"):
         assert zerokit.Strategy.load(str(tmp_path / f"s.{ext}")) == want, ext
@@ -206,7 +223,7 @@ def test_sampler_splits_over_dp_only():
     assert sorted(seen[0, 0] + seen[1, 0]) == data  # dp ranks: each index once
 
 
-LAUNCHED = '''
+LAUNCHED = """
 import torch, torch.distributed as dist, zerokit
 dist.init_process_group("gloo")
 torch.manual_seed(0)
@@ -227,7 +244,7 @@ with torch.no_grad():
     assert torch.allclose(model(x), ref(x), atol=1e-6), "launched run differs from one process"
 print("rank", dist.get_rank(), "tp", zerokit.Strategy.from_env().tp, "ok")
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.mark.slow
@@ -242,5 +259,23 @@ def test_launch_hands_the_strategy_to_every_rank(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 0 tp 2 ok" in done.stdout and "rank 1 tp 2 ok" in done.stdout, done.stdout
-    bad = subprocess.run(cmd[:-1] + ["--nproc", "3", str(script)], capture_output=True, text=True)
+    bad = subprocess.run([*cmd[:-1], "--nproc", "3", str(script)], capture_output=True, text=True)
     assert bad.returncode == 2 and "world size is 3" in bad.stderr, bad.stderr
+
+
+def _by_strategy(rank, world_size):
+    ref_losses, ref_state = reference("llama")
+    model, opt, _ = build("llama")
+    strategy = zerokit.Strategy(tp=2, level="os_g", plan="llama", recompute=True)
+    model, opt = zerokit.parallelize(model, opt, strategy=strategy)  # it builds the mesh
+    mesh = next(m.layout for m in model.modules() if isinstance(m, tp.TensorParallelLayer))
+    model.train()  # Hugging Face recomputes only in training mode
+    losses = train(model, opt, mesh)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL, (losses, ref_losses)
+    full = tp.gather_full_state_dict(model)
+    for key, want in ref_state.items():
+        torch.testing.assert_close(full[key], want, atol=TOL, rtol=0, msg=key)
+
+
+def test_a_strategy_builds_the_mesh_and_recomputes_as_one_process():
+    run_distributed(_by_strategy, 2)

@@ -395,10 +395,18 @@ def _add_launch_parser(commands) -> None:
         "strategy file in $ZEROKIT_STRATEGY, which zerokit.parallelize(model, optimizer) reads "
         "when given no mesh (and zerokit.Strategy.from_env() returns).",
     )
-    launch.add_argument("--strategy", required=True, metavar="FILE",
-                        help="a .toml, .json or .yaml strategy (zerokit.Strategy's fields)")
-    launch.add_argument("--nproc", type=int, default=None,
-                        help="ranks to start (default: the strategy's dp * tp * pp)")
+    launch.add_argument(
+        "--strategy",
+        required=True,
+        metavar="FILE",
+        help="a .toml, .json or .yaml strategy (zerokit.Strategy's fields)",
+    )
+    launch.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks to start (default: the strategy's dp * tp * pp)",
+    )
     launch.add_argument("script")
     launch.add_argument("script_args", nargs=argparse.REMAINDER)  # fmt: skip
 

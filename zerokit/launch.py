@@ -67,7 +67,9 @@ def _entry(rank: int, world_size: int, init_file: str, backend: str, fn, args) -
     os._exit(0)
 
 
-def launch_script(strategy_path: str, script: str, args: list[str], nproc: int | None = None) -> int:
+def launch_script(
+    strategy_path: str, script: str, args: list[str], nproc: int | None = None
+) -> int:
     """``zerokit launch --strategy FILE script args``: torchrun ``script`` on this machine with
     as many ranks as the strategy's dp * tp * pp (or ``nproc``, checked against it), each rank
     finding the file in ``$ZEROKIT_STRATEGY``, where ``Strategy.from_env()`` and

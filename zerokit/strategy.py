@@ -102,7 +102,9 @@ class Strategy:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{path}: unknown strategy keys {unknown}; the fields are {sorted(known)}")
+            raise ValueError(
+                f"{path}: unknown strategy keys {unknown}; the fields are {sorted(known)}"
+            )
         return cls(**data)
 
     @classmethod

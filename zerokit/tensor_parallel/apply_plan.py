@@ -46,13 +46,17 @@ def resolve_plan(
                 if style == "sequence"
                 else ""
             )
-            raise ValueError(f"plan[{pattern!r}]: unknown style {style!r}; use one of {STYLES}{extra}")
+            raise ValueError(
+                f"plan[{pattern!r}]: unknown style {style!r}; use one of {STYLES}{extra}"
+            )
         matched = [name for name in modules if name and matches(pattern, name)]
         if not matched and not partial:
             raise ValueError(no_such_module("plan", pattern, modules))
         for name in matched:
             if resolved.get(name, style) != style:
-                raise ValueError(f"{name} is given two styles by the plan: {resolved[name]!r} and {style!r}")
+                raise ValueError(
+                    f"{name} is given two styles by the plan: {resolved[name]!r} and {style!r}"
+                )
             _check_applicable(name, modules[name], style)
             resolved[name] = style
     _check_degrees(modules, resolved, tp_degree)

@@ -166,7 +166,8 @@ class ColumnParallelLinear(TensorParallelLayer):
         if self.sequence_parallel:  # x: [s/t, b, in] -> [s, b, out/tp]
             w = self._linear_weight()
             return _SequenceGatheredLinear.apply(x, w, self.bias, self.tp_group)
-        y = F.linear(copy_to_tp_region(x, self.tp_group), self._linear_weight(), self.bias)  # [..., out/tp]
+        x = copy_to_tp_region(x, self.tp_group)
+        y = F.linear(x, self._linear_weight(), self.bias)  # [..., out/tp]
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
