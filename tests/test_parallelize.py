@@ -269,6 +269,7 @@ def _by_strategy(rank, world_size):
     strategy = zerokit.Strategy(tp=2, level="os_g", plan="llama", recompute=True)
     model, opt = zerokit.parallelize(model, opt, strategy=strategy)  # it builds the mesh
     mesh = next(m.layout for m in model.modules() if isinstance(m, tp.TensorParallelLayer))
+    assert model.model.layers[0].gradient_checkpointing  # recompute=True reached the model
     model.train()  # Hugging Face recomputes only in training mode
     losses = train(model, opt, mesh)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL, (losses, ref_losses)
