@@ -1,0 +1,1 @@
+"""Plans for ``zerokit.parallelize``: how an unmodified model is split and placed."""
