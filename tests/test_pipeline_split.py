@@ -70,7 +70,7 @@ def train_split(family, tied, layers, points, layout, level, data, schedule, m):
     rank = layout.dp_rank if layout is not None else 0
     mine = slice(rank * len(data[0]) // dp, (rank + 1) * len(data[0]) // dp)
     losses = [pipe.train_batch((ids[mine], ids[mine]), opt, clip_norm=CLIP).item() for ids in data]
-    return pipe, losses
+    return pipe, opt, losses
 
 
 def check(pipe, losses, ref_losses, ref_state, what):
@@ -89,7 +89,7 @@ def _equivalence(rank, world_size, family, tied, layers, points, dp, levels, sch
     ref_losses, ref_state = reference(family, tied, layers, data)
     for level in levels:
         what = f"{family} tied={tied} pp{pp} dp{dp} level={level} {schedule} m={m}"
-        pipe, losses = train_split(family, tied, layers, points, layout, level, data, schedule, m)
+        pipe, _, losses = train_split(family, tied, layers, points, layout, level, data, schedule, m)
         check(pipe, losses, ref_losses, ref_state, what)
         # this rank holds its stage's blocks only, under the model's names
         blocks = pipe.stage.get_submodule(pipe.stage.adapter.blocks)
@@ -176,3 +176,42 @@ def _refused_everywhere(rank, world_size):
 
 def test_bad_split_points_refused_on_every_rank():
     run_distributed(_refused_everywhere, 2)
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+def _checkpoint(rank, world_size, family, tied, tmp):
+    """Saved from a split model (its stage wrapped at 'p_g_os'), consolidated into one file of
+    the model's own names and shapes, which ``from_pretrained`` loads as trained; loaded back
+    into a fresh split model, each stage holds what was saved."""
+    import os
+
+    import torch.distributed as dist
+
+    layout = zerokit.init_hybrid_parallel(1, 1, pp_degree=2)
+    data = batches(4)[:2]
+    points = ["model.layers.2"] if family == "llama" else ["transformer.h.2"]
+    pipe, opt, _ = train_split(family, tied, 4, points, layout, "p_g_os", data, "1f1b", 2)
+    path, hf_dir = os.path.join(tmp, "ckpt"), os.path.join(tmp, "hf")
+    zerokit.checkpoint.save(path, pipe, opt)
+    if rank == 0:
+        zerokit.checkpoint.consolidate(path, os.path.join(tmp, "model.safetensors"))
+        os.makedirs(hf_dir)
+        os.rename(os.path.join(tmp, "model.safetensors"), os.path.join(hf_dir, "model.safetensors"))
+        build(family, tied).config.save_pretrained(hf_dir)
+        _, want = reference(family, tied, 4, data)
+        cls = type(build(family, tied, 1))
+        got = cls.from_pretrained(hf_dir).state_dict()
+        assert set(got) == set(want), set(got) ^ set(want)
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, atol=ATOL, rtol=0, msg=name)
+    dist.barrier()
+    fresh = split_model(build(family, tied), points, layout)
+    zerokit.checkpoint.load(path, fresh)
+    saved = pipe.stage.state_dict()
+    for name, value in fresh.stage.state_dict().items():
+        torch.testing.assert_close(value, saved[name], atol=0, rtol=0, msg=f"loaded {name}")
+
+
+@pytest.mark.parametrize("family,tied", [("gpt2", True), ("llama", False)])
+def test_checkpoint_consolidates_to_hugging_face_names(family, tied, tmp_path):
+    run_distributed(_checkpoint, 2, family, tied, str(tmp_path))
