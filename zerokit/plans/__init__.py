@@ -1,5 +1,7 @@
-"""Built-in tensor-parallel plans for ``zerokit.parallelize``: plain dicts, ``{module name
-pattern: style}``, to copy and edit. ``*`` matches one level of a name.
+"""Plans for ``zerokit.parallelize``: how an unmodified model is split and placed. Here the
+built-in tensor-parallel plans, plain dicts ``{module name pattern: style}`` to copy and edit
+(``*`` matches one level of a name); ``stages.py``: how a family's model is cut into pipeline
+stages (``zerokit.pipeline.split``).
 
 >>> from zerokit import plans
 >>> plans.llama()["model.layers.*.self_attn.q_proj"]
