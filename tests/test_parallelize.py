@@ -34,6 +34,7 @@ def gpt2(vocab=VOCAB):
     config = transformers.GPT2Config(
         vocab_size=vocab, n_embd=16, n_layer=2, n_head=4, n_positions=32, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1,
+        attn_implementation="eager",  # a pipeline stage attends through the mask it makes
     )  # fmt: skip
     return transformers.GPT2LMHeadModel, config, plans.gpt2()
 
@@ -280,3 +281,37 @@ def _by_strategy(rank, world_size):
 
 def test_a_strategy_builds_the_mesh_and_recomputes_as_one_process():
     run_distributed(_by_strategy, 2)
+
+
+# -- pipeline stages by split points, with and without tp --------------------------------------
+SPLIT = {"llama": ["model.layers.1"], "gpt2": ["transformer.h.1"]}
+
+
+def _pipelined(rank, world_size, name, tp_degree, levels):
+    ref_losses, ref_state = reference(name)
+    for level in levels:
+        model, opt, plan = build(name)
+        strategy = zerokit.Strategy(pp=2, tp=tp_degree, level=level, plan=plan, micro_batches=2)
+        pipe, opt = zerokit.parallelize(model, opt, split_points=SPLIT[name], strategy=strategy)
+        what = f"{name} pp2 tp{tp_degree} {level}"
+        # the loss exists on the last stage; train_batch returns it (broadcast) on every rank
+        losses = [pipe.train_batch((x, x), opt).item() for x in batches()]
+        for step, (got, want) in enumerate(zip(losses, ref_losses)):
+            assert abs(got - want) <= TOL, f"{what}: step {step}: loss {got} != {want}"
+        full = tp.gather_full_state_dict(pipe.stage)  # this stage's tensors, whole
+        assert full, what
+        for key, value in full.items():
+            torch.testing.assert_close(
+                value, ref_state[key], atol=TOL, rtol=0, msg=f"{what}: {key}"
+            )
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_pp2_by_split_points_equals_one_process(name):
+    run_distributed(_pipelined, 2, name, 1, ["os_g"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_pp2_tp2_every_level_equals_one_process(name):
+    run_distributed(_pipelined, 4, name, 2, list(zerokit.LEVELS))

@@ -66,6 +66,7 @@ def parallelize(
     if plan:
         resolve_plan(model, plan, degrees["tp"])  # the whole model: every name must exist
     _check_split_points(model, split_points, degrees["pp"])
+    group_of = _groups_by_name(model, optimizer)
     layout = as_layout(mesh, "parallelize") if mesh is not None else init_mesh(**degrees)
 
     if layout.pp_degree > 1:
@@ -74,9 +75,9 @@ def parallelize(
     if layout.tp_degree > 1 and plan:
         local = resolve_plan(stage, plan, layout.tp_degree, partial=layout.pp_degree > 1)
         replaced = apply_plan(stage, local, layout)
-    else:
-        replaced = {}
-    optimizer = _carry_over(optimizer, stage, replaced)
+        if hasattr(model, "_tied"):  # a split model's own copies of weights tied across stages
+            model._tied = {key: replaced.get(p, p) for key, p in model._tied.items()}
+    optimizer = _carry_over(optimizer, stage, group_of)
     if recompute:
         _enable_recompute(stage)
     mp = MixedPrecision(param_dtype=_DTYPES[mixed_precision]) if mixed_precision else None
@@ -141,24 +142,41 @@ def _split(model, split_points, layout, schedule, micro_batches):
     return split_model(model, split_points, layout, schedule=schedule, micro_batches=micro_batches)
 
 
-def _carry_over(optimizer, model: nn.Module, replaced: dict) -> torch.optim.Optimizer:
-    """The same optimizer class, param groups and hyperparameters over the parallelized
-    model's parameters (a parameter now on another pipeline stage is left out)."""
+def _groups_by_name(model: nn.Module, optimizer) -> dict[str, int]:
+    """Each parameter name of ``model`` -> the index of the optimizer's param group holding it
+    (frozen parameters the optimizer does not hold are left out)."""
     if optimizer.state:
         raise ValueError(
             "parallelize carries over a fresh optimizer (param groups, hyperparameters), not "
             "its state: build it before training, or load its state after parallelize"
         )
-    kept = {id(p) for p in model.parameters()}
-    groups, changed = [], bool(replaced)
-    for group in optimizer.param_groups:
-        params = [replaced.get(p, p) for p in group["params"]]
-        local = [p for p in dict.fromkeys(params) if id(p) in kept]
-        changed |= len(local) != len(group["params"])
-        groups.append({**group, "params": local})
-    if not changed:
-        return optimizer
-    groups = [g for g in groups if g["params"]]
+    index = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    names = {
+        n: index[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in index
+    }
+    held = {id(p) for p in model.parameters()}
+    if any(id(p) not in held for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("the optimizer holds parameters that are not the model's")
+    return names
+
+
+def _carry_over(optimizer, model: nn.Module, group_of: dict[str, int]) -> torch.optim.Optimizer:
+    """The same optimizer class, param groups and hyperparameters over the parallelized
+    model's parameters, matched by name: a swapped tensor-parallel layer's slices and a
+    pipeline stage's copy of a tied weight join their original's group; parameters on other
+    pipeline stages are left out."""
+    params: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
+    seen = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in group_of and id(p) not in seen:
+            seen.add(id(p))
+            params[group_of[name]].append(p)
+    old = [list(g["params"]) for g in optimizer.param_groups]
+    if all(len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in zip(old, params)):
+        return optimizer  # nothing was replaced or moved: the user's own optimizer
+    groups = [
+        {**group, "params": mine} for group, mine in zip(optimizer.param_groups, params) if mine
+    ]
     try:
         return type(optimizer)(groups, **optimizer.defaults)
     except TypeError:  # a defaults key the constructor does not take: the groups carry them

@@ -50,6 +50,8 @@ def resolve_plan(
                 f"plan[{pattern!r}]: unknown style {style!r}; use one of {STYLES}{extra}"
             )
         matched = [name for name in modules if name and matches(pattern, name)]
+        if partial:  # a module of another pipeline stage holds nothing here: not planned
+            matched = [n for n in matched if next(modules[n].parameters(), None) is not None]
         if not matched and not partial:
             raise ValueError(no_such_module("plan", pattern, modules))
         for name in matched:
