@@ -72,24 +72,29 @@ def reference(name: str, steps=STEPS):
 
 
 def train(model, opt, mesh, steps=STEPS):
-    """Each dp rank its slice of every global batch; the loss averaged over dp."""
+    """Each data rank (dp x shard) its slice of every global batch; the loss averaged over
+    every rank (tp ranks hold the same loss)."""
+    data_ranks = mesh.dp_degree * mesh.sharding_degree
+    me = mesh.dp_rank * mesh.sharding_degree + mesh.sharding_rank
     losses = []
     for x in batches(steps):
-        n = x.shape[0] // mesh.dp_degree
-        local = x[mesh.dp_rank * n : (mesh.dp_rank + 1) * n]
+        n = x.shape[0] // data_ranks
+        local = x[me * n : (me + 1) * n]
         loss = model(input_ids=local, labels=local).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
-        dist.all_reduce(mean, group=mesh.dp_group)
-        losses.append(mean.item() / mesh.dp_degree)
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
     return losses
 
 
-def _equivalence(rank, world_size, name, dp, tp_degree, device_mesh=False):
+def _equivalence(rank, world_size, name, dp, tp_degree, device_mesh=False, shard=1):
     ref_losses, ref_state = reference(name)
-    if device_mesh:  # torch's DeviceMesh, tp the last (fastest) dim, is taken as the mesh
+    if shard > 1:  # hybrid sharding: ZeRO over "shard", replicas over "dp"
+        mesh = zerokit.init_mesh(dp=dp, tp=tp_degree, shard=shard)
+    elif device_mesh:  # torch's DeviceMesh, tp the last (fastest) dim, is taken as the mesh
         from torch.distributed.device_mesh import init_device_mesh
 
         torch_mesh = init_device_mesh("cpu", (dp, tp_degree), mesh_dim_names=("dp", "tp"))
@@ -99,6 +104,7 @@ def _equivalence(rank, world_size, name, dp, tp_degree, device_mesh=False):
     for level in zerokit.LEVELS:
         model, opt, plan = build(name)
         given = torch_mesh if device_mesh else mesh
+        plan = plan if tp_degree > 1 else None
         model, opt = zerokit.parallelize(model, opt, given, plan=plan, level=level)
         what = f"{name} dp{dp} tp{tp_degree} {level}"
         losses = train(model, opt, mesh)
@@ -120,6 +126,11 @@ def test_tp2_by_plan_equals_one_process_at_every_level(name):
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_dp2_tp2_by_plan_equals_one_process_at_every_level(name):
     run_distributed(_equivalence, 4, name, 2, 2, name == "gpt2")
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_is_a_mesh_dim():
+    run_distributed(_equivalence, 4, "gpt2", 2, 1, False, 2)
 
 
 # -- the checkpoint of a parallelized model is the Hugging Face model's ------------------------
