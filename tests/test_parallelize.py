@@ -42,8 +42,8 @@ def gpt2(vocab=VOCAB):
 MODELS = {"llama": llama, "gpt2": gpt2}
 
 
-def build(name: str):
-    cls, config, plan = MODELS[name]()
+def build(name: str, vocab: int = VOCAB):
+    cls, config, plan = MODELS[name](vocab)
     torch.manual_seed(0)
     model = cls(config)
     # eps 1e-6, not 1e-8: GPT-2's key bias has a gradient of exactly zero in exact arithmetic
@@ -58,9 +58,9 @@ def batches(n=STEPS, batch=4, seq=8):
     return [torch.randint(0, VOCAB, (batch, seq), generator=g) for _ in range(n)]
 
 
-def reference(name: str, steps=STEPS):
+def reference(name: str, steps=STEPS, vocab=VOCAB):
     """One process on the global batch: losses and the final state dict."""
-    model, opt, _ = build(name)
+    model, opt, _ = build(name, vocab)
     losses = []
     for x in batches(steps):
         loss = model(input_ids=x, labels=x).loss
@@ -90,8 +90,10 @@ def train(model, opt, mesh, steps=STEPS):
     return losses
 
 
-def _equivalence(rank, world_size, name, dp, tp_degree, device_mesh=False, shard=1):
-    ref_losses, ref_state = reference(name)
+def _equivalence(
+    rank, world_size, name, dp, tp_degree, device_mesh=False, shard=1, levels=None, vocab=VOCAB
+):
+    ref_losses, ref_state = reference(name, vocab=vocab)
     if shard > 1:  # hybrid sharding: ZeRO over "shard", replicas over "dp"
         mesh = zerokit.init_mesh(dp=dp, tp=tp_degree, shard=shard)
     elif device_mesh:  # torch's DeviceMesh, tp the last (fastest) dim, is taken as the mesh
@@ -101,8 +103,8 @@ def _equivalence(rank, world_size, name, dp, tp_degree, device_mesh=False, shard
         mesh = zerokit.layout.as_layout(torch_mesh)
     else:
         mesh = zerokit.init_mesh(dp=dp, tp=tp_degree)
-    for level in zerokit.LEVELS:
-        model, opt, plan = build(name)
+    for level in levels or zerokit.LEVELS:
+        model, opt, plan = build(name, vocab)
         given = torch_mesh if device_mesh else mesh
         plan = plan if tp_degree > 1 else None
         model, opt = zerokit.parallelize(model, opt, given, plan=plan, level=level)
@@ -126,6 +128,11 @@ def test_tp2_by_plan_equals_one_process_at_every_level(name):
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_dp2_tp2_by_plan_equals_one_process_at_every_level(name):
     run_distributed(_equivalence, 4, name, 2, 2, name == "gpt2")
+
+
+@pytest.mark.slow
+def test_gpt2_vocabulary_50257_splits_unevenly():
+    run_distributed(_equivalence, 2, "gpt2", 1, 2, False, 1, ["p_g_os"], 50257)
 
 
 @pytest.mark.slow
