@@ -21,9 +21,9 @@ transformers.logging.set_verbosity_error()
 STEPS, TOL, VOCAB = 5, 2e-5, 211  # 211: a vocabulary no tp degree divides evenly
 
 
-def llama(vocab=VOCAB, heads=4, kv_heads=2):
+def llama(vocab=VOCAB, heads=4, kv_heads=2, intermediate=24):
     config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=16, intermediate_size=intermediate, num_hidden_layers=2,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32,
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
     )  # fmt: skip
@@ -188,6 +188,9 @@ def _refusals(rank, world_size):
     with pytest.raises(
         ValueError, match=r"k_proj: 1 heads \(4 features / head_dim 4\).*tp degree 2"
     ):
+        zerokit.parallelize(cls(config), torch.optim.SGD(cls(config).parameters()), mesh, plan=plan)
+    cls, config, plan = llama(intermediate=25)
+    with pytest.raises(ValueError, match=r"gate_proj: 25 output features .* tp degree 2"):
         zerokit.parallelize(cls(config), torch.optim.SGD(cls(config).parameters()), mesh, plan=plan)
     model, opt, plan = build("llama")
     with pytest.raises(ValueError, match=r"dp \* tp \* pp = 3 \* 1 \* 1 = 3.*world size is 2"):
