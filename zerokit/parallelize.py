@@ -67,6 +67,8 @@ def parallelize(
         resolve_plan(model, plan, degrees["tp"])  # the whole model: every name must exist
     _check_split_points(model, split_points, degrees["pp"])
     group_of = _groups_by_name(model, optimizer)
+    if recompute:  # on the whole model, before any split: its blocks keep the setting
+        _enable_recompute(model)
     layout = as_layout(mesh, "parallelize") if mesh is not None else init_mesh(**degrees)
 
     if layout.pp_degree > 1:
@@ -78,8 +80,6 @@ def parallelize(
         if hasattr(model, "_tied"):  # a split model's own copies of weights tied across stages
             model._tied = {key: replaced.get(p, p) for key, p in model._tied.items()}
     optimizer = _carry_over(optimizer, stage, group_of)
-    if recompute:
-        _enable_recompute(stage)
     mp = MixedPrecision(param_dtype=_DTYPES[mixed_precision]) if mixed_precision else None
     model, optimizer, _ = group_sharded_parallel(
         model, optimizer, level, group=layout.shard_group, dp_group=layout.replica_group,
