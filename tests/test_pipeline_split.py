@@ -174,9 +174,17 @@ def _refused_everywhere(rank, world_size):
     ]:
         with pytest.raises(ValueError, match=message):
             split_model(build("llama", layers=2), points, layout)
+    # no layout: the world's ranks are the stages; eval_batch is the model's loss (eval mode)
+    ids = batches(4)[0]
+    with torch.no_grad():
+        want = build("gpt2", layers=2).eval()(ids, labels=ids).loss.item()
+    pipe = split_model(build("gpt2", layers=2), ["transformer.h.1"], micro_batches=2)
+    assert (pipe.num_stages, pipe.stage_id) == (2, rank)
+    got = pipe.eval_batch((ids, ids)).item()
+    assert abs(got - want) <= ATOL, (got, want)
 
 
-def test_bad_split_points_refused_on_every_rank():
+def test_every_rank_refuses_bad_split_points_and_the_world_as_stages():
     run_distributed(_refused_everywhere, 2)
 
 
