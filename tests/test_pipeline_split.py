@@ -6,6 +6,9 @@ data-parallel group of one (2 ranks), and dp 2 x pp 2 at every level (4 ranks, s
 with a middle stage holding no tied copy; a rank keeps only its stage's parameters, under the
 model's own names. Bad split points are refused on every rank, before any collective."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from dist_helpers import run_distributed
@@ -178,8 +181,12 @@ def _refused_everywhere(rank, world_size):
     ids = batches(4)[0]
     with torch.no_grad():
         want = build("gpt2", layers=2).eval()(ids, labels=ids).loss.item()
-    pipe = split_model(build("gpt2", layers=2), ["transformer.h.1"], micro_batches=2)
+    model = build("gpt2", layers=2)
+    other = weakref.ref(model.get_parameter(f"transformer.h.{1 - rank}.mlp.c_fc.weight"))
+    pipe = split_model(model, ["transformer.h.1"], micro_batches=2)
     assert (pipe.num_stages, pipe.stage_id) == (2, rank)
+    gc.collect()
+    assert other() is None, "the other stage's block is still held: its memory is not freed"
     got = pipe.eval_batch((ids, ids)).item()
     assert abs(got - want) <= ATOL, (got, want)
 
