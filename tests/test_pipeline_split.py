@@ -6,6 +6,9 @@ data-parallel group of one (2 ranks), and dp 2 x pp 2 at every level (4 ranks, s
 with a middle stage holding no tied copy; a rank keeps only its stage's parameters, under the
 model's own names. Bad split points are refused on every rank, before any collective."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from dist_helpers import run_distributed
@@ -89,7 +92,9 @@ def _equivalence(rank, world_size, family, tied, layers, points, dp, levels, sch
     ref_losses, ref_state = reference(family, tied, layers, data)
     for level in levels:
         what = f"{family} tied={tied} pp{pp} dp{dp} level={level} {schedule} m={m}"
-        pipe, _, losses = train_split(family, tied, layers, points, layout, level, data, schedule, m)
+        pipe, _, losses = train_split(
+            family, tied, layers, points, layout, level, data, schedule, m
+        )
         check(pipe, losses, ref_losses, ref_state, what)
         # this rank holds its stage's blocks only, under the model's names
         blocks = pipe.stage.get_submodule(pipe.stage.adapter.blocks)
@@ -141,9 +146,9 @@ def test_bad_split_points():
     assert stage_bounds(model, adapter, ["model.layers.1", "model.layers.3"], 3) == [0, 1, 3, 4]
     with pytest.raises(ValueError, match=r"2 split point\(s\) make 3 stage.*pp=2.*1 name"):
         stage_bounds(model, adapter, ["model.layers.1", "model.layers.3"], 2)
-    with pytest.raises(ValueError, match="'model.layer.2'.*no module.*closest: model.layers.2"):
+    with pytest.raises(ValueError, match=r"'model.layer.2'.*no module.*closest: model.layers.2"):
         stage_bounds(model, adapter, ["model.layer.2"], 2)
-    with pytest.raises(ValueError, match="'model.norm' is not a block of model.layers"):
+    with pytest.raises(ValueError, match=r"'model.norm' is not a block of model.layers"):
         stage_bounds(model, adapter, ["model.norm"], 2)
     with pytest.raises(ValueError, match="increasing order"):
         stage_bounds(model, adapter, ["model.layers.3", "model.layers.1"], 3)
@@ -151,15 +156,15 @@ def test_bad_split_points():
         stage_bounds(model, adapter, ["model.layers.2", "model.layers.2"], 3)
     with pytest.raises(ValueError, match=r"1 split point\(s\) make 2.*pp=1"):
         split_model(model, ["model.layers.2"])  # one process: one stage
-    with pytest.raises(ValueError, match="no pipeline stage adapter for Sequential.*"
-                       "GPT2LMHeadModel, LlamaForCausalLM.*ADAPTERS"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"no pipeline stage adapter for Sequential.*"
+                       r"GPT2LMHeadModel, LlamaForCausalLM.*ADAPTERS"):  # fmt: skip
         split_model(nn.Sequential(nn.Linear(2, 2)), [])
     assert set(ADAPTERS) == {"LlamaForCausalLM", "GPT2LMHeadModel"}
 
     class Forgetful(LlamaStages):  # leaves the final norm to every stage
         last = ("lm_head",)
 
-    with pytest.raises(ValueError, match="Forgetful places no parameter 'model.norm.weight'"):
+    with pytest.raises(ValueError, match=r"Forgetful places no parameter 'model.norm.weight'"):
         split_model(build("llama", layers=2), [], adapter=Forgetful)
 
 
@@ -172,9 +177,21 @@ def _refused_everywhere(rank, world_size):
     ]:
         with pytest.raises(ValueError, match=message):
             split_model(build("llama", layers=2), points, layout)
+    # no layout: the world's ranks are the stages; eval_batch is the model's loss (eval mode)
+    ids = batches(4)[0]
+    with torch.no_grad():
+        want = build("gpt2", layers=2).eval()(ids, labels=ids).loss.item()
+    model = build("gpt2", layers=2)
+    other = weakref.ref(model.get_parameter(f"transformer.h.{1 - rank}.mlp.c_fc.weight"))
+    pipe = split_model(model, ["transformer.h.1"], micro_batches=2)
+    assert (pipe.num_stages, pipe.stage_id) == (2, rank)
+    gc.collect()
+    assert other() is None, "the other stage's block is still held: its memory is not freed"
+    got = pipe.eval_batch((ids, ids)).item()
+    assert abs(got - want) <= ATOL, (got, want)
 
 
-def test_bad_split_points_refused_on_every_rank():
+def test_every_rank_refuses_bad_split_points_and_the_world_as_stages():
     run_distributed(_refused_everywhere, 2)
 
 

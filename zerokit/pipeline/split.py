@@ -251,6 +251,9 @@ class SplitPipeline(PipelineModule):
 
     # -- running: the split's schedule and micro-batches by default -----------------------------
     def forward_backward(self, batch, schedule=None, micro_batches=None, scaler=None):
+        # this stage's tied copies by name: a tp plan may have swapped their modules since
+        names = {key: name for name, key in self._aliases.items()}
+        self._tied = {key: self.stage.get_parameter(names[key]) for key in self.shared_groups}
         return super().forward_backward(
             batch, schedule or self.schedule, micro_batches or self.micro_batches, scaler=scaler
         )
