@@ -76,9 +76,7 @@ def parallelize(
     stage = getattr(model, "stage", model)  # a pipeline's local stage, else the model
     if layout.tp_degree > 1 and plan:
         local = resolve_plan(stage, plan, layout.tp_degree, partial=layout.pp_degree > 1)
-        replaced = apply_plan(stage, local, layout)
-        if hasattr(model, "_tied"):  # a split model's own copies of weights tied across stages
-            model._tied = {key: replaced.get(p, p) for key, p in model._tied.items()}
+        apply_plan(stage, local, layout)  # a split finds its tied copies by name: still found
     optimizer = _carry_over(optimizer, stage, group_of)
     mp = MixedPrecision(param_dtype=_DTYPES[mixed_precision]) if mixed_precision else None
     model, optimizer, _ = group_sharded_parallel(
