@@ -5,15 +5,17 @@
 ('os', 'os_g', 'p_g_os')
 """
 
-from . import checkpoint, pipeline
+from . import checkpoint, data, pipeline, plans
 from .api import LEVELS, group_sharded_parallel, num_params
 from .clip import clip_grad_norm_
 from .config import ShardingConfig, load_config
 from .core.grad_placeholder import ShardedGradError
-from .layout import Layout, init_hybrid_parallel
+from .layout import Layout, init_hybrid_parallel, init_mesh
 from .meta_init import MetaInitError, empty_init
 from .mixed_precision import MixedPrecision
+from .parallelize import parallelize
 from .scaler import ShardedGradScaler
+from .strategy import Strategy
 from .unwrap import unwrap
 
 
@@ -30,14 +32,19 @@ __all__ = [
     "ShardedGradError",
     "ShardedGradScaler",
     "ShardingConfig",
+    "Strategy",
     "checkpoint",
     "clip_grad_norm_",
+    "data",
     "empty_init",
     "group_sharded_parallel",
     "init_hybrid_parallel",
+    "init_mesh",
     "load_config",
     "num_params",
+    "parallelize",
     "pipeline",
+    "plans",
     "save_group_sharded_model",
     "unwrap",
 ]

@@ -142,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     add_ckpt_parser(commands)
     _add_verify_parser(commands)
     _add_plan_parser(commands)
+    _add_launch_parser(commands)
     args = parser.parse_args(argv)
+    if args.command == "launch":
+        return _launch(args)
     if args.command == "ckpt":
         return run_ckpt(args)
     if args.command == "verify":
@@ -411,6 +414,40 @@ def _plan(args) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
+
+
+def _add_launch_parser(commands) -> None:
+    launch = commands.add_parser(
+        "launch",
+        help="torchrun a training script with a strategy file (dp, tp, pp, level, plan)",
+        description="Start dp * tp * pp local ranks of SCRIPT under torchrun; each finds the "
+        "strategy file in $ZEROKIT_STRATEGY, which zerokit.parallelize(model, optimizer) reads "
+        "when given no mesh (and zerokit.Strategy.from_env() returns).",
+    )
+    launch.add_argument(
+        "--strategy",
+        required=True,
+        metavar="FILE",
+        help="a .toml, .json or .yaml strategy (zerokit.Strategy's fields)",
+    )
+    launch.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="ranks to start (default: the strategy's dp * tp * pp)",
+    )
+    launch.add_argument("script")
+    launch.add_argument("script_args", nargs=argparse.REMAINDER)  # fmt: skip
+
+
+def _launch(args) -> int:
+    from .launch import launch_script
+
+    try:
+        return launch_script(args.strategy, args.script, args.script_args, args.nproc)
+    except (ValueError, ImportError, OSError) as e:
+        print(f"zerokit launch: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

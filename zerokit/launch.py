@@ -65,3 +65,24 @@ def _entry(rank: int, world_size: int, init_file: str, backend: str, fn, args) -
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def launch_script(
+    strategy_path: str, script: str, args: list[str], nproc: int | None = None
+) -> int:
+    """``zerokit launch --strategy FILE script args``: torchrun ``script`` on this machine with
+    as many ranks as the strategy's dp * tp * pp (or ``nproc``, checked against it), each rank
+    finding the file in ``$ZEROKIT_STRATEGY``, where ``Strategy.from_env()`` and
+    ``zerokit.parallelize`` (given no mesh) read it. Returns torchrun's exit status."""
+    import subprocess
+
+    from .strategy import ENV, Strategy
+
+    strategy = Strategy.load(strategy_path)  # a bad file fails here, before any rank starts
+    nproc = strategy.world_size if nproc is None else nproc
+    strategy.check_world(nproc)
+    env = {**os.environ, ENV: os.path.abspath(strategy_path)}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", str(nproc), script, *args]
+    return subprocess.call(cmd, env=env)

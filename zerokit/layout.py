@@ -214,3 +214,21 @@ def _singleton_group() -> ProcessGroup:
     me = dist.get_rank()
     groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
     return groups[me]
+
+
+def init_mesh(dp: int = 1, tp: int = 1, pp: int = 1, shard: int = 1) -> Layout:
+    """The named mesh pp x dp x tp, as the run's ``Layout`` (collective: every rank calls it,
+    after ``torch.distributed.init_process_group``). tp varies fastest: global rank =
+    ``(pp_index * dp + dp_index) * tp + tp_index`` (Megatron's order). ``shard > 1``: hybrid
+    sharding, a "shard" dim between dp and tp (ZeRO shards over ``shard``, replicates over
+    ``dp``; ``rank = (pp_index * dp + dp_index) * shard * tp + shard_index * tp + tp_index``).
+    A torch ``DeviceMesh`` with dims named "pp", "dp", "shard", "tp" is accepted wherever this
+    is. Degrees whose product is not the world size are refused before any communication."""
+    world = dist.get_world_size() if dist.is_initialized() else None
+    if world is not None and dp * shard * tp * pp != world:
+        product = f"{dp} * {tp} * {pp}" + (f" * {shard}" if shard != 1 else "")
+        raise ValueError(
+            f"init_mesh: dp * tp * pp{' * shard' if shard != 1 else ''} = {product} = "
+            f"{dp * tp * pp * shard}, but the world size is {world}"
+        )
+    return init_hybrid_parallel(dp, tp, sharding_degree=shard, pp_degree=pp)

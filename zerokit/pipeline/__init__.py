@@ -3,7 +3,8 @@ passed between neighbouring stages, micro-batches scheduled naive, F-then-B or 1
 
 describe (what to build) -> partition (pure: which stage holds what) -> p2p (transfers) ->
 schedules (pure action lists, executor) -> finalize (``finalize_grads``: the reductions after
-the schedule) -> module (``PipelineModule``: builds the stage, runs ``forward_backward``).
+the schedule) -> module (``PipelineModule``: builds the stage, runs ``forward_backward``) ->
+split (``split_model``: an unmodified Hugging Face model cut into stages at named blocks).
 """
 
 from .describe import LayerDesc, SharedLayerDesc
@@ -11,6 +12,7 @@ from .finalize import finalize_grads
 from .module import PipelineModule, PipelineStage
 from .partition import count_params, partition_balanced, partition_uniform
 from .schedules import Action, f_then_b, naive, one_f_one_b, schedule
+from .split import SplitPipeline, split_model
 
 __all__ = [
     "Action",
@@ -18,6 +20,7 @@ __all__ = [
     "PipelineModule",
     "PipelineStage",
     "SharedLayerDesc",
+    "SplitPipeline",
     "count_params",
     "f_then_b",
     "finalize_grads",
@@ -26,4 +29,5 @@ __all__ = [
     "partition_balanced",
     "partition_uniform",
     "schedule",
+    "split_model",
 ]

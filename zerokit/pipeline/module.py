@@ -183,9 +183,7 @@ class PipelineModule(nn.Module):
     def _tie(
         self, layers: list[object], tied: dict[str, list[int]]
     ) -> dict[str, tuple[dist.ProcessGroup, bool]]:
-        """For each shared key on several stages, the group of this pipeline position's ranks
-        on those stages (every rank creates every such group, in order), and whether this rank
-        holds the first copy. Starts the copies equal: broadcast from the first stage."""
+        """For each shared key on several stages: see ``tie_across_stages``."""
         if not tied:
             return {}
         if any(p.is_meta for p in self.stage.parameters()):  # every rank built on meta
@@ -194,19 +192,12 @@ class PipelineModule(nn.Module):
                 "equal by a broadcast, which a model on meta cannot do (no values yet); build "
                 "this PipelineModule without torch.device('meta') / zerokit.empty_init()"
             )
-        stage_size = dist.get_world_size() // self.num_stages
-        position = dist.get_rank() % stage_size
-        mine = {}
-        for key, where in tied.items():
-            for c in range(stage_size):
-                ranks = [s * stage_size + c for s in where]
-                group = dist.new_group(ranks)
-                if c == position and self.stage_id in where:
-                    mine[key] = (group, self.stage_id == where[0])
-                    weight = getattr(self.stage.shared[key], self._shared_attr(layers, key))
-                    with torch.no_grad():
-                        dist.broadcast(hand(weight.data), ranks[0], group=group)
-        return mine
+        weights = {
+            key: getattr(self.stage.shared[key], self._shared_attr(layers, key))
+            for key, where in tied.items()
+            if self.stage_id in where
+        }
+        return tie_across_stages(tied, weights, self.stage_id, self.num_stages)
 
     @staticmethod
     def _shared_attr(layers: list[object], key: str) -> str:
@@ -432,3 +423,25 @@ class PipelineModule(nn.Module):
         return {
             name: (name, not any(name.startswith(prefix) for prefix in copies)) for name, _ in named
         }
+
+
+def tie_across_stages(
+    tied: dict[str, list[int]], weights: dict[str, nn.Parameter], stage_id: int, num_stages: int
+) -> dict[str, tuple[dist.ProcessGroup, bool]]:
+    """``tied``: each key of a weight held by several stages -> those stages, in order;
+    ``weights``: this stage's copies. For each key, the group of this pipeline position's ranks
+    on those stages (every rank creates every such group, in the same order: collective over
+    the world), and whether this rank holds the first copy. Starts the copies equal: a
+    broadcast from the first stage. Used by ``PipelineModule`` and ``split_model``."""
+    stage_size = dist.get_world_size() // num_stages
+    position = dist.get_rank() % stage_size
+    mine = {}
+    for key, where in tied.items():
+        for c in range(stage_size):
+            ranks = [s * stage_size + c for s in where]
+            group = dist.new_group(ranks)
+            if c == position and stage_id in where:
+                mine[key] = (group, stage_id == where[0])
+                with torch.no_grad():
+                    dist.broadcast(hand(weights[key].data), ranks[0], group=group)
+    return mine

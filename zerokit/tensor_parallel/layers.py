@@ -53,6 +53,10 @@ class TensorParallelLayer(nn.Module):
         """The plain layer this one is a slice of (drawn from the default generator)."""
         raise NotImplementedError
 
+    def _linear_weight(self) -> torch.Tensor:
+        """The weight as ``F.linear`` takes it, ``[out, in]`` (a transposed layout overrides)."""
+        return self.weight
+
     def reset_parameters(self) -> None:
         """This rank's slices of a freshly drawn plain layer: on a model built on meta (the
         default ``init_fn``), each tp rank gets the slice eager construction gives it from the
@@ -92,7 +96,7 @@ def _check_width(x: torch.Tensor, layer: nn.Module, want: int, full: bool) -> No
     message = (
         f"{name}(in_features={layer.in_features}) takes {wanted}, [..., {want}]; got [..., {got}]"
     )
-    local = layer.weight.shape[1]
+    local = layer._linear_weight().shape[1]
     if isinstance(layer, RowParallelLinear) and full and got == local:
         message += (
             ": that is one rank's slice; pass input_is_parallel=True when the input is the "
@@ -160,8 +164,10 @@ class ColumnParallelLinear(TensorParallelLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         _check_width(x, self, self.in_features, full=True)
         if self.sequence_parallel:  # x: [s/t, b, in] -> [s, b, out/tp]
-            return _SequenceGatheredLinear.apply(x, self.weight, self.bias, self.tp_group)
-        y = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)  # [..., out/tp]
+            w = self._linear_weight()
+            return _SequenceGatheredLinear.apply(x, w, self.bias, self.tp_group)
+        x = copy_to_tp_region(x, self.tp_group)
+        y = F.linear(x, self._linear_weight(), self.bias)  # [..., out/tp]
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
 
@@ -214,13 +220,15 @@ class RowParallelLinear(TensorParallelLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         full = not self.input_is_parallel
-        _check_width(x, self, self.in_features if full else self.weight.shape[1], full)
+        local_in = self._linear_weight().shape[1]
+        _check_width(x, self, self.in_features if full else local_in, full)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp_group)  # [..., in/tp]
         if self.sequence_parallel:  # [s, b, in/tp] -> [s/t, b, out]
-            y = reduce_scatter_to_sequence_parallel_region(F.linear(x, self.weight), self.tp_group)
+            y = F.linear(x, self._linear_weight())
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
-            y = reduce_from_tp_region(F.linear(x, self.weight), self.tp_group)  # [..., out]
+            y = reduce_from_tp_region(F.linear(x, self._linear_weight()), self.tp_group)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,0 +1,191 @@
+"""``zerokit.parallelize``: an unmodified model onto a pp x dp x tp mesh, in one fixed order
+(torchtitan's): the pipeline split (pp > 1), tensor parallelism by a plan, then ZeRO over dp.
+
+Every check that can fail (plan and split-point names, styles, head and feature divisibility,
+degrees against the world size) runs first, without communication, so a bad input raises the
+same ``ValueError`` on every rank instead of leaving ranks waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .api import group_sharded_parallel
+from .layout import Layout, as_layout, init_mesh
+from .mixed_precision import MixedPrecision
+from .plans import BUILT_IN
+from .strategy import Strategy
+from .tensor_parallel.apply_plan import apply_plan, no_such_module, resolve_plan
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parallelize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    mesh=None,
+    plan: dict[str, str] | str | None = None,
+    level: str = "p_g_os",
+    split_points: list[str] | None = None,
+    schedule: str = "1f1b",
+    micro_batches: int = 1,
+    strategy: Strategy | None = None,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Parallelize ``model`` and carry ``optimizer`` (built over its parameters; param groups
+    and hyperparameters kept, no state yet) over to the result; returns both.
+
+    Args:
+        model: an ordinary ``nn.Module`` (a Hugging Face model as it is).
+        optimizer: a fresh torch optimizer over ``model``'s parameters. Build LR schedulers
+            from the returned one.
+        mesh: ``zerokit.init_mesh(dp=, tp=, pp=)`` or a ``DeviceMesh`` with dims named "pp",
+            "dp", "tp". None: built from ``strategy``, else from ``$ZEROKIT_STRATEGY`` (set by
+            ``zerokit launch --strategy``), else data parallelism over the whole world.
+        plan: ``{module name pattern: style}`` or a built-in name ("llama", "gpt2"); see
+            ``zerokit.tensor_parallel.apply_plan``. Needed when tp > 1.
+        level: ZeRO level over dp: 'os', 'os_g' or 'p_g_os'.
+        split_points: pp > 1: names of the modules where a new pipeline stage begins.
+        schedule, micro_batches: the pipeline schedule and its micro-batches (pp > 1).
+        strategy: a ``zerokit.Strategy``: its degrees build the mesh, and its level, schedule,
+            micro-batches, precision and recompute replace the arguments above (its plan,
+            when it names one, too).
+    """
+    if strategy is None and mesh is None:
+        strategy = Strategy.from_env()
+    mixed_precision = recompute = None
+    if strategy is not None:
+        if mesh is not None:
+            raise ValueError("pass a mesh or a strategy, not both: the strategy builds its mesh")
+        plan = strategy.plan if strategy.plan is not None else plan
+        level, schedule, micro_batches = strategy.level, strategy.schedule, strategy.micro_batches
+        mixed_precision, recompute = strategy.mixed_precision, strategy.recompute
+    degrees = _degrees(mesh, strategy)
+    plan = _plan_of(plan, degrees["tp"])
+    if plan:
+        resolve_plan(model, plan, degrees["tp"])  # the whole model: every name must exist
+    _check_split_points(model, split_points, degrees["pp"])
+    group_of = _groups_by_name(model, optimizer)
+    if recompute:  # on the whole model, before any split: its blocks keep the setting
+        _enable_recompute(model)
+    layout = as_layout(mesh, "parallelize") if mesh is not None else init_mesh(**degrees)
+
+    if layout.pp_degree > 1:
+        model = _split(model, split_points, layout, schedule, micro_batches)
+    stage = getattr(model, "stage", model)  # a pipeline's local stage, else the model
+    if layout.tp_degree > 1 and plan:
+        local = resolve_plan(stage, plan, layout.tp_degree, partial=layout.pp_degree > 1)
+        apply_plan(stage, local, layout)  # a split finds its tied copies by name: still found
+    optimizer = _carry_over(optimizer, stage, group_of)
+    mp = MixedPrecision(param_dtype=_DTYPES[mixed_precision]) if mixed_precision else None
+    model, optimizer, _ = group_sharded_parallel(
+        model, optimizer, level, group=layout.shard_group, dp_group=layout.replica_group,
+        mixed_precision=mp,
+    )  # fmt: skip
+    return model, optimizer
+
+
+def _degrees(mesh, strategy: Strategy | None) -> dict[str, int]:
+    """The pp, dp, tp degrees, checked against the world size (no communication)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if strategy is not None:
+        strategy.check_world(world)
+        return {"dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp}
+    if mesh is None:
+        return {"dp": world, "tp": 1, "pp": 1}
+    if isinstance(mesh, Layout):
+        return {"dp": mesh.dp_degree * mesh.sharding_degree, "tp": mesh.tp_degree,
+                "pp": mesh.pp_degree}  # fmt: skip
+    names = list(getattr(mesh, "mesh_dim_names", None) or ())
+    size = {n: mesh.size(i) for i, n in enumerate(names)}
+    return {"dp": size.get("dp", 1) * size.get("shard", 1), "tp": size.get("tp", 1),
+            "pp": size.get("pp", 1)}  # fmt: skip
+
+
+def _plan_of(plan, tp: int) -> dict[str, str] | None:
+    if isinstance(plan, str):
+        if plan not in BUILT_IN:
+            raise ValueError(f"no built-in plan {plan!r}; the built-in plans: {sorted(BUILT_IN)}")
+        plan = BUILT_IN[plan]()
+    if tp > 1 and not plan:
+        raise ValueError(
+            f"tp = {tp} needs a plan saying which layers to split: plan=zerokit.plans.llama() "
+            "(or .gpt2(), or your own {module pattern: style})"
+        )
+    return plan
+
+
+def _check_split_points(model: nn.Module, split_points, pp: int) -> None:
+    if pp > 1 and not split_points:
+        raise ValueError(
+            f"pp = {pp} needs split_points: the names of the {pp - 1} modules where a stage begins"
+        )
+    if pp == 1 and split_points:
+        raise ValueError(f"split_points {split_points} given, but pp = 1: set pp in the mesh")
+    modules = dict(model.named_modules())
+    for name in split_points or ():
+        if name not in modules:
+            raise ValueError(no_such_module("split_points", name, modules))
+
+
+def _split(model, split_points, layout, schedule, micro_batches):
+    try:
+        from .pipeline.split import split_model
+    except ImportError as e:
+        raise NotImplementedError(
+            "parallelize with pp > 1 needs zerokit.pipeline.split (split_model), which this "
+            "build does not have yet; use pp = 1, or build a PipelineModule by hand"
+        ) from e
+    return split_model(model, split_points, layout, schedule=schedule, micro_batches=micro_batches)
+
+
+def _groups_by_name(model: nn.Module, optimizer) -> dict[str, int]:
+    """Each parameter name of ``model`` -> the index of the optimizer's param group holding it
+    (frozen parameters the optimizer does not hold are left out)."""
+    if optimizer.state:
+        raise ValueError(
+            "parallelize carries over a fresh optimizer (param groups, hyperparameters), not "
+            "its state: build it before training, or load its state after parallelize"
+        )
+    index = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    names = {
+        n: index[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in index
+    }
+    held = {id(p) for p in model.parameters()}
+    if any(id(p) not in held for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("the optimizer holds parameters that are not the model's")
+    return names
+
+
+def _carry_over(optimizer, model: nn.Module, group_of: dict[str, int]) -> torch.optim.Optimizer:
+    """The same optimizer class, param groups and hyperparameters over the parallelized
+    model's parameters, matched by name: a swapped tensor-parallel layer's slices and a
+    pipeline stage's copy of a tied weight join their original's group; parameters on other
+    pipeline stages are left out."""
+    params: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
+    seen = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name in group_of and id(p) not in seen:
+            seen.add(id(p))
+            params[group_of[name]].append(p)
+    old = [list(g["params"]) for g in optimizer.param_groups]
+    if all(len(a) == len(b) and all(x is y for x, y in zip(a, b)) for a, b in zip(old, params)):
+        return optimizer  # nothing was replaced or moved: the user's own optimizer
+    groups = [
+        {**group, "params": mine} for group, mine in zip(optimizer.param_groups, params) if mine
+    ]
+    try:
+        return type(optimizer)(groups, **optimizer.defaults)
+    except TypeError:  # a defaults key the constructor does not take: the groups carry them
+        return type(optimizer)(groups)
+
+
+def _enable_recompute(model: nn.Module) -> None:
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ValueError(
+            f"recompute=True needs a model with gradient_checkpointing_enable() (Hugging Face); "
+            f"{type(model).__name__} has none: wrap its blocks in torch.utils.checkpoint"
+        )
+    enable()
