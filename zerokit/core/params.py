@@ -17,7 +17,6 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import presence
 from .agreement import meet
 from .collectives import all_reduce_
 from .group import Phase, ShardGroup
@@ -56,7 +55,7 @@ class WholeParams:
             work.finish()
 
     def begin_forward(self, state) -> None:
-        presence.mark(state.process_group, _FORWARD)
+        state.presence.mark(_FORWARD)
 
     def root_forward(self, state) -> None:
         pass
@@ -73,7 +72,10 @@ class WholeParams:
     def order_differs(self) -> None:
         pass  # reductions fall back to the registration order; no gather is at stake
 
-    def stop_prefetch(self) -> None:
+    def forward_done(self) -> None:
+        pass
+
+    def backward_done(self) -> None:
         pass
 
     def before_io(self, state, call: str) -> None:
@@ -124,12 +126,12 @@ class ShardedParams:
     # -- forward and backward ------------------------------------------------------------------
     def begin_forward(self, state) -> None:
         if torch.is_grad_enabled():
-            presence.mark(state.process_group, _FORWARD)
+            state.presence.mark(_FORWARD)
             return
         # evaluation: a forward that gathers outside the training steps. If one rank runs it
         # alone (on rank 0 only), it waits here, named, instead of pairing its gathers with
         # the other ranks' next training forward
-        presence.mark(state.process_group, _NO_GRAD_FORWARD)
+        state.presence.mark(_NO_GRAD_FORWARD)
         meet(_NO_GRAD_FORWARD, state.process_group, _NO_GRAD_HINT)
 
     def root_forward(self, state) -> None:
@@ -139,16 +141,16 @@ class ShardedParams:
         if first is root and len(order) > 1:
             first = state.groups[order[1]]
         if first is not root:
-            self._prefetch(state, first)
+            self._prefetch(first)
 
     def unit_forward(self, state, group: ShardGroup) -> None:
-        self._prefetch(state, _neighbour(state, group, +1, state.prefetch_order), using=group)
+        self._prefetch(_neighbour(state, group, +1, state.prefetch_order), using=group)
 
     def unit_backward(self, state, group: ShardGroup) -> None:
         previous = _neighbour(state, group, -1, state.forward_order)
         if previous is not None and previous.phase is Phase.POST_BACKWARD:
             previous = None
-        self._prefetch(state, previous, using=group)
+        self._prefetch(previous, using=group)
 
     def unit_paused(self, group: ShardGroup) -> None:
         """no_sync(): nothing is reduced, but this backward no longer reads the unit's
@@ -164,10 +166,14 @@ class ShardedParams:
             "in the same order on every rank, or use level 'os' / 'os_g'."
         )
 
-    def stop_prefetch(self) -> None:
-        self._prefetched = None
+    def forward_done(self) -> None:
+        """The model's forward is over: free a unit gathered ahead that never ran."""
+        self._prefetch(None)
 
-    def _prefetch(self, state, group: ShardGroup | None, using: ShardGroup | None = None) -> None:
+    def backward_done(self) -> None:
+        self._prefetched = None  # every unit was freed by its reduction
+
+    def _prefetch(self, group: ShardGroup | None, using: ShardGroup | None = None) -> None:
         """Gather ``group`` ahead of its use; free the previous guess if it was wrong (the
         order changed since it was recorded) and nothing is using it now. Under ``sync_comm``
         nothing is gathered ahead: each unit is gathered when it runs, so one unit (besides the
@@ -184,7 +190,7 @@ class ShardedParams:
     # -- state_dict / load_state_dict ----------------------------------------------------------
     def before_io(self, state, call: str) -> None:
         """Full tensors under the original keys, gathered on demand and freed again."""
-        presence.mark(state.process_group, call)
+        state.presence.mark(call)
         meet(call, state.process_group, _COLLECTIVE_STATE_DICT)
         self._was_sharded = [g for g in state.groups if g.gathered_numel() == 0]
         for g in state.groups:

@@ -57,6 +57,7 @@ class ShardState:
         self.level = level  # its name, for reports and checkpoints; never tested here
         self.params = params  # how parameters are held between uses (stage 3's prefetch...)
         self.process_group = process_group
+        self.presence = presence.Presence(process_group)  # this rank's last call, for waits
         self.tp_group = tp_group  # given at wrap time: ranks holding other slices of tp layers
         self.replica_group = replica_group  # hybrid sharding: ranks holding the same shards
         self.groups = groups
@@ -174,7 +175,7 @@ class ShardState:
             raise RuntimeError("reduce_gradients() was called inside no_sync()")
         if not self._unsynced:
             return
-        presence.mark(self.process_group, "model.reduce_gradients()")
+        self.presence.mark("model.reduce_gradients()")
         self.in_backward = True
         self._launch_order, self._next_launch = self._static_order, 0
         self._end_of_backward()
@@ -219,7 +220,7 @@ class ShardState:
 
     def root_post_forward(self, graph: bool) -> None:
         """``graph``: the output requires grad, so a backward may follow."""
-        self.params.stop_prefetch()
+        self.params.forward_done()
         if not graph:
             self.prefetch_order = list(self.forward_order)
             if not self.in_backward and not self._graph_pending:
@@ -394,7 +395,7 @@ class ShardState:
         self.forward_order = []
         self.in_backward = False
         self._graph_pending = False
-        self.params.stop_prefetch()
+        self.params.backward_done()
 
     def _data_groups(self) -> list[ProcessGroup]:
         """The ranks that split the batch: the shard group and its replicas."""
