@@ -11,13 +11,17 @@ parameters), which only the garbage collector can free, late, after the process 
 Every entry point is ``@eager``: under ``torch.compile`` it runs as one opaque call, never
 traced (``eager.py`` says why).
 
-Which hook fires when, in one step (units U1..Uk in forward order; R the model itself):
+The same hooks are registered at every level; what differs is done by the objects
+``core/build.py`` chose (``state.params``: whole or stage 3's sharded parameters;
+``group.gradients``: full or sharded gradients). Which hook fires when, in one step (units
+U1..Uk in forward order; R the model itself; "stage 3": only ``ShardedParams`` acts):
 
-  forward   R pre-forward        -> state.root_pre_forward (gather R's own group, prefetch U1)
-            Ui pre-forward       -> state.unit_pre_forward (gather Ui, prefetch Ui+1; its
-                                    tensor inputs pass through ``_PostBackward``)
-            Ui forward           -> state.unit_post_forward (free Ui); Ui's outputs get a
-                                    gradient hook
+  forward   R pre-forward        -> state.root_pre_forward (mark the call; stage 3: gather
+                                    R's own group, prefetch U1)
+            Ui pre-forward       -> state.unit_pre_forward (stage 3: gather Ui, prefetch Ui+1;
+                                    its tensor inputs pass through ``_PostBackward``)
+            Ui forward           -> state.unit_post_forward (stage 3: free Ui); Ui's outputs
+                                    get a gradient hook
             R forward            -> state.root_post_forward (agree the order of units); R's
                                     outputs get a gradient hook
   any time  M pre-forward        -> state.root_unit_used, for each module M holding root-unit
@@ -25,11 +29,15 @@ Which hook fires when, in one step (units U1..Uk in forward order; R the model i
                                     (stage 3: a tied head called on chunks outside R's forward)
   backward  R output gradient    -> state.begin_backward (queues the end-of-backward callback)
             parameter pre-gradient -> drop the ``GradPlaceholder`` the last backward published
-            Ui output gradient   -> state.unit_pre_backward (gather Ui, prefetch Ui-1)
-            parameter gradient   -> state.grad_ready (stage it; launch ready groups in order)
+            Ui output gradient   -> state.unit_pre_backward (stage 3: gather Ui, prefetch
+                                    Ui-1)
+            parameter gradient   -> state.grad_ready (group.gradients takes it; launch ready
+                                    groups in order)
             Ui inputs' gradient  -> state.unit_post_backward (Ui's backward is over)
             end of backward      -> state._end_of_backward (launch the rest, agree which
                                     parameters hold a gradient, publish, free)
+  state_dict / load_state_dict   -> state.params.before_io / after_save / after_load (stage 3:
+                                    every unit gathered around it, then freed)
 """
 
 from __future__ import annotations
