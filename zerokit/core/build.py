@@ -1,13 +1,15 @@
 """Build the core for a validated model and optimizer: units -> buckets -> shard groups ->
 ``ShardState`` -> hooks -> the model and optimizer converted in place.
 
-The level is decoded here, once (``Strategy.decode``): which gradients a group holds (full or
-sharded, and how they are reduced) and how parameters are held (whole or stage 3's sharded).
-Nothing else in ``core/`` asks for the level.
+The level is decoded here, once (``Strategy.decode``, which ``group_sharded_parallel`` calls
+before anything changes): which gradients a group holds (full or sharded, and how they are
+reduced) and how parameters are held (whole or stage 3's sharded). Nothing else asks which
+level it is: the rest holds the objects built from the strategy, or asks the strategy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +35,7 @@ _CPU = torch.device("cpu")  # where offload=True keeps master shards and optimiz
 
 @dataclass(frozen=True, kw_only=True)
 class CoreOptions:
-    level: str
+    strategy: Strategy
     group: ProcessGroup
     buffer_max_size: int
     sync_comm: bool
@@ -49,12 +51,18 @@ class CoreOptions:
     outer: nn.Module | None = None  # what the user passed: a torch.compile wrapper of the model
 
 
+def _reduce_scatter(group: ProcessGroup, replicas: ProcessGroup | None) -> ReduceScatter:
+    return ReduceScatterThenAllReduce(group, replicas) if replicas else ReduceScatter(group)
+
+
 @dataclass(frozen=True)
 class Strategy:
     """A level, decoded: what varies between the stages, as the classes to build."""
 
+    name: str  # 'os', 'os_g' or 'p_g_os': for reports and checkpoints
     gradients: type[FullGradients | ShardedGradients]  # what each shard group holds
-    reduction: AllReduce | ReduceScatter  # how the gradients are averaged
+    #: (shard group, replica group or None) -> how the gradients are averaged
+    reduction: Callable[[ProcessGroup, ProcessGroup | None], AllReduce | ReduceScatter]
     params: type[WholeParams | ShardedParams]  # how the state holds parameters between uses
 
     @property
@@ -63,17 +71,32 @@ class Strategy:
         return self.params is ShardedParams
 
     @staticmethod
-    def decode(level: str, group: ProcessGroup, replicas: ProcessGroup | None) -> Strategy:
+    def decode(level: str) -> Strategy:
         if level == "os":  # stage 1: full gradients, all-reduced
-            return Strategy(FullGradients, AllReduce(group, replicas), WholeParams)
+            return Strategy(level, FullGradients, AllReduce, WholeParams)
         # stages 2 and 3: this rank's shard of the gradients, reduce-scattered (hybrid: then
         # all-reduced across replicas)
-        scatter = ReduceScatterThenAllReduce(group, replicas) if replicas else ReduceScatter(group)
         if level == "os_g":
-            return Strategy(ShardedGradients, scatter, WholeParams)
+            return Strategy(level, ShardedGradients, _reduce_scatter, WholeParams)
         if level == "p_g_os":
-            return Strategy(ShardedGradients, scatter, ShardedParams)
-        raise ValueError(f"unknown level {level!r}: 'os', 'os_g' or 'p_g_os'")
+            return Strategy(level, ShardedGradients, _reduce_scatter, ShardedParams)
+        raise ValueError(
+            f"unknown level {level!r}; valid levels: 'os' (stage 1), 'os_g' (stage 2), "
+            "'p_g_os' (stage 3), or the stage numbers 1, 2, 3"
+        )
+
+    def check(self, *, step_in_backward: bool, exclude_layer) -> None:
+        """Refuse the options this level cannot honour."""
+        if step_in_backward and self.gradients is FullGradients:
+            raise ValueError(
+                "step_in_backward needs sharded gradients (level 'os_g' or 'p_g_os'), "
+                f"not {self.name!r}"
+            )
+        if exclude_layer and not self.shard_params:
+            raise ValueError(
+                "exclude_layer only applies to level 'p_g_os' (stage 3): at 'os' and 'os_g' "
+                "every rank keeps full parameters anyway"
+            )
 
 
 def build(
@@ -105,7 +128,8 @@ def build(
     _cast_frozen_params(model, mp.param_dtype, keep=full_precision)
     reduce_dtype = mp.gradient_reduce_dtype()  # None: the parameters' own dtype
     replicas = opts.replica_group
-    strategy = Strategy.decode(opts.level, group, replicas)
+    strategy = opts.strategy
+    reduction = strategy.reduction(group, replicas)
     device = next((p.device for plan in plans for _, p in plan.params), _CPU)
     staging = StagingPool(device)
     groups, root, units = [], None, []
@@ -127,7 +151,7 @@ def build(
             buckets,
             strategy.gradients(
                 buckets,
-                strategy.reduction,
+                reduction,
                 staging,
                 reduce_dtype=reduce_dtype,
                 tp_group=opts.tp_group,
@@ -143,7 +167,7 @@ def build(
     checks.remember_wrapped(model.parameters())
     state = ShardState(
         model,
-        opts.level,
+        strategy.name,
         group,
         groups,
         root,
