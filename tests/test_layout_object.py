@@ -2,6 +2,7 @@
 from ``init_hybrid_parallel`` or a torch ``DeviceMesh`` with named dims serve alike, and two
 layouts live side by side in one process."""
 
+import ast
 import pathlib
 import re
 
@@ -52,6 +53,36 @@ def test_no_module_level_process_group_state():
         for path in root.rglob("*.py")
         for n, line in enumerate(path.read_text().splitlines(), 1)
         if re.fullmatch(r"\s*global\s+\w+(\s*,\s*\w+)*\s*(#.*)?", line)
+    ]
+    assert not found, found
+
+
+def _module_level_group_tables(source: str) -> list[int]:
+    """Lines of module-level assignments that key state by process group: a
+    ``WeakKeyDictionary`` (keyed by objects such as groups) or anything annotated with
+    ``ProcessGroup``."""
+    lines = []
+    for node in ast.parse(source).body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        annotation = ast.unparse(node.annotation) if isinstance(node, ast.AnnAssign) else ""
+        called = node.value.func if isinstance(node.value, ast.Call) else None
+        name = getattr(called, "attr", getattr(called, "id", ""))
+        if "ProcessGroup" in annotation or name == "WeakKeyDictionary":
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_level_tables_keyed_by_groups():
+    """Per-group state (where a rank is, how many meetings it held) has one owner: an object
+    (``ShardState.presence``) or the group's own store, never a module-level dict."""
+    assert _module_level_group_tables("import weakref\n_w = weakref.WeakKeyDictionary()\n")
+    assert _module_level_group_tables("_n: dict[ProcessGroup, int] = {}\n")
+    root = pathlib.Path(zerokit.__file__).parent
+    found = [
+        f"{path.relative_to(root)}:{n}"
+        for path in root.rglob("*.py")
+        for n in _module_level_group_tables(path.read_text())
     ]
     assert not found, found
 

@@ -119,3 +119,44 @@ def test_one_config_paddle_arguments_fill_it():
     assert same.sync_comm
     with pytest.raises(ValueError, match="segment_size is given twice"):
         merge_arguments(zerokit.ShardingConfig(segment_size=10), segment_size=20)
+
+
+_LEVEL_NAMES = {"os", "os_g", "p_g_os"}
+
+
+def _level_tests(source: str) -> list[int]:
+    """Lines of comparisons with a level name (``level == 'p_g_os'``, ``level in ('os_g',
+    ...)``) or of a ``keeps_full_grad`` flag."""
+    import ast
+
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "keeps_full_grad":
+            lines.append(node.lineno)
+        if isinstance(node, ast.Compare):
+            names = {
+                c.value
+                for side in [node.left, *node.comparators]
+                for c in ast.walk(side)
+                if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            }
+            if names & _LEVEL_NAMES:
+                lines.append(node.lineno)
+    return lines
+
+
+def test_the_core_decodes_the_level_in_one_place():
+    """Only ``core/build.py`` (``Strategy.decode``) asks which level it is; the rest of the core
+    holds the objects it chose (gradients full or sharded, parameters whole or stage 3's)."""
+    import pathlib
+
+    assert _level_tests("if state.level == 'p_g_os': pass\nx = r.keeps_full_grad\n") == [1, 2]
+    assert _level_tests("ok = level not in ('os_g', 'p_g_os')\n") == [1]
+    core = pathlib.Path(zerokit.__file__).parent / "core"
+    found = [
+        f"{path.name}:{n}"
+        for path in sorted(core.glob("*.py"))
+        if path.name != "build.py"
+        for n in _level_tests(path.read_text())
+    ]
+    assert not found, found

@@ -32,7 +32,7 @@ from .config import (
     resolve_level,
 )
 from .core import checks
-from .core.build import CoreOptions, build
+from .core.build import CoreOptions, Strategy, build
 from .core.compiled import unwrap_compiled
 from .core.state import state_of
 from .core.units import plan_units
@@ -178,15 +178,8 @@ def group_sharded_parallel(
         },
         [group] + ([dp_group] if dp_group is not None else []),
     )
-    if level not in LEVELS:
-        raise ValueError(
-            f"unknown level {level!r}; valid levels: 'os' (stage 1), 'os_g' (stage 2), "
-            "'p_g_os' (stage 3), or the stage numbers 1, 2, 3"
-        )
-    if step_in_backward and level not in ("os_g", "p_g_os"):
-        raise ValueError(
-            f"step_in_backward needs sharded gradients (level 'os_g' or 'p_g_os'), not {level!r}"
-        )
+    strategy = Strategy.decode(level)  # the level decoded, once
+    strategy.check(step_in_backward=step_in_backward, exclude_layer=exclude_layer)
     scaler = _sharded_scaler(scaler)
     if step_in_backward and scaler is not None and scaler.is_enabled():
         raise ValueError(
@@ -198,11 +191,6 @@ def group_sharded_parallel(
         raise TypeError("mixed_precision must be a zerokit.MixedPrecision policy (or None)")
     mixed_precision = mixed_precision or MixedPrecision()
     config = config or ShardingConfig()
-    if level != "p_g_os" and exclude_layer:
-        raise ValueError(
-            "exclude_layer only applies to level 'p_g_os' (stage 3): at 'os' and 'os_g' every "
-            "rank keeps full parameters anyway"
-        )
     checks.check_optimizer(optimizer, config.elementwise_optimizer)
     checks.check_dense_gradients(model)
     if dp_group is not None:
@@ -216,7 +204,7 @@ def group_sharded_parallel(
         named,
         segment_size=segment_size,
         wrap=config.wrap,
-        exclude=(exclude_layer or ()) if level == "p_g_os" else (),
+        exclude=exclude_layer or (),
         full_precision=mixed_precision.full_precision_modules
         if mixed_precision.param_dtype is not None
         else (),
@@ -226,11 +214,11 @@ def group_sharded_parallel(
     shards = None
     if meta:  # fails alike on every rank, leaving the model on meta
         shards = materialize(
-            model, plans, level=level, group=group, replica_group=replicas,
-            buffer_max_size=buffer_max_size, init_fn=init_fn,
+            model, plans, shard_params=strategy.shard_params, group=group,
+            replica_group=replicas, buffer_max_size=buffer_max_size, init_fn=init_fn,
         )  # fmt: skip
     options = CoreOptions(
-        level=level,
+        strategy=strategy,
         group=group,
         buffer_max_size=buffer_max_size,
         sync_comm=sync_comm,

@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .core import presence
 from .core.agreement import meet
 from .core.collectives import all_reduce_
 from .core.state import state_of
@@ -75,7 +74,7 @@ def global_grad_norm(
     tp_group = state.tp_group if state is not None else tp_group_of(model)
     if state is not None:
         state.check_ready_for_step()
-        presence.mark(state.process_group, call)
+        state.presence.mark(call)
         # before any collective: a rank that clips alone waits here, named, instead of
         # pairing its all-reduce with another call's collectives on the other ranks
         meet(call, state.process_group, _EVERY_RANK)

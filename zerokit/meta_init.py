@@ -106,23 +106,23 @@ def materialize(
     model: nn.Module,
     plans: list[UnitPlan],
     *,
-    level: str,
+    shard_params: bool,
     group: ProcessGroup,
     replica_group: ProcessGroup | None,
     buffer_max_size: int,
     init_fn: InitFn | None,
 ) -> dict[ShardKey, torch.Tensor] | None:
-    """Collective. Give the meta ``model`` its initial values; at ``'p_g_os'`` return this
-    rank's shard of every bucket (keyed by its parameters' ids) and leave each bucketed
-    parameter as a storage-less placeholder of its shape, else materialise every parameter
-    and return None. On any rank's failure: ``MetaInitError`` on every rank, model restored."""
+    """Collective. Give the meta ``model`` its initial values; with ``shard_params`` (level
+    ``'p_g_os'``) return this rank's shard of every bucket (keyed by its parameters' ids) and
+    leave each bucketed parameter as a storage-less placeholder of its shape, else materialise
+    every parameter and return None. On any rank's failure: ``MetaInitError`` on every rank, model restored."""
     groups = [g for g in (replica_group, group) if g is not None]
     device = communication_device(group)
     saved = _Snapshot(model)
     rng = torch.get_rng_state()
     for g in groups:  # every rank draws rank 0's numbers, as if rank 0's model were broadcast
         torch.set_rng_state(broadcast_(torch.get_rng_state().to(device), g).cpu())
-    walk = _Walk(model, plans if level == "p_g_os" else [], group, buffer_max_size, device)
+    walk = _Walk(model, plans if shard_params else [], group, buffer_max_size, device)
     error = ""
     try:
         walk.run(init_fn or reset_parameters)
@@ -136,7 +136,7 @@ def materialize(
             f"initialising the meta model failed: {report}. Nothing was wrapped; the model is "
             "still on meta"
         )
-    return walk.finish() if level == "p_g_os" else None
+    return walk.finish() if shard_params else None
 
 
 def _agree_on_failures(error: str, groups: list[ProcessGroup | None]) -> str:

@@ -22,7 +22,6 @@ import pickle
 import torch
 from torch import nn
 
-from .core import presence
 from .core.agreement import gather
 from .core.checks import forget_wrapped
 from .core.collectives import start_all_gather_
@@ -57,7 +56,7 @@ def unwrap(
         )
     if state.in_backward:
         raise RuntimeError("zerokit.unwrap was called inside a backward; call it between steps")
-    presence.mark(state.process_group, _CALL)
+    state.presence.mark(_CALL)
     full_state = _full_optimizer_state(optimizer, state)
     for bucket in state.buckets:
         _give_back_params(bucket)

@@ -57,9 +57,10 @@ def mark_call(call: str, model: nn.Module, group) -> None:
     """Tell the other ranks this one is in ``call`` (the world and the model's own group), so
     a rank that waits for it elsewhere names the call."""
     state = state_of(model)
-    groups = [g for g in (group, state.process_group if state else None) if g is not None]
-    for g in {id(g): g for g in groups}.values():
-        presence.mark(g, call)
+    if state is not None:
+        state.presence.mark(call)
+    if group is not None and (state is None or group is not state.process_group):
+        presence.Presence(group).mark(call)
 
 
 def _rank() -> int:

@@ -14,8 +14,9 @@ waits past the timeout writes the verdict ``missing <ranks>`` instead. The verdi
 written with compare-and-set, so exactly one verdict wins and every rank, including one that
 arrives late, reads the same one: all proceed together, or all raise the same error. Only
 then do the values travel, by an ordinary all-gather (every rank is known to be in it). Calls
-are numbered per group; every rank of a group makes the same calls in the same order, so the
-numbers match (a rank that arrives late reads the old verdict and raises, and stays in step).
+are numbered per group, by a counter per rank kept in the store itself (no state in this
+process); every rank of a group makes the same calls in the same order, so the numbers match
+(a rank that arrives late reads the old verdict and raises, and stays in step).
 
 A rank that is inside the same work but slow (writing a large shard) is not missing: inside
 ``with alive(group):`` a thread bumps the rank's heartbeat counter in the store every second,
@@ -30,7 +31,6 @@ import hashlib
 import json
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -50,7 +50,6 @@ from .timeouts import (  # noqa: F401  (re-exported: the agreement's errors)
 
 _PREFIX = "zerokit/agree"
 BEAT_SECONDS = 1.0
-_calls: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -113,11 +112,9 @@ def _absent(store, key: str, group: ProcessGroup, size: int) -> list[int]:
 
 def _arrive(what: str, group: ProcessGroup, timeout: float, hint: str = "") -> None:
     """Meet every rank of ``group`` in the store, or raise ``CollectiveTimeout``."""
-    store = _store()
-    number = _calls.get(group, 0)
-    _calls[group] = number + 1
+    store, size, me = _store(), group.size(), group.rank()
+    number = store.add(f"{_PREFIX}/{group.group_name}/calls/{me}", 1)  # this rank's n-th
     key = f"{_PREFIX}/{group.group_name}/{number}/"
-    size, me = group.size(), group.rank()
     store.set(f"{key}here/{me}", what)
     if store.add(f"{key}count", 1) == size:
         store.compare_set(f"{key}verdict", "", "ok")

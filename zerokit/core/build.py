@@ -1,8 +1,15 @@
 """Build the core for a validated model and optimizer: units -> buckets -> shard groups ->
-``ShardState`` -> hooks -> the model and optimizer converted in place."""
+``ShardState`` -> hooks -> the model and optimizer converted in place.
+
+The level is decoded here, once (``Strategy.decode``, which ``group_sharded_parallel`` calls
+before anything changes): which gradients a group holds (full or sharded, and how they are
+reduced) and how parameters are held (whole or stage 3's sharded). Nothing else asks which
+level it is: the rest holds the objects built from the strategy, or asks the strategy.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -12,10 +19,12 @@ from torch.distributed import ProcessGroup
 from ..mixed_precision import MixedPrecision
 from . import checks
 from .flat_param import FlatParamBucket
+from .gradients import FullGradients, ShardedGradients
 from .group import ShardGroup
 from .hooks import register_hooks
 from .module import broadcast_module_state, convert_module_
 from .optimizer import shard_optimizer_
+from .params import ShardedParams, WholeParams
 from .reduction import AllReduce, ReduceScatter, ReduceScatterThenAllReduce
 from .staging import StagingPool
 from .state import ShardState
@@ -26,7 +35,7 @@ _CPU = torch.device("cpu")  # where offload=True keeps master shards and optimiz
 
 @dataclass(frozen=True, kw_only=True)
 class CoreOptions:
-    level: str
+    strategy: Strategy
     group: ProcessGroup
     buffer_max_size: int
     sync_comm: bool
@@ -35,11 +44,59 @@ class CoreOptions:
     mixed_precision: MixedPrecision
     tp_group: ProcessGroup | None
     replica_group: ProcessGroup | None = None  # hybrid sharding: replicas of this shard group
-    debug_agreement: bool = False  # 'p_g_os': check before every gather that ranks agree
+    debug_agreement: bool = False  # stage 3: check before every gather that ranks agree
     # a model built on meta ('p_g_os'): this rank's initial shard of each bucket, keyed by the
     # ids of its parameters (zerokit/meta_init.py); every rank computed them alike
     initial_shards: dict[tuple[int, ...], torch.Tensor] | None = None
     outer: nn.Module | None = None  # what the user passed: a torch.compile wrapper of the model
+
+
+def _reduce_scatter(group: ProcessGroup, replicas: ProcessGroup | None) -> ReduceScatter:
+    return ReduceScatterThenAllReduce(group, replicas) if replicas else ReduceScatter(group)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A level, decoded: what varies between the stages, as the classes to build."""
+
+    name: str  # 'os', 'os_g' or 'p_g_os': for reports and checkpoints
+    gradients: type[FullGradients | ShardedGradients]  # what each shard group holds
+    #: (shard group, replica group or None) -> how the gradients are averaged
+    reduction: Callable[[ProcessGroup, ProcessGroup | None], AllReduce | ReduceScatter]
+    params: type[WholeParams | ShardedParams]  # how the state holds parameters between uses
+
+    @property
+    def shard_params(self) -> bool:
+        """Buckets free their full parameters between uses (stage 3)."""
+        return self.params is ShardedParams
+
+    @staticmethod
+    def decode(level: str) -> Strategy:
+        if level == "os":  # stage 1: full gradients, all-reduced
+            return Strategy(level, FullGradients, AllReduce, WholeParams)
+        # stages 2 and 3: this rank's shard of the gradients, reduce-scattered (hybrid: then
+        # all-reduced across replicas)
+        if level == "os_g":
+            return Strategy(level, ShardedGradients, _reduce_scatter, WholeParams)
+        if level == "p_g_os":
+            return Strategy(level, ShardedGradients, _reduce_scatter, ShardedParams)
+        raise ValueError(
+            f"unknown level {level!r}; valid levels: 'os' (stage 1), 'os_g' (stage 2), "
+            "'p_g_os' (stage 3), or the stage numbers 1, 2, 3"
+        )
+
+    def check(self, *, step_in_backward: bool, exclude_layer) -> None:
+        """Refuse the options this level cannot honour."""
+        if step_in_backward and self.gradients is FullGradients:
+            raise ValueError(
+                "step_in_backward needs sharded gradients (level 'os_g' or 'p_g_os'), "
+                f"not {self.name!r}"
+            )
+        if exclude_layer and not self.shard_params:
+            raise ValueError(
+                "exclude_layer only applies to level 'p_g_os' (stage 3): at 'os' and 'os_g' "
+                "every rank keeps full parameters anyway"
+            )
 
 
 def build(
@@ -71,12 +128,8 @@ def build(
     _cast_frozen_params(model, mp.param_dtype, keep=full_precision)
     reduce_dtype = mp.gradient_reduce_dtype()  # None: the parameters' own dtype
     replicas = opts.replica_group
-    if opts.level == "os":
-        reduction = AllReduce(group, replicas)
-    else:
-        reduction = (
-            ReduceScatterThenAllReduce(group, replicas) if replicas else ReduceScatter(group)
-        )
+    strategy = opts.strategy
+    reduction = strategy.reduction(group, replicas)
     device = next((p.device for plan in plans for _, p in plan.params), _CPU)
     staging = StagingPool(device)
     groups, root, units = [], None, []
@@ -88,7 +141,7 @@ def build(
                 group,
                 compute_dtype=None if plan.full_precision else mp.param_dtype,
                 master_device=_CPU if opts.offload else None,
-                shard_params=opts.level == "p_g_os",
+                shard_params=strategy.shard_params,
                 initial_shard=_initial_shard(opts, plan, layout),
             )
             for layout in layouts
@@ -96,9 +149,13 @@ def build(
         shard_group = ShardGroup(
             plan.name,
             buckets,
-            reduction,
-            staging,
-            reduce_dtype=reduce_dtype,
+            strategy.gradients(
+                buckets,
+                reduction,
+                staging,
+                reduce_dtype=reduce_dtype,
+                tp_group=opts.tp_group,
+            ),
             keep_whole=plan.keep_whole,
             tp_group=opts.tp_group,
         )
@@ -110,15 +167,15 @@ def build(
     checks.remember_wrapped(model.parameters())
     state = ShardState(
         model,
-        opts.level,
+        strategy.name,
         group,
         groups,
         root,
         staging,
+        strategy.params(groups, sync_comm=opts.sync_comm, debug_agreement=opts.debug_agreement),
         tp_group=opts.tp_group,
         replica_group=replicas,
         sync_comm=opts.sync_comm,
-        debug_agreement=opts.debug_agreement,
         frozen=[(n, p) for n, p in model.named_parameters() if not p.requires_grad],
     )
     convert_module_(model, state)
@@ -131,8 +188,7 @@ def build(
         sync_buffers=opts.sync_buffers,
         outer=opts.outer if opts.outer is not None else model,
     )
-    if opts.level == "p_g_os":
-        state.refresh_params()  # gathers the units kept whole
+    state.params.after_wrap(state)  # stage 3: gathers the units kept whole
     shard_optimizer_(optimizer, state)
     return state
 

@@ -1,8 +1,9 @@
 """A shard group: the parameters of one unit (a module), flattened into buckets, and their
 life cycle through a step.
 
-A group owns its buckets (flat parameters), its gradient buffers (full at 'os', this rank's
-shard at 'os_g'/'p_g_os'), its staged gradients during backward, and two states:
+A group owns its buckets (flat parameters), its gradients (a ``FullGradients`` or
+``ShardedGradients``, chosen once by ``core/build.py``: it never asks which), this backward's
+bookkeeping (which parameters delivered, which contributed), and two states:
 
     storage (per bucket):  SHARDED -> GATHERING -> GATHERED -> SHARDED   ('p_g_os' only)
     phase:                 IDLE -> FORWARD -> PRE_BACKWARD -> POST_BACKWARD -> IDLE
@@ -15,7 +16,6 @@ Verbs: ``unshard`` / ``wait_for_unshard`` / ``reshard`` (storage), ``pre_forward
 from __future__ import annotations
 
 import enum
-import weakref
 
 import torch
 from torch import nn
@@ -23,8 +23,7 @@ from torch import nn
 from .collectives import Pending, all_reduce_
 from .flat_param import FlatParamBucket, Storage
 from .grad_placeholder import GradPlaceholder, is_placeholder
-from .reduction import AllReduce, ReduceScatter
-from .staging import StagingPool
+from .gradients import FullGradients, ShardedGradients
 
 
 class Phase(enum.Enum):
@@ -43,27 +42,17 @@ class ShardGroup:
         self,
         name: str,
         buckets: list[FlatParamBucket],
-        reduction: AllReduce | ReduceScatter,
-        staging: StagingPool,
+        gradients: FullGradients | ShardedGradients,
         *,
-        reduce_dtype: torch.dtype | None = None,
         keep_whole: bool = False,
         tp_group=None,
     ):
         self.name = name
         self.buckets = buckets
-        self.reduction = reduction
-        self.keep_whole = keep_whole  # 'p_g_os' exclude_layer: gathered once, never freed
-        self._staging = staging
-        self._reduce_dtype = reduce_dtype
+        self.gradients = gradients
+        self.keep_whole = keep_whole  # an exclude_layer: gathered once, never freed
         self.phase = Phase.IDLE
         n = len(buckets)
-        # Persistent gradient per bucket: full ('os') or this rank's shard; None until the first
-        # reduction after zero_grad(set_to_none=True), which frees it (torch's contract).
-        self.grads: list[torch.Tensor | None] = [None] * n
-        # 'os' under mixed precision: fp32 copies of the shard for the fp32 master pieces
-        self._piece_grads: list[torch.Tensor | None] = [None] * n
-        self._staged: list[torch.Tensor | None] = [None] * n  # during backward only
         # has_grad[b][i]: parameter i of bucket b holds a gradient (agreed across ranks)
         self.has_grad = [torch.zeros(len(b.params), dtype=torch.bool) for b in buckets]
         self.contributed = [torch.zeros(len(b.params), dtype=torch.bool) for b in buckets]
@@ -71,7 +60,7 @@ class ShardGroup:
         self._missing_total = sum(len(b.params) for b in buckets)
         self.post_backward_signalled = False  # its inputs' gradients are done (module units)
         self.forward_calls = 0  # calls of its module since the last backward
-        self.before_gather = None  # 'p_g_os': ShardState's check that every rank gathers it
+        self.before_gather = None  # debug mode: a check that every rank gathers it now
         self.owner = lambda: None  # a weak reference to the ShardState (global gradient norms)
         # Sequence parallelism: parameters replicated across the tp group whose gradient is a
         # partial sum on each tp rank (Megatron marks them ``param.sequence_parallel = True``);
@@ -168,22 +157,13 @@ class ShardGroup:
         if (b, i) in self._tp_summed and param.grad is not None:
             all_reduce_(param.grad, self._tp_group)  # a fresh tensor: never the bucket's slot
         if self._is_taken(b, i):
-            self.contributed[b][i] |= self._add_grad(b, i, param)
+            if param.grad is not None:
+                self.gradients.add(b, i, param)
+                self.contributed[b][i] = True
             return
         self.contributed[b][i] = self._take_grad(b, i, param)
         self._arrived[b] += 1
         self._missing_total -= 1
-
-    def _add_grad(self, b: int, i: int, param: nn.Parameter) -> bool:
-        if param.grad is None:
-            return False
-        target = self._full_grad(b) if self.reduction.keeps_full_grad else self._staged_buffer(b)
-        slot = self.buckets[b].slot_view(target, i)
-        if param.grad.data_ptr() != slot.data_ptr():  # else autograd added into the slot itself
-            slot.add_(param.grad)
-        alias = self.reduction.keeps_full_grad and self._aliases_param(b, i)
-        param.grad = slot if alias else None
-        return True
 
     @property
     def ready(self) -> bool:
@@ -207,16 +187,16 @@ class ShardGroup:
                         if (b, i) in self._tp_summed and param.grad is not None:
                             all_reduce_(param.grad, self._tp_group)
                         self.contributed[b][i] = self._take_grad(b, i, param)
-            pending.append(self._start_reduce(b))
+            pending.append(self.gradients.start_reduce(b))
         self.phase = Phase.POST_BACKWARD
         self.reshard()
         return pending
 
     def finish_backward(self, contributed: list[torch.Tensor]) -> None:
         """Reductions are done and ``contributed`` is agreed: expose gradients, reset."""
-        for b, bucket in enumerate(self.buckets):
+        for b in range(len(self.buckets)):
             self.has_grad[b] |= contributed[b]
-            self._publish(b, bucket)
+            self.gradients.publish(b, self.has_grad[b], self.owner)
         self.reset()
 
     def reset(self) -> None:
@@ -241,133 +221,7 @@ class ShardGroup:
         if self._taken is None:
             self._taken = set()
         self._taken.add((b, i))
-        if self.reduction.keeps_full_grad:
-            return self._take_into_full(b, i, param)
-        slot = self.buckets[b].slot_view(self._staged_buffer(b), i)
-        if param.grad is None:
-            slot.zero_()
-            return False
-        slot.copy_(param.grad)
-        param.grad = None  # release the full-size gradient autograd made
-        return True
-
-    def _full_grad(self, b: int) -> torch.Tensor:
-        if self.grads[b] is None:
-            bucket = self.buckets[b]
-            dtype = self._reduce_dtype or bucket.data.dtype
-            self.grads[b] = torch.zeros(
-                bucket.layout.padded_numel, dtype=dtype, device=bucket.data.device
-            )
-        return self.grads[b]
-
-    def _aliases_param(self, b: int, i: int) -> bool:
-        """'os': can ``param.grad`` be a view of the full gradient, the very memory the
-        optimizer steps from? Not under mixed precision or offload (the gradient or the masters
-        are in another dtype or device), nor under tensor parallelism (a gradient is a slice,
-        so torch's clip would count only this rank's): then it is a ``GradPlaceholder``."""
-        bucket = self.buckets[b]
-        dtype = self._reduce_dtype or bucket.data.dtype
-        return (
-            (dtype, bucket.data.device) == (bucket.shard_data.dtype, bucket.shard_data.device)
-            and dtype == bucket.data.dtype
-            and (self._tp_group is None or self._tp_group.size() == 1)
-        )
-
-    def _take_into_full(self, b: int, i: int, param: nn.Parameter) -> bool:
-        slot = self.buckets[b].slot_view(self._full_grad(b), i)
-        grad = param.grad
-        accumulated = bool(self.has_grad[b][i])  # the slot holds reduced gradients since zero_grad
-        alias = self._aliases_param(b, i)
-        if grad is None:
-            if not (accumulated and not alias):
-                slot.zero_()
-            return False
-        if grad.data_ptr() == slot.data_ptr():  # autograd accumulated into the bucket itself
-            return True
-        if accumulated and not alias:
-            slot.add_(grad)  # mixed precision: the slot cannot be param.grad, so add here
-        else:
-            slot.copy_(grad)
-        param.grad = slot if alias else None  # later backwards accumulate into the bucket
-        return True
-
-    def _staged_buffer(self, b: int) -> torch.Tensor:
-        if self._staged[b] is None:
-            bucket = self.buckets[b]
-            dtype = self._reduce_dtype or bucket.data.dtype
-            full = self._staging.acquire(bucket.layout.padded_numel, dtype)
-            full[bucket.layout.numel :].zero_()  # padding
-            self._staged[b] = full
-        return self._staged[b]
-
-    def _shard_grad(self, b: int) -> torch.Tensor:
-        if self.grads[b] is None:  # in the masters' dtype and device (fp32, offload: the CPU)
-            self.grads[b] = torch.zeros_like(self.buckets[b].shard_data)
-        return self.grads[b]
-
-    def _start_reduce(self, b: int) -> Pending:
-        if self.reduction.keeps_full_grad:
-            return self.reduction.start(self._full_grad(b))
-        full, self._staged[b] = self._staged_buffer(b), None
-        pending = self.reduction.start(full, self._shard_grad(b))
-        return pending.then(lambda: self._staging.release(full))
-
-    def _publish(self, b: int, bucket: FlatParamBucket) -> None:
-        flags = self.has_grad[b]
-        grad = self.grads[b]
-        shard = self._piece_grad_shard(b) if self.reduction.keeps_full_grad else grad
-        for i, param in enumerate(bucket.params):
-            if not flags[i]:
-                param.grad = None
-            elif self._torch_reads_grad(b, i):
-                param.grad = bucket.slot_view(grad, i)
-            else:
-                param.grad = self._placeholder(b, i)
-        if shard is None:
-            for piece_param in bucket.param_pieces:
-                piece_param.grad = None
-            return
-        for piece, piece_param, view in zip(
-            bucket.pieces, bucket.param_pieces, bucket.piece_views(shard)
-        ):
-            piece_param.grad = view if flags[piece.slot] else None
-
-    def _torch_reads_grad(self, b: int, i: int) -> bool:
-        """Is ``param.grad`` what one process would hold, and what the optimizer steps from?
-        Then torch's clip on it is exact."""
-        return self.reduction.keeps_full_grad and self._aliases_param(b, i)
-
-    def _placeholder(self, b: int, i: int) -> GradPlaceholder:
-        """``param.grad`` of parameter ``i`` of bucket ``b`` where torch cannot read it; it
-        scales, in place, every buffer holding this rank's part of that gradient."""
-        ref = weakref.ref(self)  # param -> .grad -> group -> param would be a cycle
-
-        def parts() -> list[torch.Tensor]:
-            group = ref()
-            return [] if group is None else group._grad_parts(b, i)
-
-        if self.reduction.keeps_full_grad:
-            why = (
-                "this rank holds a tensor-parallel slice of the gradient"
-                if self._tp_group is not None and self._tp_group.size() > 1
-                else "the gradient the optimizer steps from is in another dtype or device than "
-                "the parameter (mixed precision or offload)"
-            )
-        else:
-            why = "at levels 'os_g' and 'p_g_os' each rank holds only its shard of the gradient"
-        return GradPlaceholder(self.buckets[b].params[i], parts, self.owner, why)
-
-    def _grad_parts(self, b: int, i: int) -> list[torch.Tensor]:
-        bucket, parts = self.buckets[b], []
-        if self.reduction.keeps_full_grad and self.grads[b] is not None:
-            parts.append(bucket.slot_view(self.grads[b], i))
-        if not self.reduction.keeps_full_grad or self._piece_grads[b] is not None:
-            parts += [  # separate memory only: at 'os' the pieces may view the slot itself
-                view.grad
-                for piece, view in zip(bucket.pieces, bucket.param_pieces)
-                if piece.slot == i and view.grad is not None
-            ]
-        return parts
+        return self.gradients.take(b, i, param, accumulated=bool(self.has_grad[b][i]))
 
     def release_stepped(self) -> None:
         """step_in_backward: the group's gradients were applied; free them. A parameter that
@@ -380,20 +234,6 @@ class ShardGroup:
                 if flag:
                     param.grad = GradPlaceholder(param, lambda: None, self.owner, why)
 
-    def _piece_grad_shard(self, b: int) -> torch.Tensor | None:
-        """'os': the pieces' gradients, a view of the full gradient's shard (or, when the masters
-        differ in dtype or device, a copy in theirs)."""
-        grad, bucket = self.grads[b], self.buckets[b]
-        if grad is None:
-            return None
-        shard = bucket.shard(grad)
-        if (shard.dtype, shard.device) == (bucket.shard_data.dtype, bucket.shard_data.device):
-            return shard
-        if self._piece_grads[b] is None:
-            self._piece_grads[b] = torch.zeros_like(bucket.shard_data)
-        self._piece_grads[b].copy_(shard)
-        return self._piece_grads[b]
-
     # -- between steps -------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool) -> None:
         if set_to_none:
@@ -404,16 +244,11 @@ class ShardGroup:
                     param.grad = None
                 for piece_param in bucket.param_pieces:
                     piece_param.grad = None
-            self.grads = [None] * len(self.buckets)  # freed: torch's contract lowers memory
-            self._piece_grads = [None] * len(self.buckets)
-            return
-        for grad in self.grads + self._piece_grads:
-            if grad is not None:
-                grad.zero_()
+        self.gradients.zero(set_to_none)
 
     def grads_to_scale(self) -> list[torch.Tensor]:
         """Every gradient buffer a clip or unscale must scale so all views stay consistent."""
-        return [g for g in self.grads + self._piece_grads if g is not None]
+        return self.gradients.buffers()
 
     def owned_grad_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, gradient of this rank's piece of it)."""

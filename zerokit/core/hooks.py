@@ -11,25 +11,33 @@ parameters), which only the garbage collector can free, late, after the process 
 Every entry point is ``@eager``: under ``torch.compile`` it runs as one opaque call, never
 traced (``eager.py`` says why).
 
-Which hook fires when, in one step (units U1..Uk in forward order; R the model itself):
+The same hooks are registered at every level; what differs is done by the objects
+``core/build.py`` chose (``state.params``: whole or stage 3's sharded parameters;
+``group.gradients``: full or sharded gradients). Which hook fires when, in one step (units
+U1..Uk in forward order; R the model itself; "stage 3": only ``ShardedParams`` acts):
 
-  forward   R pre-forward        -> state.root_pre_forward (gather R's own group, prefetch U1)
-            Ui pre-forward       -> state.unit_pre_forward (gather Ui, prefetch Ui+1; its
-                                    tensor inputs pass through ``_PostBackward``)
-            Ui forward           -> state.unit_post_forward (free Ui); Ui's outputs get a
-                                    gradient hook
+  forward   R pre-forward        -> state.root_pre_forward (mark the call; stage 3: gather
+                                    R's own group, prefetch U1)
+            Ui pre-forward       -> state.unit_pre_forward (stage 3: gather Ui, prefetch Ui+1;
+                                    its tensor inputs pass through ``_PostBackward``)
+            Ui forward           -> state.unit_post_forward (stage 3: free Ui); Ui's outputs
+                                    get a gradient hook
             R forward            -> state.root_post_forward (agree the order of units); R's
                                     outputs get a gradient hook
   any time  M pre-forward        -> state.root_unit_used, for each module M holding root-unit
-                                    parameters ('p_g_os'): gather the root unit if a backward
-                                    freed it (a tied head called on chunks outside R's forward)
+                                    parameters: gather the root unit if a backward freed it
+                                    (stage 3: a tied head called on chunks outside R's forward)
   backward  R output gradient    -> state.begin_backward (queues the end-of-backward callback)
             parameter pre-gradient -> drop the ``GradPlaceholder`` the last backward published
-            Ui output gradient   -> state.unit_pre_backward (gather Ui, prefetch Ui-1)
-            parameter gradient   -> state.grad_ready (stage it; launch ready groups in order)
+            Ui output gradient   -> state.unit_pre_backward (stage 3: gather Ui, prefetch
+                                    Ui-1)
+            parameter gradient   -> state.grad_ready (group.gradients takes it; launch ready
+                                    groups in order)
             Ui inputs' gradient  -> state.unit_post_backward (Ui's backward is over)
             end of backward      -> state._end_of_backward (launch the rest, agree which
                                     parameters hold a gradient, publish, free)
+  state_dict / load_state_dict   -> state.params.before_io / after_save / after_load (stage 3:
+                                    every unit gathered around it, then freed)
 """
 
 from __future__ import annotations
@@ -42,8 +50,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..mixed_precision import MixedPrecision
-from . import presence
-from .agreement import meet
 from .compiled import add_inner_prefix, drop_inner_prefix
 from .eager import eager
 from .grad_placeholder import is_placeholder
@@ -160,21 +166,19 @@ def _register_sharding(
             )
         )
         handles.append(module.register_forward_hook(functools.partial(_unit_post_forward, ref, k)))
-    if state.level == "p_g_os":
-        for module in _root_param_holders(model, state):
-            handles.append(
-                module.register_forward_pre_hook(functools.partial(_root_unit_used, ref))
-            )
-        io = _GatherForIO(ref)
-        handles += [
-            model.register_state_dict_pre_hook(functools.partial(io.gather, "model.state_dict()")),
-            # torch tags this hook with an attribute, which a bound method cannot take
-            model.register_state_dict_post_hook(functools.partial(_GatherForIO.after_save, io)),
-            model.register_load_state_dict_pre_hook(
-                functools.partial(io.gather, "model.load_state_dict()")
-            ),
-            model.register_load_state_dict_post_hook(io.after_load),
-        ]
+    for module in _root_param_holders(model, state):
+        handles.append(module.register_forward_pre_hook(functools.partial(_root_unit_used, ref)))
+    # state_dict()/load_state_dict(): stage 3 gathers every unit around them (state.params)
+    handles += [
+        model.register_state_dict_pre_hook(
+            functools.partial(_before_io, ref, "model.state_dict()")
+        ),
+        model.register_state_dict_post_hook(functools.partial(_after_save, ref)),
+        model.register_load_state_dict_pre_hook(
+            functools.partial(_before_io, ref, "model.load_state_dict()")
+        ),
+        model.register_load_state_dict_post_hook(functools.partial(_after_load, ref)),
+    ]
 
 
 @eager
@@ -290,50 +294,19 @@ def _grad_outputs(output) -> list[torch.Tensor]:
     return [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-_COLLECTIVE_STATE_DICT = (
-    ". At level 'p_g_os' state_dict() and load_state_dict() gather every unit's parameters: "
-    "they are collective, every rank must call them. To save from one rank, call "
-    "zerokit.checkpoint.save(path, model, optimizer) on every rank (zerokit.checkpoint."
-    "consolidate makes one file of it), or call model.state_dict() on every rank and save "
-    "it on rank 0 only"
-)
+def _before_io(ref, call: str, *args, **kwargs) -> None:
+    state = ref()
+    if state is not None:
+        state.params.before_io(state, call)
 
 
-class _GatherForIO:
-    """'p_g_os' ``state_dict``/``load_state_dict``: full tensors under the original keys,
-    gathered on demand and freed again."""
+def _after_save(ref, module, state_dict, prefix, local_metadata) -> None:
+    state = ref()
+    if state is not None:
+        state.params.after_save(state, state_dict)
 
-    def __init__(self, ref):
-        self._ref = ref
-        self._was_sharded: list[ShardGroup] = []
 
-    def gather(self, call: str, *args, **kwargs) -> None:
-        state = self._ref()
-        presence.mark(state.process_group, call)
-        meet(call, state.process_group, _COLLECTIVE_STATE_DICT)
-        self._was_sharded = [g for g in state.groups if g.gathered_numel() == 0]
-        for g in state.groups:
-            g.unshard()
-        for g in state.groups:
-            g.wait_for_unshard()
-
-    def after_save(self, module, state_dict, prefix, local_metadata) -> None:
-        state = self._ref()
-        full = {b.data.untyped_storage().data_ptr() for b in state.buckets}
-        for key, value in state_dict.items():
-            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in full:
-                state_dict[key] = value.detach().clone()
-        self._restore()
-
-    def after_load(self, module, incompatible_keys) -> None:
-        state = self._ref()
-        with torch.no_grad():
-            for bucket in state.buckets:
-                if not bucket.separate_masters:  # else the fp32 masters were loaded directly
-                    bucket.shard_data.copy_(bucket.shard(bucket.data))
-        self._restore()
-
-    def _restore(self) -> None:
-        for g in self._was_sharded:
-            g.reshard()
-        self._was_sharded = []
+def _after_load(ref, module, incompatible_keys) -> None:
+    state = ref()
+    if state is not None:
+        state.params.after_load(state)

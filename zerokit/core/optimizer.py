@@ -16,7 +16,6 @@ import weakref
 
 import torch
 
-from . import presence
 from .checks import is_distributed
 from .state import ShardState
 
@@ -29,7 +28,7 @@ class ShardedOptimizer:
     def step(self, closure=None):
         state = self._zerokit.shard_state
         state.check_ready_for_step()
-        presence.mark(state.process_group, "optimizer.step()")
+        state.presence.mark("optimizer.step()")
         if state.step_in_backward:  # each group was stepped as its gradients were reduced
             if closure is not None:
                 raise RuntimeError(

@@ -7,6 +7,12 @@ first *marks* where this rank is: one key per rank in the process group's store,
 each time (``<count> <call>``), so nothing accumulates. When a wait times out, the marks say
 which ranks never reached this call (still before it, or in another call).
 
+A ``Presence`` owns one group's marks for its owner: the ``ShardState`` holds one for its
+process group (every mark on the hot path is one store write, no read); a checkpoint call makes
+its own for the world group. A new one continues the count the store holds for this rank, so
+marks on one group count up whoever makes them. The store is the only record: a wait that
+times out reads this rank's own mark back from it.
+
 Note: a rank that is alive but busy outside zerokit (evaluating on rank 0 only) for longer than
 the timeout looks the same as an absent one: raise ``$ZEROKIT_COLLECTIVE_TIMEOUT`` for such
 jobs. The message says so.
@@ -14,7 +20,6 @@ jobs. The message says so.
 
 from __future__ import annotations
 
-import weakref
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -23,21 +28,32 @@ from torch.distributed import ProcessGroup
 from . import teardown
 from .timeouts import CollectiveTimeout, collective_timeout
 
-_counts: weakref.WeakKeyDictionary[ProcessGroup, int] = weakref.WeakKeyDictionary()
-_where: weakref.WeakKeyDictionary[ProcessGroup, str] = weakref.WeakKeyDictionary()
+_NOTHING = "0 nothing"
+_GONE = "? (unknown: the job's store is gone, rank 0 has left)"
 
 
 def _key(group: ProcessGroup, rank: int) -> str:
     return f"zerokit/at/{group.group_name}/{rank}"
 
 
-def mark(group: ProcessGroup, what: str) -> None:
-    """This rank enters ``what``, its next zerokit call on ``group``."""
-    if group.size() == 1:
-        return
-    n = _counts.get(group, 0) + 1
-    _counts[group], _where[group] = n, f"{n} {what}"
-    dist.distributed_c10d._get_default_store().set(_key(group, group.rank()), _where[group])
+class Presence:
+    """Where this rank is on ``group``: the count and name of its last zerokit call there."""
+
+    def __init__(self, group: ProcessGroup):
+        self.group = group
+        self._count = 0
+        if group.size() > 1:  # continue from the store's record (one read, here only)
+            store = dist.distributed_c10d._get_default_store()
+            count = _mark_of(store, group, group.rank()).partition(" ")[0]
+            self._count = int(count) if count.isdigit() else 0
+
+    def mark(self, what: str) -> None:
+        """This rank enters ``what``, its next zerokit call on the group."""
+        if self.group.size() == 1:
+            return
+        self._count += 1
+        store = dist.distributed_c10d._get_default_store()
+        store.set(_key(self.group, self.group.rank()), f"{self._count} {what}")
 
 
 def where(group: ProcessGroup, ranks: list[int]) -> str:
@@ -50,9 +66,9 @@ def where(group: ProcessGroup, ranks: list[int]) -> str:
 def _mark_of(store, group: ProcessGroup, r: int) -> str:
     try:
         key = _key(group, r)
-        return store.get(key).decode() if store.check([key]) else "0 nothing"
+        return store.get(key).decode() if store.check([key]) else _NOTHING
     except RuntimeError:  # the store is gone: its host (global rank 0) has left
-        return "? (unknown: the job's store is gone, rank 0 has left)"
+        return _GONE
 
 
 def _at(global_rank: int, mark: str) -> str:
@@ -82,14 +98,16 @@ def wait(work, group: ProcessGroup) -> None:
 def _timed_out(group: ProcessGroup, timeout: float, failed: str | None = None):
     store = dist.distributed_c10d._get_default_store()
     members = dist.get_process_group_ranks(group)
-    mine = _where.get(group, "0 (no zerokit call)")
+    mine = _mark_of(store, group, group.rank())
+    if mine == _NOTHING:
+        mine = "0 (no zerokit call)"
     count, _, call = mine.partition(" ")
     elsewhere = []
     for r, global_rank in enumerate(members):
         if r == group.rank():
             continue
         theirs = _mark_of(store, group, r)
-        if theirs != mine:
+        if theirs != mine or theirs == _GONE:
             elsewhere.append((global_rank, _at(global_rank, theirs)))
     if elsewhere:
         detail = "; ".join(text for _, text in elsewhere)

@@ -1,12 +1,14 @@
-"""How a bucket's gradients are averaged across ranks: a strategy a shard group holds.
+"""How a bucket's gradients are averaged across ranks: the collective a group's gradients
+(``core/gradients.py``) start.
 
-* ``AllReduce`` ('os'): every rank keeps the full averaged gradient.
-* ``ReduceScatter`` ('os_g', 'p_g_os'): every rank keeps only its shard of the average; the
-  staged full-size bucket is the collective's scratch (no receive buffer on gloo).
+* ``AllReduce`` (``FullGradients``, 'os'): every rank keeps the full averaged gradient.
+* ``ReduceScatter`` (``ShardedGradients``, 'os_g', 'p_g_os'): every rank keeps only its shard
+  of the average; the staged full-size bucket is the collective's scratch (no receive buffer
+  on gloo).
 * ``ReduceScatterThenAllReduce``: reduce-scatter inside the shard group, then all-reduce the
   shard across replicas (hybrid sharding: shard inside a host, replicate across hosts).
 
-A strategy holds no buffers: the shard group owns them and passes them in.
+A reduction holds no buffers: the gradients object owns them and passes them in.
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ class AllReduce:
 
     group: ProcessGroup
     replicas: ProcessGroup | None = None
-    keeps_full_grad = True
-    needs_staging = False
 
     def start(self, full: torch.Tensor) -> Pending:
         pending = start_all_reduce_mean(full, self.group)
@@ -51,8 +51,6 @@ class ReduceScatter:
     """Average a staged full-size bucket and add this rank's chunk into its gradient shard."""
 
     group: ProcessGroup
-    keeps_full_grad = False
-    needs_staging = True
 
     def start(self, full: torch.Tensor, shard: torch.Tensor) -> Pending:
         # Always accumulate: zero_grad() zeroes the shard, and backwards between steps add up.

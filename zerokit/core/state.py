@@ -17,7 +17,6 @@ the end of backward the rest are launched in order.
 from __future__ import annotations
 
 import collections
-import functools
 import hashlib
 import weakref
 
@@ -28,16 +27,10 @@ from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 
 from . import checks, presence
-from .agreement import meet
 from .collectives import Pending, all_reduce_
 from .flat_param import FlatParamBucket, Storage
 from .group import Phase, ShardGroup
-
-_NO_GRAD_FORWARD = "the model's forward under torch.no_grad()"
-_NO_GRAD_HINT = (
-    ". At level 'p_g_os' every forward gathers the parameters from every rank: run evaluation "
-    "(e.g. an estimate_loss() under no_grad) on every rank, and average or print on rank 0"
-)
+from .params import ShardedParams, WholeParams
 
 #: most groups whose reductions are in flight at once; the oldest is finished before another
 #: starts, which bounds the staging memory of backward (see docs/ARCHITECTURE.md)
@@ -53,16 +46,18 @@ class ShardState:
         groups: list[ShardGroup],
         root_group: ShardGroup | None,
         staging,
+        params: WholeParams | ShardedParams,
         *,
         tp_group: ProcessGroup | None = None,
         replica_group: ProcessGroup | None = None,
         sync_comm: bool = False,
-        debug_agreement: bool = False,
         frozen: list[tuple[str, nn.Parameter]] = (),
     ):
         self._model = weakref.ref(model)  # the model holds this state: no strong cycle back
-        self.level = level
+        self.level = level  # its name, for reports and checkpoints; never tested here
+        self.params = params  # how parameters are held between uses (stage 3's prefetch...)
         self.process_group = process_group
+        self.presence = presence.Presence(process_group)  # this rank's last call, for waits
         self.tp_group = tp_group  # given at wrap time: ranks holding other slices of tp layers
         self.replica_group = replica_group  # hybrid sharding: ranks holding the same shards
         self.groups = groups
@@ -93,11 +88,6 @@ class ShardState:
         # freed before the next group's is made
         self._stepper: weakref.ref | None = None
         self._unsynced = False  # no_sync() gradients are waiting for a synchronised backward
-        self._prefetched: ShardGroup | None = None  # 'p_g_os': gathered ahead of its use
-        if level == "p_g_os" and debug_agreement:  # a collective per gather: debug mode only
-            check = functools.partial(_check_same_gather, weakref.ref(self))  # no cycle
-            for g in groups:
-                g.before_gather = check
         for g in groups:
             g.owner = weakref.ref(self)
         # set by the API: (model, norm_type, parameter ids, call=) -> (global norm, buffers);
@@ -120,8 +110,6 @@ class ShardState:
         shard (levels 'os_g', 'p_g_os'). Gradients never exist for the whole model at once:
         4/N bytes per parameter less at the peak. No global-norm clipping or loss-scaler skip
         can come first, which ``clip_grad_norm_`` and the scaler refuse."""
-        if self.level not in ("os_g", "p_g_os"):
-            raise ValueError("step_in_backward needs sharded gradients: level 'os_g' or 'p_g_os'")
         self._stepper = weakref.ref(optimizer)
 
     @property
@@ -187,24 +175,14 @@ class ShardState:
             raise RuntimeError("reduce_gradients() was called inside no_sync()")
         if not self._unsynced:
             return
-        presence.mark(self.process_group, "model.reduce_gradients()")
+        self.presence.mark("model.reduce_gradients()")
         self.in_backward = True
         self._launch_order, self._next_launch = self._static_order, 0
         self._end_of_backward()
 
     def refresh_params(self) -> None:
         """The shards changed (a step, a load): make the parameters the model sees match."""
-        if self.level == "p_g_os":
-            for g in self.groups:  # drop stale gathered copies; units kept whole gather again
-                for bucket in g.buckets:
-                    bucket.reshard()
-                if g.keep_whole:
-                    g.unshard()
-                    g.wait_for_unshard()
-            return
-        pending = [bucket.start_gather_updated() for bucket in self.buckets]
-        for work in pending:
-            work.finish()
+        self.params.refresh(self)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What zerokit holds for this model, by category (each storage may appear in several
@@ -232,29 +210,17 @@ class ShardState:
     def root_pre_forward(self) -> None:
         if not self.in_backward:
             checks.check_params_intact(self.buckets, self._frozen)
-            if self.level == "p_g_os" and not torch.is_grad_enabled():
-                # evaluation: a forward that gathers outside the training steps. If one rank
-                # runs it alone (on rank 0 only), it waits here, named, instead of pairing its
-                # gathers with the other ranks' next training forward
-                presence.mark(self.process_group, _NO_GRAD_FORWARD)
-                meet(_NO_GRAD_FORWARD, self.process_group, _NO_GRAD_HINT)
-            else:
-                presence.mark(self.process_group, "the model's forward")
+            self.params.begin_forward(self)
         if not self.in_backward and not self._graph_pending:
             self.forward_order = []
         if self.root_group is not None:
             self._note_call(self.root_group)
             self.root_group.pre_forward()
-        if self.level == "p_g_os":
-            first = next((self.groups[k] for k in self.prefetch_order), None)
-            if first is self.root_group and len(self.prefetch_order) > 1:
-                first = self.groups[self.prefetch_order[1]]
-            if first is not self.root_group:
-                self._prefetch(first)
+        self.params.root_forward(self)
 
     def root_post_forward(self, graph: bool) -> None:
         """``graph``: the output requires grad, so a backward may follow."""
-        self._prefetch(None)
+        self.params.forward_done()
         if not graph:
             self.prefetch_order = list(self.forward_order)
             if not self.in_backward and not self._graph_pending:
@@ -287,12 +253,14 @@ class ShardState:
             return
         self._note_call(group)
         group.pre_forward()
-        if self.level == "p_g_os":
-            self._prefetch(self._neighbour(group, +1, self.prefetch_order), using=group)
+        self.params.unit_forward(self, group)
 
     def unit_post_forward(self, group: ShardGroup) -> None:
         if not self.in_backward:
             group.post_forward()
+
+    def index_of(self, group: ShardGroup) -> int:
+        return self._index[id(group)]
 
     def _note_call(self, group: ShardGroup) -> None:
         k = self._index[id(group)]
@@ -307,13 +275,8 @@ class ShardState:
         for group in self._data_groups():
             all_reduce_(both, group, op=dist.ReduceOp.MAX)
         agreed = int(both[0]) == -int(both[1])
-        if not agreed and self.level == "p_g_os":
-            raise RuntimeError(
-                "ranks ran the model's units in different orders in this forward (a branch that "
-                "depends on the rank or its data): at level 'p_g_os' every gather is a "
-                "collective, so parameters would be mixed between units. Run the same modules "
-                "in the same order on every rank, or use level 'os' / 'os_g'."
-            )
+        if not agreed:
+            self.params.order_differs()  # stage 3 refuses; otherwise: the registration order
         return agreed
 
     # -- backward ------------------------------------------------------------------------------
@@ -338,11 +301,7 @@ class ShardState:
         if group.phase in (Phase.PRE_BACKWARD, Phase.POST_BACKWARD):
             return
         group.pre_backward()
-        if self.level == "p_g_os":
-            previous = self._neighbour(group, -1, self.forward_order)
-            if previous is not None and previous.phase is Phase.POST_BACKWARD:
-                previous = None
-            self._prefetch(previous, using=group)
+        self.params.unit_backward(self, group)
 
     def unit_post_backward(self, group: ShardGroup, ran_once: bool) -> None:
         """The gradients of the module's inputs are computed: this call's backward is over
@@ -353,11 +312,8 @@ class ShardState:
             if ran_once:
                 group.post_backward_signalled = True
                 self._launch_ready(force=False)
-        elif self.level == "p_g_os":
-            # no_sync(): nothing is reduced, but this backward no longer reads the unit's
-            # parameters. Free them, as a synchronised backward does; another call's or graph's
-            # backward gathers them again (a pipeline keeps several graphs in flight).
-            group.pause_backward()
+        else:  # no_sync(): nothing is reduced
+            self.params.unit_paused(group)
 
     def grad_ready(self, param: nn.Parameter) -> None:
         self.begin_backward()
@@ -395,7 +351,8 @@ class ShardState:
     def _step_group(self, group: ShardGroup) -> None:
         """step_in_backward: agree which of the group's parameters hold a gradient (one small
         all-reduce, in launch order on every rank), publish them, step the group's pieces,
-        spread the updated shard ('os_g') and free the group's gradient shard."""
+        spread the updated shard (if full parameters are kept) and free the group's gradient
+        shard."""
         group.finish_backward(list(self._agree_contributed([group])))
         optimizer = self._stepper()
         if optimizer is None:
@@ -403,9 +360,7 @@ class ShardState:
                 "step_in_backward: the optimizer wrapped with this model no longer exists"
             )
         optimizer.step_group(group)
-        if self.level != "p_g_os":  # full parameters kept: every rank's updated shard to all
-            for work in [bucket.start_gather_updated() for bucket in group.buckets]:
-                work.finish()
+        self.params.after_group_step(group.buckets)
         group.release_stepped()
 
     def _agree_contributed(self, groups: list[ShardGroup]):
@@ -440,58 +395,11 @@ class ShardState:
         self.forward_order = []
         self.in_backward = False
         self._graph_pending = False
-        self._prefetched = None
-
-    def _check_same_gather(self, group: ShardGroup) -> None:
-        """Every rank must gather the same unit now: one all-reduce of its index (MAX of
-        ``[k, -k]``) before the gather. Without it a rank-dependent branch pairs one rank's
-        gather with another unit's on another rank: mixed parameters for units of one shape,
-        an abort inside gloo for units of different shapes."""
-        k = self._index[id(group)]
-        both = torch.tensor([k, -k], dtype=torch.int64, device=self.communication_device)
-        all_reduce_(both, self.process_group, op=dist.ReduceOp.MAX)
-        if int(both[0]) != -int(both[1]):
-            names = sorted({self.groups[int(both[0])].name, self.groups[-int(both[1])].name})
-            raise RuntimeError(
-                f"ranks are gathering different units of the model at the same time (this rank "
-                f"{group.name!r}; the ranks' units range over {names}): a module runs on some "
-                "ranks and not others (a branch that depends on the rank or its data). At "
-                "level 'p_g_os' every rank must run the same modules in the same order; use "
-                "'os' / 'os_g' for rank-dependent models"
-            )
+        self.params.backward_done()
 
     def _data_groups(self) -> list[ProcessGroup]:
         """The ranks that split the batch: the shard group and its replicas."""
         return [g for g in (self.process_group, self.replica_group) if g is not None]
-
-    def _prefetch(self, group: ShardGroup | None, using: ShardGroup | None = None) -> None:
-        """Gather ``group`` ahead of its use; free the previous guess if it was wrong (the
-        order changed since it was recorded) and nothing is using it now. Under ``sync_comm``
-        nothing is gathered ahead: each unit is gathered when it runs, so one unit (besides the
-        root) is gathered at a time, the least memory, paid for with no overlap."""
-        if self.sync_comm:
-            group = None
-        guess, self._prefetched = self._prefetched, group
-        if guess is not None and guess is not using and guess is not group:
-            if guess.phase in (Phase.IDLE, Phase.FORWARD):
-                guess.reshard()
-        if group is not None:
-            group.unshard()
-
-    def _neighbour(self, group: ShardGroup, step: int, order: list[int]) -> ShardGroup | None:
-        k = self._index[id(group)]
-        if k not in order:
-            return None
-        j = order.index(k) + step
-        if 0 <= j < len(order) and self.groups[order[j]] is not self.root_group:
-            return self.groups[order[j]]
-        return None
-
-
-def _check_same_gather(state_ref, group: ShardGroup) -> None:
-    state = state_ref()
-    if state is not None:
-        state._check_same_gather(group)
 
 
 def state_of(obj) -> ShardState | None:

@@ -1,0 +1,257 @@
+"""Where one shard group's gradients live between backward and step: full or sharded.
+
+* ``FullGradients`` (level 'os'): a full-size gradient per bucket, averaged in place by an
+  all-reduce. ``param.grad`` is a view of it where that is the very memory the optimizer steps
+  from (so autograd accumulates straight into the bucket and torch's clip on it is exact).
+* ``ShardedGradients`` ('os_g', 'p_g_os'): only this rank's shard of each bucket's gradient
+  persists. During backward the parameters' gradients are staged into a full-size buffer from
+  the ``StagingPool``, which the reduce-scatter reads (and, hybrid, then all-reduces the shard
+  across replicas: ``ReduceScatterThenAllReduce``); the staging goes back to the pool.
+
+``core/build.py`` picks one class per model, once; a ``ShardGroup`` holds one instance and
+never asks which. Each owns its buffers, makes ``param.grad`` what it should be after a
+backward (``publish``) and says which buffers hold a parameter's gradient (``parts``), for a
+``GradPlaceholder`` where torch cannot read one tensor.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from .collectives import Pending
+from .flat_param import FlatParamBucket
+from .grad_placeholder import GradPlaceholder
+from .reduction import AllReduce, ReduceScatter
+from .staging import StagingPool
+
+
+class _Gradients:
+    """What both ways share: the buckets, the reduce dtype and the pieces' gradients."""
+
+    #: why ``param.grad`` is a placeholder where it is one (``GradPlaceholder``'s errors)
+    placeholder_reason = ""
+
+    def __init__(self, buckets: list[FlatParamBucket], reduce_dtype: torch.dtype | None):
+        self.buckets = buckets
+        self._reduce_dtype = reduce_dtype
+        # Persistent gradient per bucket (full, or this rank's shard); None until the first
+        # reduction after zero_grad(set_to_none=True), which frees it (torch's contract).
+        self.grads: list[torch.Tensor | None] = [None] * len(buckets)
+
+    def _dtype(self, b: int) -> torch.dtype:
+        return self._reduce_dtype or self.buckets[b].data.dtype
+
+    def publish(self, b: int, flags: torch.Tensor, owner) -> None:
+        """Reductions are done: ``param.grad`` and the pieces' ``.grad`` as the step reads
+        them (``flags[i]``: parameter ``i`` holds a gradient on some rank)."""
+        bucket = self.buckets[b]
+        for i, param in enumerate(bucket.params):
+            if not flags[i]:
+                param.grad = None
+                continue
+            grad = self._param_grad(b, i)
+            param.grad = grad if grad is not None else self._placeholder(b, i, owner)
+        shard = self._pieces_source(b)
+        views = bucket.piece_views(shard) if shard is not None else [None] * len(bucket.pieces)
+        for piece, piece_param, view in zip(bucket.pieces, bucket.param_pieces, views):
+            piece_param.grad = view if view is not None and flags[piece.slot] else None
+
+    def _placeholder(self, b: int, i: int, owner) -> GradPlaceholder:
+        ref = weakref.ref(self)  # param -> .grad -> self -> param would be a cycle
+
+        def parts() -> list[torch.Tensor]:
+            holder = ref()
+            return [] if holder is None else holder.parts(b, i)
+
+        param = self.buckets[b].params[i]
+        return GradPlaceholder(param, parts, owner, self.placeholder_reason)
+
+    def _piece_grads(self, b: int, i: int) -> list[torch.Tensor]:
+        bucket = self.buckets[b]
+        return [
+            view.grad
+            for piece, view in zip(bucket.pieces, bucket.param_pieces)
+            if piece.slot == i and view.grad is not None
+        ]
+
+    def zero(self, set_to_none: bool) -> None:
+        if set_to_none:
+            self.grads = [None] * len(self.buckets)  # freed: torch's contract lowers memory
+            return
+        for grad in self.buffers():
+            grad.zero_()
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every gradient buffer a clip or unscale must scale so all views stay consistent."""
+        return [g for g in self.grads if g is not None]
+
+
+class FullGradients(_Gradients):
+    """Level 'os': every rank keeps each bucket's full averaged gradient."""
+
+    def __init__(
+        self,
+        buckets: list[FlatParamBucket],
+        reduction: AllReduce,
+        staging: StagingPool,  # unused: the full gradient is the reduction's buffer
+        *,
+        reduce_dtype: torch.dtype | None = None,
+        tp_group=None,
+    ):
+        super().__init__(buckets, reduce_dtype)
+        self._reduction = reduction
+        self._tp_group = tp_group
+        # under mixed precision or offload: copies of the shard for the fp32 master pieces
+        self._master_grads: list[torch.Tensor | None] = [None] * len(buckets)
+        self.placeholder_reason = (
+            "this rank holds a tensor-parallel slice of the gradient"
+            if tp_group is not None and tp_group.size() > 1
+            else "the gradient the optimizer steps from is in another dtype or device than "
+            "the parameter (mixed precision or offload)"
+        )
+
+    def _full(self, b: int) -> torch.Tensor:
+        if self.grads[b] is None:
+            bucket = self.buckets[b]
+            self.grads[b] = torch.zeros(
+                bucket.layout.padded_numel, dtype=self._dtype(b), device=bucket.data.device
+            )
+        return self.grads[b]
+
+    def _aliases_param(self, b: int) -> bool:
+        """Can ``param.grad`` be a view of the full gradient, the very memory the optimizer
+        steps from? Not under mixed precision or offload (the gradient or the masters are in
+        another dtype or device), nor under tensor parallelism (a gradient is a slice, so
+        torch's clip would count only this rank's): then it is a ``GradPlaceholder``."""
+        bucket, dtype = self.buckets[b], self._dtype(b)
+        return (
+            (dtype, bucket.data.device) == (bucket.shard_data.dtype, bucket.shard_data.device)
+            and dtype == bucket.data.dtype
+            and (self._tp_group is None or self._tp_group.size() == 1)
+        )
+
+    def take(self, b: int, i: int, param: nn.Parameter, accumulated: bool) -> bool:
+        """Parameter ``i``'s gradient of this backward into the full gradient; ``accumulated``:
+        the slot holds reduced gradients since ``zero_grad``. Did it have one?"""
+        slot = self.buckets[b].slot_view(self._full(b), i)
+        grad, alias = param.grad, self._aliases_param(b)
+        if grad is None:
+            if not (accumulated and not alias):
+                slot.zero_()
+            return False
+        if grad.data_ptr() == slot.data_ptr():  # autograd accumulated into the bucket itself
+            return True
+        if accumulated and not alias:
+            slot.add_(grad)  # mixed precision: the slot cannot be param.grad, so add here
+        else:
+            slot.copy_(grad)
+        param.grad = slot if alias else None  # later backwards accumulate into the bucket
+        return True
+
+    def add(self, b: int, i: int, param: nn.Parameter) -> None:
+        """A second delivery in one backward (a reentrant checkpoint): add it."""
+        slot = self.buckets[b].slot_view(self._full(b), i)
+        if param.grad.data_ptr() != slot.data_ptr():  # else autograd added into the slot
+            slot.add_(param.grad)
+        param.grad = slot if self._aliases_param(b) else None
+
+    def start_reduce(self, b: int) -> Pending:
+        return self._reduction.start(self._full(b))
+
+    def _param_grad(self, b: int, i: int) -> torch.Tensor | None:
+        if self._aliases_param(b):  # what one process holds, and what the step reads
+            return self.buckets[b].slot_view(self.grads[b], i)
+        return None
+
+    def _pieces_source(self, b: int) -> torch.Tensor | None:
+        """The pieces' gradients: a view of the full gradient's shard (or, when the masters
+        differ in dtype or device, a copy in theirs)."""
+        grad, bucket = self.grads[b], self.buckets[b]
+        if grad is None:
+            return None
+        shard = bucket.shard(grad)
+        if (shard.dtype, shard.device) == (bucket.shard_data.dtype, bucket.shard_data.device):
+            return shard
+        if self._master_grads[b] is None:
+            self._master_grads[b] = torch.zeros_like(bucket.shard_data)
+        self._master_grads[b].copy_(shard)
+        return self._master_grads[b]
+
+    def parts(self, b: int, i: int) -> list[torch.Tensor]:
+        parts = [] if self.grads[b] is None else [self.buckets[b].slot_view(self.grads[b], i)]
+        if self._master_grads[b] is not None:  # else the pieces view the slot itself
+            parts += self._piece_grads(b, i)
+        return parts
+
+    def zero(self, set_to_none: bool) -> None:
+        super().zero(set_to_none)
+        if set_to_none:
+            self._master_grads = [None] * len(self.buckets)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return super().buffers() + [g for g in self._master_grads if g is not None]
+
+
+class ShardedGradients(_Gradients):
+    """Levels 'os_g', 'p_g_os': every rank keeps only its shard of each bucket's average."""
+
+    placeholder_reason = (
+        "at levels 'os_g' and 'p_g_os' each rank holds only its shard of the gradient"
+    )
+
+    def __init__(
+        self,
+        buckets: list[FlatParamBucket],
+        reduction: ReduceScatter,
+        staging: StagingPool,
+        *,
+        reduce_dtype: torch.dtype | None = None,
+        tp_group=None,  # unused: placeholders stand for every sharded gradient alike
+    ):
+        super().__init__(buckets, reduce_dtype)
+        self._reduction = reduction
+        self._staging = staging
+        self._staged: list[torch.Tensor | None] = [None] * len(buckets)  # during backward only
+
+    def _staged_buffer(self, b: int) -> torch.Tensor:
+        if self._staged[b] is None:
+            layout = self.buckets[b].layout
+            full = self._staging.acquire(layout.padded_numel, self._dtype(b))
+            full[layout.numel :].zero_()  # padding
+            self._staged[b] = full
+        return self._staged[b]
+
+    def take(self, b: int, i: int, param: nn.Parameter, accumulated: bool) -> bool:
+        """Stage parameter ``i``'s gradient and release autograd's. Did it have one? (What
+        earlier steps accumulated is in the shard, which the reduction adds to.)"""
+        slot = self.buckets[b].slot_view(self._staged_buffer(b), i)
+        if param.grad is None:
+            slot.zero_()
+            return False
+        slot.copy_(param.grad)
+        param.grad = None  # release the full-size gradient autograd made
+        return True
+
+    def add(self, b: int, i: int, param: nn.Parameter) -> None:
+        """A second delivery in one backward (a reentrant checkpoint): add it."""
+        self.buckets[b].slot_view(self._staged_buffer(b), i).add_(param.grad)
+        param.grad = None
+
+    def start_reduce(self, b: int) -> Pending:
+        full, self._staged[b] = self._staged_buffer(b), None
+        if self.grads[b] is None:  # in the masters' dtype and device (fp32, offload: the CPU)
+            self.grads[b] = torch.zeros_like(self.buckets[b].shard_data)
+        pending = self._reduction.start(full, self.grads[b])
+        return pending.then(lambda: self._staging.release(full))
+
+    def _param_grad(self, b: int, i: int) -> None:
+        return None  # no tensor of the parameter's shape holds its gradient
+
+    def _pieces_source(self, b: int) -> torch.Tensor | None:
+        return self.grads[b]
+
+    def parts(self, b: int, i: int) -> list[torch.Tensor]:
+        return self._piece_grads(b, i)

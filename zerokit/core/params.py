@@ -1,0 +1,252 @@
+"""How a model's parameters are held between uses: whole on every rank (``WholeParams``, levels
+'os' and 'os_g') or sharded and gathered unit by unit (``ShardedParams``, 'p_g_os').
+
+``core/build.py`` picks one per model, once; ``ShardState`` holds it and calls the same methods
+at every level, so all of stage 3's behaviour lives in ``ShardedParams``: prefetching the next
+unit, the meeting before a forward under ``no_grad``, refusing a rank-dependent unit order,
+freeing a unit paused under ``no_sync()``, refreshing the units kept whole after a step, and
+gathering every unit for ``state_dict``/``load_state_dict``. With whole parameters the only
+work is spreading each rank's updated shard to all after a step.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .agreement import meet
+from .collectives import all_reduce_
+from .group import Phase, ShardGroup
+
+_FORWARD = "the model's forward"
+_NO_GRAD_FORWARD = "the model's forward under torch.no_grad()"
+_NO_GRAD_HINT = (
+    ". At level 'p_g_os' every forward gathers the parameters from every rank: run evaluation "
+    "(e.g. an estimate_loss() under no_grad) on every rank, and average or print on rank 0"
+)
+_COLLECTIVE_STATE_DICT = (
+    ". At level 'p_g_os' state_dict() and load_state_dict() gather every unit's parameters: "
+    "they are collective, every rank must call them. To save from one rank, call "
+    "zerokit.checkpoint.save(path, model, optimizer) on every rank (zerokit.checkpoint."
+    "consolidate makes one file of it), or call model.state_dict() on every rank and save "
+    "it on rank 0 only"
+)
+
+
+class WholeParams:
+    """Levels 'os', 'os_g': every rank holds every full parameter; nothing is gathered ahead
+    or freed. After a step each rank's updated shard is all-gathered into the buckets."""
+
+    def __init__(self, groups, *, sync_comm: bool = False, debug_agreement: bool = False):
+        pass  # nothing is gathered, so nothing to agree on or to hold back
+
+    def after_wrap(self, state) -> None:
+        pass  # every rank starts from rank 0's parameters already
+
+    def refresh(self, state) -> None:
+        """The shards changed (a step, a load): spread every rank's shard to all."""
+        self.after_group_step(state.buckets)
+
+    def after_group_step(self, buckets) -> None:
+        for work in [bucket.start_gather_updated() for bucket in buckets]:
+            work.finish()
+
+    def begin_forward(self, state) -> None:
+        state.presence.mark(_FORWARD)
+
+    def root_forward(self, state) -> None:
+        pass
+
+    def unit_forward(self, state, group: ShardGroup) -> None:
+        pass
+
+    def unit_backward(self, state, group: ShardGroup) -> None:
+        pass
+
+    def unit_paused(self, group: ShardGroup) -> None:
+        pass  # under no_sync(): nothing to free
+
+    def order_differs(self) -> None:
+        pass  # reductions fall back to the registration order; no gather is at stake
+
+    def forward_done(self) -> None:
+        pass
+
+    def backward_done(self) -> None:
+        pass
+
+    def before_io(self, state, call: str) -> None:
+        pass  # state_dict() reads the full parameters, which every rank holds
+
+    def after_save(self, state, state_dict) -> None:
+        pass
+
+    def after_load(self, state) -> None:
+        pass
+
+
+class ShardedParams:
+    """Level 'p_g_os' (stage 3): a unit's full parameters exist only while it runs (forward,
+    backward, recomputation); the next unit in the last forward's order is gathered ahead.
+
+    ``sync_comm``: nothing is gathered ahead. ``debug_agreement``: before every gather the
+    ranks check (one blocking all-reduce) that they gather the same unit; off, a rank that
+    gathers alone is caught by the bounded wait (``CollectiveTimeout`` naming the call)."""
+
+    def __init__(
+        self, groups: list[ShardGroup], *, sync_comm: bool = False, debug_agreement: bool = False
+    ):
+        self._groups = groups
+        self._sync_comm = sync_comm
+        self._prefetched: ShardGroup | None = None  # gathered ahead of its use
+        self._was_sharded: list[ShardGroup] = []  # state_dict(): the units to free again
+        if debug_agreement:
+            check = functools.partial(_check_same_gather, weakref.ref(self))  # no cycle
+            for g in groups:
+                g.before_gather = check
+
+    # -- after a step, a load, the wrap --------------------------------------------------------
+    def after_wrap(self, state) -> None:
+        self.refresh(state)  # gathers the units kept whole
+
+    def refresh(self, state) -> None:
+        """Drop stale gathered copies; units kept whole gather again."""
+        for g in state.groups:
+            for bucket in g.buckets:
+                bucket.reshard()
+            if g.keep_whole:
+                g.wait_for_unshard()
+
+    def after_group_step(self, buckets) -> None:
+        pass  # the next use gathers the updated shards
+
+    # -- forward and backward ------------------------------------------------------------------
+    def begin_forward(self, state) -> None:
+        if torch.is_grad_enabled():
+            state.presence.mark(_FORWARD)
+            return
+        # evaluation: a forward that gathers outside the training steps. If one rank runs it
+        # alone (on rank 0 only), it waits here, named, instead of pairing its gathers with
+        # the other ranks' next training forward
+        state.presence.mark(_NO_GRAD_FORWARD)
+        meet(_NO_GRAD_FORWARD, state.process_group, _NO_GRAD_HINT)
+
+    def root_forward(self, state) -> None:
+        """The model's forward starts: gather the first unit (after the root) ahead."""
+        order, root = state.prefetch_order, state.root_group
+        first = next((state.groups[k] for k in order), None)
+        if first is root and len(order) > 1:
+            first = state.groups[order[1]]
+        if first is not root:
+            self._prefetch(first)
+
+    def unit_forward(self, state, group: ShardGroup) -> None:
+        self._prefetch(_neighbour(state, group, +1, state.prefetch_order), using=group)
+
+    def unit_backward(self, state, group: ShardGroup) -> None:
+        previous = _neighbour(state, group, -1, state.forward_order)
+        if previous is not None and previous.phase is Phase.POST_BACKWARD:
+            previous = None
+        self._prefetch(previous, using=group)
+
+    def unit_paused(self, group: ShardGroup) -> None:
+        """no_sync(): nothing is reduced, but this backward no longer reads the unit's
+        parameters. Free them, as a synchronised backward does; another call's or graph's
+        backward gathers them again (a pipeline keeps several graphs in flight)."""
+        group.pause_backward()
+
+    def order_differs(self) -> None:
+        raise RuntimeError(
+            "ranks ran the model's units in different orders in this forward (a branch that "
+            "depends on the rank or its data): at level 'p_g_os' every gather is a "
+            "collective, so parameters would be mixed between units. Run the same modules "
+            "in the same order on every rank, or use level 'os' / 'os_g'."
+        )
+
+    def forward_done(self) -> None:
+        """The model's forward is over: free a unit gathered ahead that never ran."""
+        self._prefetch(None)
+
+    def backward_done(self) -> None:
+        self._prefetched = None  # every unit was freed by its reduction
+
+    def _prefetch(self, group: ShardGroup | None, using: ShardGroup | None = None) -> None:
+        """Gather ``group`` ahead of its use; free the previous guess if it was wrong (the
+        order changed since it was recorded) and nothing is using it now. Under ``sync_comm``
+        nothing is gathered ahead: each unit is gathered when it runs, so one unit (besides the
+        root) is gathered at a time, the least memory, paid for with no overlap."""
+        if self._sync_comm:
+            group = None
+        guess, self._prefetched = self._prefetched, group
+        if guess is not None and guess is not using and guess is not group:
+            if guess.phase in (Phase.IDLE, Phase.FORWARD):
+                guess.reshard()
+        if group is not None:
+            group.unshard()
+
+    # -- state_dict / load_state_dict ----------------------------------------------------------
+    def before_io(self, state, call: str) -> None:
+        """Full tensors under the original keys, gathered on demand and freed again."""
+        state.presence.mark(call)
+        meet(call, state.process_group, _COLLECTIVE_STATE_DICT)
+        self._was_sharded = [g for g in state.groups if g.gathered_numel() == 0]
+        for g in state.groups:
+            g.unshard()
+        for g in state.groups:
+            g.wait_for_unshard()
+
+    def after_save(self, state, state_dict) -> None:
+        """Copies of the gathered tensors: their memory is freed again below."""
+        full = {b.data.untyped_storage().data_ptr() for b in state.buckets}
+        for key, value in state_dict.items():
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in full:
+                state_dict[key] = value.detach().clone()
+        self._restore()
+
+    def after_load(self, state) -> None:
+        with torch.no_grad():
+            for bucket in state.buckets:
+                if not bucket.separate_masters:  # else the fp32 masters were loaded directly
+                    bucket.shard_data.copy_(bucket.shard(bucket.data))
+        self._restore()
+
+    def _restore(self) -> None:
+        for g in self._was_sharded:
+            g.reshard()
+        self._was_sharded = []
+
+
+def _neighbour(state, group: ShardGroup, step: int, order: list[int]) -> ShardGroup | None:
+    k = state.index_of(group)
+    if k not in order:
+        return None
+    j = order.index(k) + step
+    if 0 <= j < len(order) and state.groups[order[j]] is not state.root_group:
+        return state.groups[order[j]]
+    return None
+
+
+def _check_same_gather(params_ref, group: ShardGroup) -> None:
+    """Every rank must gather the same unit now: one all-reduce of its index (MAX of
+    ``[k, -k]``) before the gather. Without it a rank-dependent branch pairs one rank's
+    gather with another unit's on another rank: mixed parameters for units of one shape,
+    an abort inside gloo for units of different shapes."""
+    params = params_ref()
+    if params is None:
+        return
+    groups, bucket = params._groups, group.buckets[0]
+    k = groups.index(group)
+    both = torch.tensor([k, -k], dtype=torch.int64, device=bucket.data.device)
+    all_reduce_(both, bucket.group, op=dist.ReduceOp.MAX)
+    if int(both[0]) != -int(both[1]):
+        names = sorted({groups[int(both[0])].name, groups[-int(both[1])].name})
+        raise RuntimeError(
+            f"ranks are gathering different units of the model at the same time (this rank "
+            f"{group.name!r}; the ranks' units range over {names}): a module runs on some "
+            "ranks and not others (a branch that depends on the rank or its data). At "
+            "level 'p_g_os' every rank must run the same modules in the same order; use "
+            "'os' / 'os_g' for rank-dependent models"
+        )
