@@ -32,7 +32,7 @@ from .config import (
     resolve_level,
 )
 from .core import checks
-from .core.build import CoreOptions, Strategy, build
+from .core.build import CoreOptions, LevelPlan, build
 from .core.compiled import unwrap_compiled
 from .core.state import state_of
 from .core.units import plan_units
@@ -178,7 +178,7 @@ def group_sharded_parallel(
         },
         [group] + ([dp_group] if dp_group is not None else []),
     )
-    strategy = Strategy.decode(level)  # the level decoded, once
+    strategy = LevelPlan.decode(level)  # the level decoded, once
     strategy.check(step_in_backward=step_in_backward, exclude_layer=exclude_layer)
     scaler = _sharded_scaler(scaler)
     if step_in_backward and scaler is not None and scaler.is_enabled():
