@@ -35,3 +35,13 @@ def test_capacity_mode_bisects_every_runner(tmp_path):
         assert result["n_layer"] == 1 and 0 < result["peak_mib"] <= 2048
     rows = {ln.split()[0]: ln.split() for ln in out.stdout.splitlines() if ln.startswith("p_g_os")}
     assert rows["p_g_os"][1:4] == rows["p_g_os_sib"][1:4] == ["1+", "7.4", "1.00x"], out.stdout
+
+
+def test_capacity_help_names_its_flags_and_defaults():
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    for flag in ("--capacity", "--cap-mib", "--nproc", "--runners", "--malloc", "--trace"):
+        assert flag in out.stdout
+    assert "(default: 1024)" in out.stdout and "(default: default,mmap)" in out.stdout
