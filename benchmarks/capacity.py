@@ -136,8 +136,11 @@ def _read(path: Path) -> str:
 
 
 # -- one trial: every rank in its own capped cgroup ----------------------------------------------
-def run_trial(cg: Cgroups | None, args, runner: str, n_layer: int, trace: bool = False) -> dict:
-    """Start the ranks, wait for all of them, say what happened (cg None: no cap)."""
+def run_trial(
+    cg: Cgroups | None, args, runner: str, n_layer: int, trace: bool = False, script: str = __file__
+) -> dict:
+    """Start the ranks, wait for all of them, say what happened (cg None: no cap). Each rank is
+    ``script --worker SPEC`` (another benchmark can run its own ranks under the same caps)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MALLOC_MMAP_THRESHOLD_", None)
     if args.malloc == "mmap":
@@ -149,7 +152,7 @@ def run_trial(cg: Cgroups | None, args, runner: str, n_layer: int, trace: bool =
         spec = {**vars(args), "runner": runner, "n_layer": n_layer, "trace": trace, "init": init}
         procs, logs = [], [Path(tmp, f"rank{r}.log") for r in range(args.nproc)]
         for rank, log in enumerate(logs):
-            cmd = [sys.executable, __file__, "--worker", json.dumps({**spec, "rank": rank})]
+            cmd = [sys.executable, script, "--worker", json.dumps({**spec, "rank": rank})]
             if cg is not None:  # the shell joins the cgroup, then becomes Python: all is charged
                 procs_file = cg.create(names[rank], args.cap_mib * MIB) / "cgroup.procs"
                 cmd = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(procs_file), *cmd]
@@ -188,12 +191,12 @@ def _wait_all(procs: list[subprocess.Popen], deadline: float) -> bool:
     return False
 
 
-def bisect(cg: Cgroups, args, runner: str) -> dict:
+def bisect(cg: Cgroups, args, runner: str, script: str = __file__) -> dict:
     """The largest n_layer in [--min-layers, --max-layers] that passes (passing is taken as
     monotonic; below --min-layers nothing is tried, and a runner that fails there reports 0)."""
     lo, hi, trials = args.min_layers - 1, args.max_layers + 1, []  # lo passed or untried
     while hi - lo > 1:
-        trial = run_trial(cg, args, runner, (lo + hi) // 2)
+        trial = run_trial(cg, args, runner, (lo + hi) // 2, script=script)
         trials.append(trial)
         print(
             f"  {runner:<16} n_layer {trial['n_layer']:>3}: {trial['status']:<7} peak "

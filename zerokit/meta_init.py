@@ -203,8 +203,18 @@ class _Walk:
         in_units = {id(q) for plan, _ in self.units.values() for _, q in plan.params}
         # materialised first and kept to the end: everything but the non-root units' params
         self.first = [p for p in _unique_params(model) if id(p) not in in_units]
-        self.shards: dict[ShardKey, torch.Tensor] = {}
         self.sharded: dict[int, nn.Parameter] = {}  # placeholders to make at the end
+        # Note: every shard gets its storage here, before any parameter does. Allocated after
+        # each unit's full parameters, the long-lived shards would pin the freed parameters'
+        # heap pages (glibc's default malloc gives back only the top of its heap): a rank
+        # would keep about a unit's worth of freed memory resident per unit.
+        self.shards: dict[ShardKey, torch.Tensor] = {
+            _shard_key(plan, layout): torch.zeros(
+                layout.shard_numel, dtype=layout.dtype, device=device
+            )
+            for plan, layouts in [*self.units.values(), *([self.root] if self.root else [])]
+            for layout in layouts
+        }
 
     def run(self, init_fn: InitFn) -> None:
         for buf in _unique_buffers(self.model):
@@ -252,15 +262,13 @@ class _Walk:
                     "and tied names keep holding them"
                 )
         for layout in layouts:
-            start, end = layout.shard_range(self.rank)
-            shard = torch.zeros(end - start, dtype=layout.dtype, device=self.device)
+            start, _ = layout.shard_range(self.rank)
+            shard = self.shards[_shard_key(plan, layout)]
             for piece in layout.pieces(self.rank):
                 slot = layout.slots[piece.slot]
                 at = slot.offset + piece.start - start
                 flat = params[slot.param_index].detach().reshape(-1)
                 shard[at : at + piece.numel].copy_(flat[piece.start : piece.end])
-            key = tuple(id(params[s.param_index]) for s in layout.slots)
-            self.shards[key] = shard
             for s in layout.slots:
                 p = params[s.param_index]
                 self.sharded[id(p)] = p
@@ -290,6 +298,10 @@ class _NoMetaUse(TorchDispatchMode):
                 "Initialise each module's parameters in init_fn(module) itself"
             )
         return func(*args, **kwargs)
+
+
+def _shard_key(plan: UnitPlan, layout) -> ShardKey:
+    return tuple(id(plan.params[s.param_index][1]) for s in layout.slots)
 
 
 def _unique_params(model: nn.Module) -> list[nn.Parameter]:
