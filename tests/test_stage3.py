@@ -107,6 +107,27 @@ def _checks(rank, world_size):
     assert state.gathered_numel() == 0  # everything freed when backward ended
     opt.zero_grad()
 
+    # A unit's full parameters are freed before its last gradient is staged: the last delivery
+    # ends every use of them, and staging it beside them would hold both at the peak.
+    gathered_at_last = {}  # unit -> whether its full parameters were alive at its last take
+    for group in groups:
+        take, ends = group.gradients.take, group
+
+        def recording(b, i, param, accumulated, take=take, group=ends):
+            if group._missing_total == 1:  # the unit's last parameter (counted down after)
+                gathered_at_last[group.name] = any(
+                    bu.storage is Storage.GATHERED for bu in group.buckets
+                )
+            return take(b, i, param, accumulated)
+
+        group.gradients.take = recording
+    loss_fn(model(x), y).backward()
+    for group in groups:
+        del group.gradients.take
+    assert set(gathered_at_last) == {g.name for g in groups}, gathered_at_last
+    assert not any(gathered_at_last.values()), gathered_at_last
+    opt.zero_grad()
+
     # A parameter read outside its unit's forward raises; it never reads freed memory.
     weight = model.blocks[1].fc.weight
     assert weight.numel() == 0

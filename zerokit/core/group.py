@@ -161,6 +161,8 @@ class ShardGroup:
                 self.gradients.add(b, i, param)
                 self.contributed[b][i] = True
             return
+        if self._missing_total == 1:  # the last: no node reads the full parameters again
+            self.reshard()  # before staging it, or the peak holds both (FSDP2 frees first too)
         self.contributed[b][i] = self._take_grad(b, i, param)
         self._arrived[b] += 1
         self._missing_total -= 1
