@@ -1,4 +1,4 @@
-"""A checkpoint keeps rank 0's BatchNorm statistics (README, "BatchNorm and other batch
+"""A checkpoint keeps rank 0's BatchNorm statistics (docs/GUIDE.md, "BatchNorm and other batch
 statistics"): with the default sync_buffers=False each rank's running statistics are its own;
 `zerokit.checkpoint.save` stores rank 0's and `load` gives every rank those."""
 

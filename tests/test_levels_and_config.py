@@ -21,8 +21,8 @@ def _levels(rank, world_size, toml_path, json_path):
 
     plain = make_model("gpt")
     expected = sum(p.numel() for p in plain.parameters())
-    # silenced before the first wrap (README's line), with no handler of the user's: the
-    # stderr handler zerokit adds then must not bring the level back to INFO
+    # silenced before the first wrap (docs/GUIDE.md, The call), with no handler of the user's:
+    # the stderr handler zerokit adds then must not bring the level back to INFO
     logger = logging.getLogger("zerokit")
     assert not logger.handlers and logger.level == logging.NOTSET  # a fresh process
     logger.setLevel(logging.WARNING)

@@ -1,6 +1,6 @@
 """``MixedPrecision(reduce_dtype=torch.bfloat16)`` without ``param_dtype``: fp32 compute and
 fp32 masters, gradients averaged across ranks in bf16 (half the bytes sent). It used to be
-dropped silently (reduced in fp32); README promises nothing is silently ignored.
+dropped silently (reduced in fp32); docs/GUIDE.md (The call) promises nothing is silently ignored.
 
 What is checked, and why it can fail:
 - every gradient the optimizer reads is a bf16 number (the average was taken in bf16, then

@@ -141,7 +141,8 @@ def check_config(cfg: PlanConfig) -> None:
 
 
 def make_plan(cfg: PlanConfig) -> dict:
-    """The report: ``{"params", "world", "level", "ranks": [...]}`` and more (see README)."""
+    """The report: ``{"params", "world", "level", "ranks": [...]}`` and more (see
+    docs/GUIDE.md, ``zerokit plan``)."""
     return plan_with_calls(cfg)[0]
 
 
