@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -422,16 +423,35 @@ def _activation_bytes(work, per_rank: int, policy: MixedPrecision, mode, tp: boo
     would on the device (the ``zerokit.memory.measure_activations`` way, for any model).
     With ``tp``, also the tensor-parallel collectives of that forward, loss and backward."""
     model = work.model
-    if policy.param_dtype is not None:  # the compute copy, as zerokit's buckets hold it
-        keep = policy.full_precision_modules
-        for m in model.modules():
-            if not isinstance(m, keep):
-                for p in m.parameters(recurse=False):
-                    if p.is_floating_point():
-                        p.data = p.data.to(policy.param_dtype)
+    to_compute_dtype(model, policy)
     x, y = (mode.from_tensor(t[:per_rank]) for t in _real_batch(work, per_rank))
     if policy.param_dtype is not None and x.is_floating_point():
         x = x.to(policy.param_dtype)
+    calls: list[tuple[str, int, int]] = []
+    recording = recording_tp_collectives(calls) if tp else contextlib.nullcontext()
+    with recording:
+        with saved_bytes(model) as seen:
+            loss = work.loss_fn(model(x), y)
+        if tp:
+            loss.backward()
+    return sum(seen.values()), calls
+
+
+def to_compute_dtype(model: nn.Module, policy: MixedPrecision) -> None:
+    """The compute copy of the parameters, as zerokit's buckets hold it under ``policy``."""
+    if policy.param_dtype is None:
+        return
+    for m in model.modules():
+        if not isinstance(m, policy.full_precision_modules):
+            for p in m.parameters(recurse=False):
+                if p.is_floating_point():
+                    p.data = p.data.to(policy.param_dtype)
+
+
+@contextlib.contextmanager
+def saved_bytes(model: nn.Module) -> Iterator[dict[int, int]]:
+    """Inside: what autograd saves for backward, by storage (each once), the parameters of
+    ``model`` left out; read the returned dict's values after the block."""
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -441,14 +461,8 @@ def _activation_bytes(work, per_rank: int, policy: MixedPrecision, mode, tp: boo
             seen[storage._cdata] = storage.nbytes()
         return t
 
-    calls: list[tuple[str, int, int]] = []
-    recording = recording_tp_collectives(calls) if tp else contextlib.nullcontext()
-    with recording:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = work.loss_fn(model(x), y)
-        if tp:
-            loss.backward()
-    return sum(seen.values()), calls
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
 
 
 def _real_batch(work, rows: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .mixed_precision import MixedPrecision
 from .models.gpt import gpt_layers
 from .pipeline.describe import SharedLayerDesc
@@ -50,6 +48,8 @@ from .plan import (
     aggregate,
     check_config,
     rank_memory,
+    saved_bytes,
+    to_compute_dtype,
     transient_bytes,
 )
 from .plan import plan_with_calls as plain_plan
@@ -330,24 +330,10 @@ def _report(cfg, plans: list[StagePlan], psi: int, degree: int, batch: int, m: i
 def _stage_forward(stage, x, policy: MixedPrecision, loss_fn, y):
     """One micro-batch through ``stage`` on fake tensors: the bytes autograd saves (each
     storage once, parameters left out; the loss too on the last stage) and the output."""
-    if policy.param_dtype is not None:  # the compute copy, as zerokit's buckets hold it
-        for mod in stage.modules():
-            if not isinstance(mod, policy.full_precision_modules):
-                for p in mod.parameters(recurse=False):
-                    if p.is_floating_point():
-                        p.data = p.data.to(policy.param_dtype)
+    to_compute_dtype(stage, policy)
     if x.is_floating_point():
         x = x.detach().requires_grad_()  # as PipelineModule makes a received input
-    params = {p.untyped_storage()._cdata for p in stage.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in params:
-            seen[storage._cdata] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_bytes(stage) as seen:
         out = stage(x)
         if loss_fn is not None:
             loss_fn(out, y)
