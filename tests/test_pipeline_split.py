@@ -4,7 +4,9 @@ process (``model(ids, labels=ids).loss``, the optimizer over all of it, the glob
 steps, loss and parameters within 2e-5 (fp32): without ZeRO and at every level over a
 data-parallel group of one (2 ranks), and dp 2 x pp 2 at every level (4 ranks, slow); pp=3
 with a middle stage holding no tied copy; a rank keeps only its stage's parameters, under the
-model's own names. Bad split points are refused on every rank, before any collective."""
+model's own names, and frees the rest; the checkpoint consolidates into what ``from_pretrained``
+loads; Llama tied at pp 2 x tp 2 through ``zerokit.parallelize`` at every level (slow). Bad
+split points are refused on every rank, before any collective."""
 
 import gc
 import weakref
@@ -232,3 +234,35 @@ def _checkpoint(rank, world_size, family, tied, tmp):
 @pytest.mark.parametrize("family,tied", [("gpt2", True), ("llama", False)])
 def test_checkpoint_consolidates_to_hugging_face_names(family, tied, tmp_path):
     run_distributed(_checkpoint, 2, family, tied, str(tmp_path))
+
+
+# -- through zerokit.parallelize: pp 2 x tp 2 --------------------------------------------------
+def _pp2_tp2(rank, world_size, levels):
+    """Llama with its embedding tied to the head, both split by vocabulary over tp and the two
+    copies on different stages: the copies' gradients summed across stages per tp slice, the
+    global clip counting the tied weight once and each tp slice once."""
+    from zerokit import plans
+    from zerokit import tensor_parallel as tp
+
+    data = batches(4)
+    ref_losses, ref_state = reference("llama", True, 4, data)
+    mesh = zerokit.init_mesh(dp=1, tp=2, pp=2)
+    for level in levels:
+        model = build("llama", True, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+        pipe, opt = zerokit.parallelize(
+            model, opt, mesh, plans.llama(), level, ["model.layers.2"], "1f1b", 2
+        )
+        losses = [pipe.train_batch((ids, ids), opt, clip_norm=CLIP).item() for ids in data]
+        what = f"parallelize llama tied pp2 tp2 level={level}"
+        for step, (got, want) in enumerate(zip(losses, ref_losses)):
+            assert abs(got - want) <= ATOL, f"{what}: step {step}: loss {got} != {want}"
+        full = tp.gather_full_state_dict(pipe.stage)  # this stage's tensors, whole
+        assert full, what
+        for name, value in full.items():
+            torch.testing.assert_close(value, ref_state[name], atol=ATOL, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_parallelize_pp2_tp2_tied_llama_every_level():
+    run_distributed(_pp2_tp2, 4, zerokit.LEVELS)
