@@ -336,3 +336,35 @@ def test_pp2_by_split_points_equals_one_process(name):
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_pp2_tp2_every_level_equals_one_process(name):
     run_distributed(_pipelined, 4, name, 2, list(zerokit.LEVELS))
+
+
+def _parallel_loss(rank, world_size, name):
+    """The plan's parallel loss: the head keeps each tp rank's vocabulary part of the logits
+    (uneven: 211 = 106 + 105) and ``ParallelCrossEntropy`` takes the loss from the parts; the
+    same training as one process with the model's own loss on whole logits."""
+    ref_losses, ref_state = reference(name)
+    mesh = zerokit.init_mesh(dp=1, tp=2)
+    loss_fn = tp.ParallelCrossEntropy(layout=mesh)
+    for level in zerokit.LEVELS:
+        model, opt, _ = build(name)
+        plan = {"llama": plans.llama, "gpt2": plans.gpt2}[name](parallel_loss=True)
+        model, opt = zerokit.parallelize(model, opt, mesh, plan=plan, level=level)
+        for step, x in enumerate(batches()):
+            logits = model(input_ids=x).logits
+            if step == 0:
+                parts = [0, 0]
+                dist.all_gather_object(parts, logits.shape[-1])
+                assert sorted(parts) == [105, 106], parts  # each rank its part of the 211
+            loss = loss_fn(logits[:, :-1], x[:, 1:])  # next-token targets, as HF shifts them
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert abs(loss.item() - ref_losses[step]) <= TOL, (name, level, step)
+        full = tp.gather_full_state_dict(model)
+        for key, want in ref_state.items():
+            torch.testing.assert_close(full[key], want, atol=TOL, rtol=0, msg=f"{level}: {key}")
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_a_parallel_loss_keeps_the_logits_split(name):
+    run_distributed(_parallel_loss, 2, name)

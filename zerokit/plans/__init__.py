@@ -11,9 +11,10 @@ stages (``zerokit.pipeline.split``).
 from __future__ import annotations
 
 
-def llama() -> dict[str, str]:
+def llama(parallel_loss: bool = False) -> dict[str, str]:
     """Hugging Face ``LlamaForCausalLM`` (and models shaped like it: Mistral, Qwen2): attention
-    and MLP Megatron-style, embedding and head split by vocabulary (logits whole on every rank).
+    and MLP Megatron-style, embedding and head split by vocabulary (logits whole on every rank;
+    with ``parallel_loss`` each rank keeps its vocabulary part, for ``ParallelCrossEntropy``).
     The tp degree must divide the attention heads and the KV heads."""
     return {
         "model.embed_tokens": "vocab",
@@ -24,21 +25,22 @@ def llama() -> dict[str, str]:
         "model.layers.*.mlp.gate_proj": "colwise",
         "model.layers.*.mlp.up_proj": "colwise",
         "model.layers.*.mlp.down_proj": "rowwise",
-        "lm_head": "vocab",
+        "lm_head": "vocab_loss" if parallel_loss else "vocab",
     }
 
 
-def gpt2() -> dict[str, str]:
+def gpt2(parallel_loss: bool = False) -> dict[str, str]:
     """Hugging Face ``GPT2LMHeadModel``: ``Conv1D`` layers (weights stored transposed) split
     in place, the fused q, k, v of ``c_attn`` split per head; the tied embedding and head split
-    by vocabulary together. The tp degree must divide the heads."""
+    by vocabulary together (``parallel_loss``: as for ``llama``). The tp degree must divide the
+    heads."""
     return {
         "transformer.wte": "vocab",
         "transformer.h.*.attn.c_attn": "colwise",
         "transformer.h.*.attn.c_proj": "rowwise",
         "transformer.h.*.mlp.c_fc": "colwise",
         "transformer.h.*.mlp.c_proj": "rowwise",
-        "lm_head": "vocab",
+        "lm_head": "vocab_loss" if parallel_loss else "vocab",
     }
 
 

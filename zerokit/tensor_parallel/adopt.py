@@ -83,12 +83,17 @@ class RowParallelConv1D(RowParallelLinear):
 class VocabParallelHead(TensorParallelLayer):
     """An output projection ``[hidden] -> [vocab]`` with the vocabulary split across the tp
     ranks as ``VocabParallelEmbedding`` splits it (the last rank takes the remainder), so a
-    head tied to that embedding shares its parameter. The logits are all-gathered: whole on
-    every tp rank, the gradient of each rank's part flowing back to it."""
+    head tied to that embedding shares its parameter. With ``gather`` the logits are
+    all-gathered: whole on every tp rank, the gradient of each rank's part flowing back to it;
+    without, each rank returns its own part ``[..., V_local]`` (for ``ParallelCrossEntropy``)."""
 
-    def __init__(self, in_features: int, num_embeddings: int, bias: bool, *, layout: Layout):
+    def __init__(
+        self, in_features: int, num_embeddings: int, bias: bool, *, layout: Layout,
+        gather: bool = True,
+    ):  # fmt: skip
         super().__init__(layout)
         self.in_features, self.num_embeddings = in_features, num_embeddings
+        self.gather = gather
         self.split = TPSplit.of(0, num_embeddings, self.layout.tp_degree, 1, "vocabulary")
         rows = self.split.local_size(self.layout.tp_rank)
         self.weight = nn.Parameter(torch.empty(rows, in_features, device="meta"))
@@ -103,7 +108,7 @@ class VocabParallelHead(TensorParallelLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(copy_to_tp_region(x, self.tp_group), self.weight, self.bias)  # [..., V/tp]
-        return _GatherVocab.apply(y, self.split, self.tp_group)  # [..., V]
+        return _GatherVocab.apply(y, self.split, self.tp_group) if self.gather else y
 
 
 class _GatherVocab(torch.autograd.Function):
@@ -169,14 +174,15 @@ def row(src: nn.Module, layout: Layout) -> RowParallelLinear:
     return layer
 
 
-def vocab(src: nn.Module, layout: Layout) -> TensorParallelLayer:
-    """An ``nn.Embedding`` or an output ``nn.Linear`` split by vocabulary."""
+def vocab(src: nn.Module, layout: Layout, gather: bool = True) -> TensorParallelLayer:
+    """An ``nn.Embedding`` or an output ``nn.Linear`` split by vocabulary (``gather``: the
+    head's logits whole on every tp rank)."""
     if isinstance(src, nn.Embedding):
         layer = VocabParallelEmbedding(src.num_embeddings, src.embedding_dim, layout=layout,
                                        device="meta")  # fmt: skip
     else:
         layer = VocabParallelHead(src.in_features, src.out_features, src.bias is not None,
-                                  layout=layout)  # fmt: skip
+                                  layout=layout, gather=gather)  # fmt: skip
         _take(layer, "bias", src.bias)
     _take(layer, "weight", src.weight)
     return layer

@@ -5,7 +5,9 @@ this tp rank's slice of its weights, so state-dict names stay the model's own.
 Patterns are dotted names where ``*`` matches one level (``model.layers.*.self_attn.q_proj``).
 Styles: ``"colwise"`` (split the output features; the output stays split), ``"rowwise"``
 (split the input features, all-reduce the output), ``"vocab"`` (an embedding or an output head
-split by vocabulary; the head's logits come back whole on every tp rank) and ``"replicate"``
+split by vocabulary; the head's logits come back whole on every tp rank), ``"vocab_loss"`` (an
+output head split by vocabulary whose logits stay split, ``[..., V_local]``, for
+``ParallelCrossEntropy``: the ``[N, V]`` logits never cross the wire) and ``"replicate"``
 (kept whole). Attention: a colwise projection's heads are split with it (its module's
 ``head_dim`` says how wide a head is), fused q, k, v (GPT-2's ``c_attn``) are split per block,
 and the attention module's head counts (``num_heads``, ``split_size``) become this rank's.
@@ -24,7 +26,7 @@ from torch import nn
 from ..layout import Layout
 from . import adopt
 
-STYLES = ("colwise", "rowwise", "vocab", "replicate")
+STYLES = ("colwise", "rowwise", "vocab", "vocab_loss", "replicate")
 FUSED = {"c_attn": 3}  # GPT-2's attention input: q, k and v side by side in one layer
 _HEAD_COUNTS = ("num_heads", "num_key_value_heads", "split_size")  # per-rank after the split
 
@@ -86,11 +88,13 @@ def _check_applicable(name: str, module: nn.Module, style: str) -> None:
         "colwise": linear,
         "rowwise": linear,
         "vocab": isinstance(module, (nn.Embedding, nn.Linear)),
+        "vocab_loss": isinstance(module, nn.Linear),
         "replicate": True,
     }[style]
     if not ok:
         kinds = {"colwise": "nn.Linear or Conv1D", "rowwise": "nn.Linear or Conv1D",
-                 "vocab": "nn.Embedding or an output nn.Linear"}[style]  # fmt: skip
+                 "vocab": "nn.Embedding or an output nn.Linear",
+                 "vocab_loss": "output nn.Linear"}[style]  # fmt: skip
         raise ValueError(
             f"plan: style {style!r} cannot apply to {name} of type {type(module).__name__} "
             f"(it takes an {kinds}); name its projections instead"
@@ -130,7 +134,8 @@ def _ties(model: nn.Module) -> list[list[tuple[str, str]]]:
 
 def _check_ties(model: nn.Module, resolved: dict[str, str]) -> None:
     for group in _ties(model):
-        styles = {resolved.get(m, "replicate") for m, _ in group}
+        # a head whose logits stay split is split as its embedding is
+        styles = {resolved.get(m, "replicate").replace("vocab_loss", "vocab") for m, _ in group}
         if len(styles) > 1 or styles - {"vocab", "replicate"}:
             where = ", ".join(f"{m}.{p} ({resolved.get(m, 'not in the plan')})" for m, p in group)
             raise ValueError(
@@ -155,7 +160,7 @@ def apply_plan(model: nn.Module, resolved: dict[str, str], layout: Layout) -> di
         elif style == "rowwise":
             new = adopt.row(old, layout)
         else:
-            new = adopt.vocab(old, layout)
+            new = adopt.vocab(old, layout, gather=style == "vocab")
         parent = modules[name.rsplit(".", 1)[0]] if "." in name else model
         setattr(parent, leaf, new)
         if style == "colwise" and id(parent) not in split_heads:
