@@ -1,0 +1,58 @@
+"""A plan's "sequence" style on unmodified Hugging Face models: the norms (and GPT-2's dropouts
+after the row layers) run on each tp rank's block of the sequence, the row layers
+reduce-scatter it, and 5 steps at every ZeRO level equal one process on the global batch;
+a sequence the tp degree does not divide is refused at run time."""
+
+import pytest
+import torch
+from dist_helpers import run_distributed
+from test_parallelize import STEPS, TOL, batches, build, reference, train
+
+import zerokit
+from zerokit import plans
+from zerokit import tensor_parallel as tp
+
+SEQUENCE_PLANS = {"llama": plans.llama, "gpt2": plans.gpt2}
+
+
+def _equivalence(rank, world_size, name):
+    ref_losses, ref_state = reference(name)
+    mesh = zerokit.init_mesh(dp=1, tp=2)
+    for level in zerokit.LEVELS:
+        model, opt, _ = build(name)
+        plan = SEQUENCE_PLANS[name](sequence_parallel=True)
+        model, opt = zerokit.parallelize(model, opt, mesh, plan=plan, level=level)
+        what = f"{name} tp2 sequence {level}"
+        norm = next(p for n, p in model.named_parameters() if "ln_1" in n or "layernorm" in n)
+        assert getattr(norm, "sequence_parallel", False), f"{what}: norm not marked"
+        losses = train(model, opt, mesh)
+        for step, (got, want) in enumerate(zip(losses, ref_losses)):
+            assert abs(got - want) <= TOL, f"{what}: step {step}: loss {got} != {want}"
+        full = tp.gather_full_state_dict(model)
+        assert set(full) == set(ref_state), what
+        for key, want in ref_state.items():
+            assert full[key].shape == want.shape, f"{what}: {key}"
+            torch.testing.assert_close(full[key], want, atol=TOL, rtol=0, msg=f"{what}: {key}")
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_sequence_style_tp2_equals_one_process_at_every_level(name):
+    run_distributed(_equivalence, 2, name)
+
+
+def _refusals(rank, world_size):
+    mesh = zerokit.init_mesh(dp=1, tp=2)
+    model, opt, _ = build("llama")
+    model, opt = zerokit.parallelize(model, opt, mesh, plan=plans.llama(True), level="os_g")
+    odd = batches(1, seq=7)[0]
+    with pytest.raises(ValueError, match=r"sequence length \(dim 1 .*7 is not divisible by 2"):
+        model(input_ids=odd, labels=odd)
+    model, opt, _ = build("llama")
+    with pytest.raises(ValueError, match=r"'sequence' cannot apply to model.layers.0.mlp of"):
+        zerokit.parallelize(model, opt, mesh, plan={**plans.llama(), "model.layers.*.mlp": "sequence"})
+    with pytest.raises(ValueError, match=r"must lie in one nn.ModuleList of blocks"):
+        zerokit.parallelize(model, opt, mesh, plan={**plans.llama(), "model.norm": "sequence"})
+
+
+def test_sequence_refusals():
+    run_distributed(_refusals, 2)
