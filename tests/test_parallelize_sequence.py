@@ -6,7 +6,7 @@ a sequence the tp degree does not divide is refused at run time."""
 import pytest
 import torch
 from dist_helpers import run_distributed
-from test_parallelize import STEPS, TOL, batches, build, reference, train
+from test_parallelize import TOL, batches, build, reference, train
 
 import zerokit
 from zerokit import plans
@@ -49,7 +49,9 @@ def _refusals(rank, world_size):
         model(input_ids=odd, labels=odd)
     model, opt, _ = build("llama")
     with pytest.raises(ValueError, match=r"'sequence' cannot apply to model.layers.0.mlp of"):
-        zerokit.parallelize(model, opt, mesh, plan={**plans.llama(), "model.layers.*.mlp": "sequence"})
+        zerokit.parallelize(
+            model, opt, mesh, plan={**plans.llama(), "model.layers.*.mlp": "sequence"}
+        )
     with pytest.raises(ValueError, match=r"must lie in one nn.ModuleList of blocks"):
         zerokit.parallelize(model, opt, mesh, plan={**plans.llama(), "model.norm": "sequence"})
 

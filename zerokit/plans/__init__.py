@@ -50,7 +50,8 @@ def gpt2(sequence_parallel: bool = False) -> dict[str, str]:
     }
     if sequence_parallel:
         for name in ("transformer.h.*.ln_1", "transformer.h.*.attn.resid_dropout",
-                     "transformer.h.*.ln_2", "transformer.h.*.mlp.dropout", "transformer.ln_f"):  # fmt: skip
+                     "transformer.h.*.ln_2", "transformer.h.*.mlp.dropout",
+                     "transformer.ln_f"):  # fmt: skip
             plan[name] = "sequence"
     return plan
 

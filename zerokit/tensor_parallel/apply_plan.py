@@ -36,9 +36,10 @@ def resolve_plan(
     model: nn.Module, plan: dict[str, str], tp_degree: int, partial: bool = False
 ) -> dict[str, str]:
     """Module name -> style for every module the plan names; refuses (``ValueError``) a pattern
-    matching nothing (unless ``partial``: one pipeline stage of the planned model), an unknown style, a style the matched module cannot take, two styles for
-    one module, tied weights styled apart, and a tp degree that does not divide the heads or
-    features being split."""
+    matching nothing (unless ``partial``: one pipeline stage of the planned model), an unknown
+    style, a style the matched module cannot take, two styles for one module, tied weights
+    styled apart, a tp degree that does not divide the heads or features being split, and
+    "sequence" modules outside one stack of blocks."""
     modules = dict(model.named_modules())
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
