@@ -58,3 +58,32 @@ def _refusals(rank, world_size):
 
 def test_sequence_refusals():
     run_distributed(_refusals, 2)
+
+
+def _dropout(rank, world_size):
+    from test_parallelize import gpt2
+
+    from zerokit.tensor_parallel.sequence_plan import SequenceParallelDropout
+
+    mesh = zerokit.init_mesh(dp=1, tp=2)
+    cls, config, _ = gpt2()
+    config.resid_pdrop = 0.5
+    model = cls(config)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = zerokit.parallelize(model, opt, mesh, plan=plans.gpt2(True), level="os")
+    x = batches(1)[0]
+    with pytest.raises(RuntimeError, match="model_parallel_random_seed"):
+        model(input_ids=x, labels=x)  # the tp-distinct stream was never seeded
+    tp.model_parallel_random_seed(0, mesh)
+    drop = dict(model.named_modules())["transformer.h.0.mlp.dropout"]
+    assert isinstance(drop, SequenceParallelDropout)
+    before = torch.get_rng_state()
+    mask = drop(torch.ones(4, 64))
+    assert torch.equal(torch.get_rng_state(), before)  # the replicated stream is untouched
+    masks = [torch.empty_like(mask) for _ in range(world_size)]
+    torch.distributed.all_gather(masks, mask)
+    assert not torch.equal(masks[0], masks[1])  # each block of the sequence its own mask
+
+
+def test_sequence_dropout_draws_from_the_tp_distinct_stream():
+    run_distributed(_dropout, 2)
