@@ -15,14 +15,14 @@ from zerokit import tensor_parallel as tp
 SEQUENCE_PLANS = {"llama": plans.llama, "gpt2": plans.gpt2}
 
 
-def _equivalence(rank, world_size, name):
+def _equivalence(rank, world_size, name, dp=1, levels=None):
     ref_losses, ref_state = reference(name)
-    mesh = zerokit.init_mesh(dp=1, tp=2)
-    for level in zerokit.LEVELS:
+    mesh = zerokit.init_mesh(dp=dp, tp=2)
+    for level in levels or zerokit.LEVELS:
         model, opt, _ = build(name)
         plan = SEQUENCE_PLANS[name](sequence_parallel=True)
         model, opt = zerokit.parallelize(model, opt, mesh, plan=plan, level=level)
-        what = f"{name} tp2 sequence {level}"
+        what = f"{name} dp{dp} tp2 sequence {level}"
         norm = next(p for n, p in model.named_parameters() if "ln_1" in n or "layernorm" in n)
         assert getattr(norm, "sequence_parallel", False), f"{what}: norm not marked"
         losses = train(model, opt, mesh)
@@ -38,6 +38,12 @@ def _equivalence(rank, world_size, name):
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_sequence_style_tp2_equals_one_process_at_every_level(name):
     run_distributed(_equivalence, 2, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_sequence_style_dp2_tp2_equals_one_process(name):
+    run_distributed(_equivalence, 4, name, 2, ["os", "p_g_os"])
 
 
 def _refusals(rank, world_size):
