@@ -174,7 +174,7 @@ def _refusals(rank, world_size):
         ({"plan": {"model.layers.*.self_attn.q_prj": "colwise"}}, "q_proj"),
         ({"plan": {"model.layers.*.self_attn": "colwise"}}, "LlamaAttention"),
         ({"plan": {"lm_head": "diagonal"}}, "unknown style 'diagonal'"),
-        ({"plan": {"lm_head": "sequence"}}, "manual layers"),
+        ({"plan": {"lm_head": "sequence"}}, "sequence.*lm_head of type Linear"),
         ({"plan": {"model.norm": "vocab"}}, "LlamaRMSNorm"),
         ({"plan": None}, "needs a plan"),
         ({"plan": "lama"}, "no built-in plan 'lama'"),

@@ -66,6 +66,11 @@ def parallelize(
     if plan:
         resolve_plan(model, plan, degrees["tp"])  # the whole model: every name must exist
     _check_split_points(model, split_points, degrees["pp"])
+    if plan and degrees["pp"] > 1 and "sequence" in plan.values():
+        raise ValueError(
+            "a plan's 'sequence' style with pp > 1 is not supported yet (a stage boundary would "
+            "carry one block of the sequence); drop the 'sequence' entries or use pp = 1"
+        )
     group_of = _groups_by_name(model, optimizer)
     if recompute:  # on the whole model, before any split: its blocks keep the setting
         _enable_recompute(model)

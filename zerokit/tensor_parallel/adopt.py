@@ -47,6 +47,7 @@ class ColumnParallelConv1D(ColumnParallelLinear):
         TensorParallelLayer.__init__(self, layout)
         self.in_features, self.out_features, self._bias = in_features, out_features, True
         self.gather_output, self.sequence_parallel = False, False
+        self.input_sequence_gathered = False
         split = _features_split(out_features, self.layout, "out_features", False, stride)
         plain = self._plain(device, dtype)
         self._keep_local("weight", plain.weight, TPSplit(1, split.block_sizes, stride))
@@ -63,15 +64,18 @@ class RowParallelConv1D(RowParallelLinear):
     """A ``RowParallelLinear`` whose weight is stored ``[in/tp, out]`` as ``Conv1D``'s; it
     takes the split output of a column layer."""
 
-    def __init__(self, in_features: int, out_features: int, *, layout: Layout, device=None,
-                 dtype=None):  # fmt: skip
+    def __init__(self, in_features: int, out_features: int, *, sequence_parallel: bool = False,
+                 sequence_dim: int = 0, layout: Layout, device=None, dtype=None):  # fmt: skip
         TensorParallelLayer.__init__(self, layout)
         self.in_features, self.out_features, self._bias = in_features, out_features, True
-        self.input_is_parallel, self.sequence_parallel = True, False
+        self.input_is_parallel = True
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         split = _features_split(in_features, self.layout, "in_features", False)
         plain = self._plain(device, dtype)
         self._keep_local("weight", plain.weight, TPSplit(0, split.block_sizes))
         self._keep_local("bias", plain.bias, None)
+        if sequence_parallel:  # added per sequence block: a partial gradient per tp rank
+            self.bias.sequence_parallel = True
 
     def _plain(self, device=None, dtype=None) -> nn.Module:
         return _Conv1DPlain(self.in_features, self.out_features, device, dtype)
@@ -146,29 +150,35 @@ def _take(layer: TensorParallelLayer, name: str, full: torch.Tensor | None) -> N
     setattr(layer, name, param)
 
 
-def column(src: nn.Module, layout: Layout, stride: int = 1) -> ColumnParallelLinear:
+def column(
+    src: nn.Module, layout: Layout, stride: int = 1, sequence_gathered: bool = False
+) -> ColumnParallelLinear:
     """``src`` (``nn.Linear`` or ``Conv1D``) split by its output features; ``stride`` fused
-    blocks (q, k, v: 3) each split on its own. Its output stays split (a row layer follows)."""
+    blocks (q, k, v: 3) each split on its own. Its output stays split (a row layer follows).
+    ``sequence_gathered``: its input comes from a sequence gather that sums its gradient."""
     n_in, n_out = _features(src)
     if _is_conv1d(src):
         layer = ColumnParallelConv1D(n_in, n_out, stride=stride, layout=layout, device="meta")
     else:
         layer = ColumnParallelLinear(n_in, n_out, src.bias is not None, gather_output=False,
                                      stride=stride, layout=layout, device="meta")  # fmt: skip
+    layer.input_sequence_gathered = sequence_gathered
     _take(layer, "weight", src.weight)
     _take(layer, "bias", src.bias)
     return layer
 
 
-def row(src: nn.Module, layout: Layout) -> RowParallelLinear:
+def row(src: nn.Module, layout: Layout, sequence_dim: int | None = None) -> RowParallelLinear:
     """``src`` (``nn.Linear`` or ``Conv1D``) split by its input features, taking the split
-    output of a column layer; its output is all-reduced, whole on every tp rank."""
+    output of a column layer; its output is all-reduced, whole on every tp rank, or with a
+    ``sequence_dim`` reduce-scattered along it (this rank's block of the sequence)."""
     n_in, n_out = _features(src)
+    sp = {"sequence_parallel": sequence_dim is not None, "sequence_dim": sequence_dim or 0}
     if _is_conv1d(src):
-        layer = RowParallelConv1D(n_in, n_out, layout=layout, device="meta")
+        layer = RowParallelConv1D(n_in, n_out, layout=layout, device="meta", **sp)
     else:
         layer = RowParallelLinear(n_in, n_out, src.bias is not None, input_is_parallel=True,
-                                  layout=layout, device="meta")  # fmt: skip
+                                  layout=layout, device="meta", **sp)  # fmt: skip
     _take(layer, "weight", src.weight)
     _take(layer, "bias", src.bias)
     return layer

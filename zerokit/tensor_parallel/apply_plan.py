@@ -7,10 +7,12 @@ Styles: ``"colwise"`` (split the output features; the output stays split), ``"ro
 (split the input features, all-reduce the output), ``"vocab"`` (an embedding or an output head
 split by vocabulary; the head's logits come back whole on every tp rank), ``"vocab_loss"`` (an
 output head split by vocabulary whose logits stay split, ``[..., V_local]``, for
-``ParallelCrossEntropy``: the ``[N, V]`` logits never cross the wire) and ``"replicate"``
-(kept whole). Attention: a colwise projection's heads are split with it (its module's
-``head_dim`` says how wide a head is), fused q, k, v (GPT-2's ``c_attn``) are split per block,
-and the attention module's head counts (``num_heads``, ``split_size``) become this rank's.
+``ParallelCrossEntropy``: the ``[N, V]`` logits never cross the wire), ``"replicate"`` (kept
+whole) and ``"sequence"`` (norms and dropouts between the tensor-parallel regions run on this
+tp rank's block of the sequence: ``sequence_plan.py``). Attention: a colwise projection's heads
+are split with it (its module's ``head_dim`` says how wide a head is), fused q, k, v (GPT-2's
+``c_attn``) are split per block, and the attention module's head counts (``num_heads``,
+``split_size``) become this rank's.
 
 Everything is checked before anything changes, without communication, so a bad plan fails with
 the same ``ValueError`` on every rank.
@@ -25,8 +27,9 @@ from torch import nn
 
 from ..layout import Layout
 from . import adopt
+from .sequence_plan import SEQUENCE_DIM, apply_sequence, block_stack, sequence_applicable
 
-STYLES = ("colwise", "rowwise", "vocab", "vocab_loss", "replicate")
+STYLES = ("colwise", "rowwise", "vocab", "vocab_loss", "replicate", "sequence")
 FUSED = {"c_attn": 3}  # GPT-2's attention input: q, k and v side by side in one layer
 _HEAD_COUNTS = ("num_heads", "num_key_value_heads", "split_size")  # per-rank after the split
 
@@ -35,22 +38,15 @@ def resolve_plan(
     model: nn.Module, plan: dict[str, str], tp_degree: int, partial: bool = False
 ) -> dict[str, str]:
     """Module name -> style for every module the plan names; refuses (``ValueError``) a pattern
-    matching nothing (unless ``partial``: one pipeline stage of the planned model), an unknown style, a style the matched module cannot take, two styles for
-    one module, tied weights styled apart, and a tp degree that does not divide the heads or
-    features being split."""
+    matching nothing (unless ``partial``: one pipeline stage of the planned model), an unknown
+    style, a style the matched module cannot take, two styles for one module, tied weights
+    styled apart, a tp degree that does not divide the heads or features being split, and
+    "sequence" modules outside one stack of blocks."""
     modules = dict(model.named_modules())
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
         if style not in STYLES:
-            extra = (
-                ": sequence parallelism of a batch-first model is not supported by plans yet; "
-                "build it with the manual layers (sequence_parallel=True)"
-                if style == "sequence"
-                else ""
-            )
-            raise ValueError(
-                f"plan[{pattern!r}]: unknown style {style!r}; use one of {STYLES}{extra}"
-            )
+            raise ValueError(f"plan[{pattern!r}]: unknown style {style!r}; use one of {STYLES}")
         matched = [name for name in modules if name and matches(pattern, name)]
         if partial:  # a module of another pipeline stage holds nothing here: not planned
             matched = [n for n in matched if next(modules[n].parameters(), None) is not None]
@@ -65,6 +61,7 @@ def resolve_plan(
             resolved[name] = style
     _check_degrees(modules, resolved, tp_degree)
     _check_ties(model, resolved)
+    block_stack(modules, resolved)  # refuses a sequence region it cannot place
     return resolved
 
 
@@ -90,14 +87,16 @@ def _check_applicable(name: str, module: nn.Module, style: str) -> None:
         "vocab": isinstance(module, (nn.Embedding, nn.Linear)),
         "vocab_loss": isinstance(module, nn.Linear),
         "replicate": True,
+        "sequence": sequence_applicable(module),
     }[style]
     if not ok:
-        kinds = {"colwise": "nn.Linear or Conv1D", "rowwise": "nn.Linear or Conv1D",
-                 "vocab": "nn.Embedding or an output nn.Linear",
-                 "vocab_loss": "output nn.Linear"}[style]  # fmt: skip
+        kinds = {"colwise": "an nn.Linear or Conv1D", "rowwise": "an nn.Linear or Conv1D",
+                 "vocab": "an nn.Embedding or an output nn.Linear",
+                 "vocab_loss": "an output nn.Linear",
+                 "sequence": "a norm or an nn.Dropout"}[style]  # fmt: skip
         raise ValueError(
             f"plan: style {style!r} cannot apply to {name} of type {type(module).__name__} "
-            f"(it takes an {kinds}); name its projections instead"
+            f"(it takes {kinds}); name its projections instead"
         )
 
 
@@ -149,16 +148,17 @@ def apply_plan(model: nn.Module, resolved: dict[str, str], layout: Layout) -> di
     parameter for every parameter replaced, for carrying an optimizer over."""
     ties = _ties(model)
     modules = dict(model.named_modules())
+    stack = block_stack(modules, resolved)  # a sequence region: its layers in sequence mode
     replaced, split_heads = {}, set()
     for name, style in resolved.items():
-        if style == "replicate":
+        if style in ("replicate", "sequence"):
             continue
         old = modules[name]
         leaf = name.rsplit(".", 1)[-1]
         if style == "colwise":
-            new = adopt.column(old, layout, FUSED.get(leaf, 1))
+            new = adopt.column(old, layout, FUSED.get(leaf, 1), sequence_gathered=bool(stack))
         elif style == "rowwise":
-            new = adopt.row(old, layout)
+            new = adopt.row(old, layout, SEQUENCE_DIM if stack else None)
         else:
             new = adopt.vocab(old, layout, gather=style == "vocab")
         parent = modules[name.rsplit(".", 1)[0]] if "." in name else model
@@ -169,6 +169,8 @@ def apply_plan(model: nn.Module, resolved: dict[str, str], layout: Layout) -> di
         for pname, p in old.named_parameters(recurse=False):
             replaced[p] = getattr(new, pname)
     _retie(model, ties, replaced)
+    if stack:
+        apply_sequence(model, resolved, stack, layout)
     return replaced
 
 

@@ -142,6 +142,10 @@ class ColumnParallelLinear(TensorParallelLayer):
         if gather_output and sequence_parallel:
             raise ValueError("sequence_parallel=True needs gather_output=False (a row layer next)")
         self.sequence_parallel = sequence_parallel
+        # Set by a plan's "sequence" style: the input is already the whole sequence, gathered
+        # at the entry of the module holding this layer by a gather whose backward
+        # reduce-scatters, so the input gradient's sum over tp happens there, not here.
+        self.input_sequence_gathered = False
         self.in_features, self.out_features, self.gather_output = (
             in_features,
             out_features,
@@ -166,7 +170,8 @@ class ColumnParallelLinear(TensorParallelLayer):
         if self.sequence_parallel:  # x: [s/t, b, in] -> [s, b, out/tp]
             w = self._linear_weight()
             return _SequenceGatheredLinear.apply(x, w, self.bias, self.tp_group)
-        x = copy_to_tp_region(x, self.tp_group)
+        if not self.input_sequence_gathered:
+            x = copy_to_tp_region(x, self.tp_group)
         y = F.linear(x, self._linear_weight(), self.bias)  # [..., out/tp]
         return gather_from_tp_region(y, self.tp_group) if self.gather_output else y
 
@@ -179,7 +184,8 @@ class RowParallelLinear(TensorParallelLayer):
     ``ColumnParallelLinear(gather_output=False)``); otherwise the full input is split here,
     which needs ``in_features`` divisible by the tp degree. ``sequence_parallel=True``
     reduce-scatters the output along the sequence, ``[s, b, in/tp] -> [s/t, b, out]``, and adds
-    the bias (marked ``bias.sequence_parallel = True``) after, inside the region.
+    the bias (marked ``bias.sequence_parallel = True``) after, inside the region;
+    ``sequence_dim`` is the sequence dimension (1 for batch-first ``[b, s, h]``).
     """
 
     def __init__(
@@ -190,12 +196,13 @@ class RowParallelLinear(TensorParallelLayer):
         input_is_parallel: bool = False,
         *,
         sequence_parallel: bool = False,
+        sequence_dim: int = 0,
         layout: Layout | None = None,
         device=None,
         dtype=None,
     ):
         super().__init__(layout)
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         self.in_features, self.out_features, self.input_is_parallel = (
             in_features,
             out_features,
@@ -226,7 +233,7 @@ class RowParallelLinear(TensorParallelLayer):
             x = scatter_to_tp_region(x, self.tp_group)  # [..., in/tp]
         if self.sequence_parallel:  # [s, b, in/tp] -> [s/t, b, out]
             y = F.linear(x, self._linear_weight())
-            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group, self.sequence_dim)
         else:
             y = reduce_from_tp_region(F.linear(x, self._linear_weight()), self.tp_group)
         return y if self.bias is None else y + self.bias

@@ -11,7 +11,8 @@ its own consecutive block of positions. ``scatter_to_sequence_parallel_region`` 
 reduce-scatter backward; split instead when what follows is replicated, not tensor-parallel),
 and ``reduce_scatter_to_sequence_parallel_region`` replaces a row
 layer's all-reduce (reduce-scatter forward, all-gather backward). A sequence length not
-divisible by the tp degree is refused.
+divisible by the tp degree is refused. Each takes ``dim``, the sequence dimension: 0 by
+default, 1 for batch-first ``[b, s, h]`` models (Hugging Face's, under a plan's "sequence").
 """
 
 from __future__ import annotations
@@ -49,36 +50,39 @@ def _gather_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _check_sequence(x: torch.Tensor, size: int) -> None:
-    if x.shape[0] % size:
+def _check_sequence(x: torch.Tensor, size: int, dim: int = 0) -> None:
+    if x.shape[dim] % size:
+        layout = "[s, b, h]" if dim == 0 else "batch-first [b, s, h]"
         raise ValueError(
-            f"sequence parallelism needs the sequence length (dim 0 of [s, b, h]) divisible by "
-            f"the tp degree: {x.shape[0]} is not divisible by {size}; pad the sequence"
+            f"sequence parallelism needs the sequence length (dim {dim} of {layout}) divisible "
+            f"by the tp degree: {x.shape[dim]} is not divisible by {size}; pad the sequence"
         )
 
 
-def _split_first(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _split_first(x: torch.Tensor, group: ProcessGroup, dim: int = 0) -> torch.Tensor:
     size = group.size()
-    _check_sequence(x, size)
-    return x.chunk(size, dim=0)[group.rank()].contiguous()
+    _check_sequence(x, size, dim)
+    return x.chunk(size, dim=dim)[group.rank()].contiguous()
 
 
-def _gather_first(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _gather_first(x: torch.Tensor, group: ProcessGroup, dim: int = 0) -> torch.Tensor:
     if group.size() == 1:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(group.size())]
     dist.all_gather(hand_all(parts), hand(x), group=group)
-    return torch.cat(parts, dim=0)  # [s, ...] from every rank's [s/t, ...]
+    return torch.cat(parts, dim=dim)  # [s, ...] from every rank's [s/t, ...]
 
 
-def _reduce_scatter_first(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Sum over the group, keep this rank's block of dim 0. An all-to-all of the blocks and a
-    local sum: on gloo that is faster than its reduce_scatter (see core/collectives.py)."""
+def _reduce_scatter_first(x: torch.Tensor, group: ProcessGroup, dim: int = 0) -> torch.Tensor:
+    """Sum over the group, keep this rank's block of ``dim``. An all-to-all of the blocks and
+    a local sum: on gloo that is faster than its reduce_scatter (see core/collectives.py)."""
     size = group.size()
     if size == 1:
         return x
-    _check_sequence(x, size)
+    _check_sequence(x, size, dim)
+    if dim != 0:  # the all-to-all splits dim 0
+        return _reduce_scatter_first(x.movedim(dim, 0), group).movedim(0, dim).contiguous()
     x = x.contiguous()
     received = torch.empty_like(x)  # block r of every rank, in rank order
     dist.all_to_all_single(hand(received), hand(x), group=group)
@@ -130,36 +134,36 @@ class _GatherFromTP(torch.autograd.Function):
 
 class _ScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_first(x, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split_first(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_first(grad, ctx.group), None
+        return _gather_first(grad, ctx.group, ctx.dim), None, None
 
 
 class _GatherFromSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, tensor_parallel_output_grad):
-        ctx.group, ctx.partial = group, tensor_parallel_output_grad
-        return _gather_first(x, group)
+    def forward(ctx, x, group, tensor_parallel_output_grad, dim):
+        ctx.group, ctx.partial, ctx.dim = group, tensor_parallel_output_grad, dim
+        return _gather_first(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
         back = _reduce_scatter_first if ctx.partial else _split_first
-        return back(grad, ctx.group), None, None
+        return back(grad, ctx.group, ctx.dim), None, None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_first(x, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_first(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_first(grad, ctx.group), None
+        return _gather_first(grad, ctx.group, ctx.dim), None, None
 
 
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -183,25 +187,27 @@ def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return _GatherFromTP.apply(x, group)
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(
+    x: torch.Tensor, group: ProcessGroup, dim: int = 0
+) -> torch.Tensor:
     """Forward: this rank's block of the sequence, ``[s, b, h] -> [s/t, b, h]`` (the input is
     the same on every rank). Backward: all-gather the blocks' gradients."""
-    return _ScatterToSP.apply(x, group)
+    return _ScatterToSP.apply(x, group, dim)
 
 
 def gather_from_sequence_parallel_region(
-    x: torch.Tensor, group: ProcessGroup, tensor_parallel_output_grad: bool = True
+    x: torch.Tensor, group: ProcessGroup, tensor_parallel_output_grad: bool = True, dim: int = 0
 ) -> torch.Tensor:
     """Forward: all-gather ``[s/t, b, h] -> [s, b, h]``. Backward (Megatron's flag): with
     ``tensor_parallel_output_grad`` the gathered tensor feeds a tensor-parallel op whose
     gradient on each rank is a partial sum, so reduce-scatter; without it, it feeds layers
     replicated on every tp rank, whose gradient is whole everywhere, so keep this rank's block."""
-    return _GatherFromSP.apply(x, group, tensor_parallel_output_grad)
+    return _GatherFromSP.apply(x, group, tensor_parallel_output_grad, dim)
 
 
 def reduce_scatter_to_sequence_parallel_region(
-    x: torch.Tensor, group: ProcessGroup
+    x: torch.Tensor, group: ProcessGroup, dim: int = 0
 ) -> torch.Tensor:
     """Forward: sum the partial ``[s, b, h]`` over the tp group and keep this rank's block
     ``[s/t, b, h]``. Backward: all-gather."""
-    return _ReduceScatterToSP.apply(x, group)
+    return _ReduceScatterToSP.apply(x, group, dim)
