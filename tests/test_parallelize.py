@@ -109,14 +109,19 @@ def _equivalence(
         plan = plan if tp_degree > 1 else None
         model, opt = zerokit.parallelize(model, opt, given, plan=plan, level=level)
         what = f"{name} dp{dp} tp{tp_degree} {level}"
-        losses = train(model, opt, mesh)
-        for step, (got, want) in enumerate(zip(losses, ref_losses)):
-            assert abs(got - want) <= TOL, f"{what}: step {step}: loss {got} != {want}"
-        full = tp.gather_full_state_dict(model)
-        assert set(full) == set(ref_state), what
-        for key, want in ref_state.items():
-            assert full[key].shape == want.shape, f"{what}: {key}"
-            torch.testing.assert_close(full[key], want, atol=TOL, rtol=0, msg=f"{what}: {key}")
+        assert_trained_alike(model, train(model, opt, mesh), ref_losses, ref_state, what)
+
+
+def assert_trained_alike(model, losses, ref_losses, ref_state, what):
+    """Each step's loss and the full parameters, by the model's own names and shapes, equal to
+    one process's (TOL)."""
+    for step, (got, want) in enumerate(zip(losses, ref_losses)):
+        assert abs(got - want) <= TOL, f"{what}: step {step}: loss {got} != {want}"
+    full = tp.gather_full_state_dict(model)
+    assert set(full) == set(ref_state), what
+    for key, want in ref_state.items():
+        assert full[key].shape == want.shape, f"{what}: {key}"
+        torch.testing.assert_close(full[key], want, atol=TOL, rtol=0, msg=f"{what}: {key}")
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -349,6 +354,7 @@ def _parallel_loss(rank, world_size, name):
         model, opt, _ = build(name)
         plan = {"llama": plans.llama, "gpt2": plans.gpt2}[name](parallel_loss=True)
         model, opt = zerokit.parallelize(model, opt, mesh, plan=plan, level=level)
+        losses = []
         for step, x in enumerate(batches()):
             logits = model(input_ids=x).logits
             if step == 0:
@@ -359,10 +365,8 @@ def _parallel_loss(rank, world_size, name):
             loss.backward()
             opt.step()
             opt.zero_grad()
-            assert abs(loss.item() - ref_losses[step]) <= TOL, (name, level, step)
-        full = tp.gather_full_state_dict(model)
-        for key, want in ref_state.items():
-            torch.testing.assert_close(full[key], want, atol=TOL, rtol=0, msg=f"{level}: {key}")
+            losses.append(loss.item())
+        assert_trained_alike(model, losses, ref_losses, ref_state, f"{name} parallel loss {level}")
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

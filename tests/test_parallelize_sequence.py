@@ -6,7 +6,7 @@ a sequence the tp degree does not divide is refused at run time."""
 import pytest
 import torch
 from dist_helpers import run_distributed
-from test_parallelize import TOL, batches, build, reference, train
+from test_parallelize import assert_trained_alike, batches, build, reference, train
 
 import zerokit
 from zerokit import plans
@@ -25,14 +25,7 @@ def _equivalence(rank, world_size, name, dp=1, levels=None):
         what = f"{name} dp{dp} tp2 sequence {level}"
         norm = next(p for n, p in model.named_parameters() if "ln_1" in n or "layernorm" in n)
         assert getattr(norm, "sequence_parallel", False), f"{what}: norm not marked"
-        losses = train(model, opt, mesh)
-        for step, (got, want) in enumerate(zip(losses, ref_losses)):
-            assert abs(got - want) <= TOL, f"{what}: step {step}: loss {got} != {want}"
-        full = tp.gather_full_state_dict(model)
-        assert set(full) == set(ref_state), what
-        for key, want in ref_state.items():
-            assert full[key].shape == want.shape, f"{what}: {key}"
-            torch.testing.assert_close(full[key], want, atol=TOL, rtol=0, msg=f"{what}: {key}")
+        assert_trained_alike(model, train(model, opt, mesh), ref_losses, ref_state, what)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
