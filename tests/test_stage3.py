@@ -128,6 +128,23 @@ def _checks(rank, world_size):
     assert not any(gathered_at_last.values()), gathered_at_last
     opt.zero_grad()
 
+    # The root unit's gradients arrive over the whole backward (ln_f's first, the embeddings'
+    # last): its staging buffer is borrowed only when it is reduced, not held all the while.
+    root_staged = []  # as each block's backward begins
+    probes = [
+        block.register_full_backward_pre_hook(
+            lambda m, g: root_staged.append(
+                any(s is not None for s in state.root_group.gradients._staged)
+            )
+        )
+        for block in model.blocks
+    ]
+    loss_fn(model(x), y).backward()
+    for probe in probes:
+        probe.remove()
+    assert len(root_staged) == len(model.blocks) and not any(root_staged), root_staged
+    opt.zero_grad()
+
     # A parameter read outside its unit's forward raises; it never reads freed memory.
     weight = model.blocks[1].fc.weight
     assert weight.numel() == 0

@@ -155,6 +155,7 @@ def build(
                 staging,
                 reduce_dtype=reduce_dtype,
                 tp_group=opts.tp_group,
+                defer_staging=plan.module is model,  # the root unit: see gradients.py
             ),
             keep_whole=plan.keep_whole,
             tp_group=opts.tp_group,

@@ -100,6 +100,7 @@ class FullGradients(_Gradients):
         *,
         reduce_dtype: torch.dtype | None = None,
         tp_group=None,
+        defer_staging: bool = False,  # unused: nothing is staged
     ):
         super().__init__(buckets, reduce_dtype)
         self._reduction = reduction
@@ -210,11 +211,18 @@ class ShardedGradients(_Gradients):
         *,
         reduce_dtype: torch.dtype | None = None,
         tp_group=None,  # unused: placeholders stand for every sharded gradient alike
+        defer_staging: bool = False,
     ):
         super().__init__(buckets, reduce_dtype)
         self._reduction = reduction
         self._staging = staging
         self._staged: list[torch.Tensor | None] = [None] * len(buckets)  # during backward only
+        # Note: the root unit's gradients arrive over the whole backward (its head's first, its
+        # embedding's last): staged at the first, its whole buffer would be held all the while.
+        # Deferred, autograd's gradients are held here as they came, staged when the unit is
+        # reduced (after its parameters were freed: group.accumulate).
+        self._defer = defer_staging
+        self._deferred: list[dict[int, torch.Tensor | None]] = [{} for _ in buckets]
 
     def _staged_buffer(self, b: int) -> torch.Tensor:
         if self._staged[b] is None:
@@ -227,20 +235,35 @@ class ShardedGradients(_Gradients):
     def take(self, b: int, i: int, param: nn.Parameter, accumulated: bool) -> bool:
         """Stage parameter ``i``'s gradient and release autograd's. Did it have one? (What
         earlier steps accumulated is in the shard, which the reduction adds to.)"""
+        grad, param.grad = param.grad, None  # autograd's full-size gradient, released here
+        if self._defer:
+            self._deferred[b][i] = grad
+        else:
+            self._stage(b, i, grad)
+        return grad is not None
+
+    def _stage(self, b: int, i: int, grad: torch.Tensor | None) -> None:
         slot = self.buckets[b].slot_view(self._staged_buffer(b), i)
-        if param.grad is None:
+        if grad is None:
             slot.zero_()
-            return False
-        slot.copy_(param.grad)
-        param.grad = None  # release the full-size gradient autograd made
-        return True
+        else:
+            slot.copy_(grad)
 
     def add(self, b: int, i: int, param: nn.Parameter) -> None:
         """A second delivery in one backward (a reentrant checkpoint): add it."""
-        self.buckets[b].slot_view(self._staged_buffer(b), i).add_(param.grad)
-        param.grad = None
+        grad, param.grad = param.grad, None
+        if not self._defer:
+            self.buckets[b].slot_view(self._staged_buffer(b), i).add_(grad)
+        else:
+            held = self._deferred[b].get(i)
+            self._deferred[b][i] = grad if held is None else held + grad
 
     def start_reduce(self, b: int) -> Pending:
+        deferred, self._deferred[b] = self._deferred[b], {}
+        while deferred:  # each released as soon as it is staged
+            i, grad = deferred.popitem()
+            self._stage(b, i, grad)
+            del grad
         full, self._staged[b] = self._staged_buffer(b), None
         if self.grads[b] is None:  # in the masters' dtype and device (fp32, offload: the CPU)
             self.grads[b] = torch.zeros_like(self.buckets[b].shard_data)
