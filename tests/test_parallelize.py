@@ -251,6 +251,7 @@ def test_sampler_splits_over_dp_only():
 
 
 LAUNCHED = """
+import os
 import torch, torch.distributed as dist, zerokit
 dist.init_process_group("gloo")
 torch.manual_seed(0)
@@ -269,7 +270,8 @@ for step in range(3):
 with torch.no_grad():
     x = torch.randn(5, 6)
     assert torch.allclose(model(x), ref(x), atol=1e-6), "launched run differs from one process"
-print("rank", dist.get_rank(), "tp", zerokit.Strategy.from_env().tp, "ok")
+line = f"rank {dist.get_rank()} tp {zerokit.Strategy.from_env().tp} ok\\n"
+os.write(1, line.encode())  # one write: the ranks share the pipe, print's pieces interleave
 dist.destroy_process_group()
 """
 
