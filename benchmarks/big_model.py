@@ -42,21 +42,19 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from capacity import Cgroups, Trace, bisect, run_trial  # benchmarks/ siblings
+from capacity import Cgroups, bisect, run_trial, train_trial  # benchmarks/ siblings
 from safetensors.torch import save_file
-from step_time import train_step
 from torch.distributed.fsdp import fully_shard
 
 import zerokit
 from zerokit.checkpoint import pretrained
 from zerokit.launch import _entry
 from zerokit.meta_init import reset_parameters
-from zerokit.models.gpt import GPT, GPTConfig, synthetic_batch
+from zerokit.models.gpt import GPT, GPTConfig
 
 MIB = 2**20
 
@@ -160,22 +158,15 @@ def build_from_meta(runner: str, model: GPT, bucket_elems: int):
 
 def capacity_worker(spec: dict) -> None:
     """One rank of a --capacity trial (started by capacity.run_trial in its own cgroup)."""
-    rank, n = spec["rank"], spec["nproc"]
-    torch.set_num_threads(1)
-    wait = timedelta(seconds=spec["timeout"])
-    dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=n, timeout=wait)
-    cfg = replace(config(spec["n_layer"]), recompute="full")
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = GPT(cfg)
-    model, opt = build_from_meta(spec["runner"], model, spec["bucket_elems"])
-    x, y = synthetic_batch(cfg.vocab_size, spec["batch"] // n, spec["seq"], rank)
-    trace = Trace(model, opt) if spec["trace"] and rank == 0 else None
-    for step in range(1, spec["steps"] + 1):
-        loss = trace.train_step(step, x, y) if trace else train_step(model, opt, x, y)
-    if rank == 0:
-        print(f"{spec['runner']} n_layer {cfg.n_layer}: final loss {loss:.4f}", flush=True)
-    dist.destroy_process_group()
+
+    def make(spec: dict):
+        cfg = replace(config(spec["n_layer"]), recompute="full")
+        with torch.device("meta"):
+            model = GPT(cfg)
+        model, opt = build_from_meta(spec["runner"], model, spec["bucket_elems"])
+        return model, opt, cfg, spec["seq"]
+
+    train_trial(spec, make)
 
 
 def capacity(args) -> None:

@@ -239,16 +239,27 @@ def print_table(results: dict, max_layers: int) -> None:
 
 # -- inside a rank -------------------------------------------------------------------------------
 def worker(spec: dict) -> None:
+    def make(spec: dict):
+        cfg = gpt_config(spec["n_layer"])
+        # built once and converted in place, as a user builds the model they wrap: a second
+        # copy (the step-time benchmark's deep copy) would make the build, not training, the limit
+        model, opt = build(spec["runner"], GPT(cfg), 1e-4, spec["bucket_elems"], copy_model=False)
+        return model, opt, cfg, cfg.block_size
+
+    train_trial(spec, make)
+
+
+def train_trial(spec: dict, make) -> None:
+    """One rank of a trial: join the group, seed, ``make(spec) -> (model, optimizer, cfg,
+    seq)``, train ``spec["steps"]`` steps (rank 0 tracing them with ``--trace``), and print the
+    final loss on rank 0. benchmarks/big_model.py's capacity mode runs its trials here too."""
     rank, n = spec["rank"], spec["nproc"]
     torch.set_num_threads(1)
     wait = timedelta(seconds=spec["timeout"])
     dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=n, timeout=wait)
-    cfg = gpt_config(spec["n_layer"])
     torch.manual_seed(0)
-    # built once and converted in place, as a user builds the model they wrap: a second copy
-    # (the step-time benchmark's deep copy) would make the build, not training, the limit
-    model, opt = build(spec["runner"], GPT(cfg), 1e-4, spec["bucket_elems"], copy_model=False)
-    x, y = synthetic_batch(cfg.vocab_size, spec["batch"] // n, cfg.block_size, rank)
+    model, opt, cfg, seq = make(spec)
+    x, y = synthetic_batch(cfg.vocab_size, spec["batch"] // n, seq, rank)
     trace = Trace(model, opt) if spec["trace"] and rank == 0 else None
     for step in range(1, spec["steps"] + 1):
         loss = trace.train_step(step, x, y) if trace else train_step(model, opt, x, y)
