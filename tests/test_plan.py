@@ -115,18 +115,29 @@ def _group_arg_positions_are_right():
     assert params[2] == "group"
 
 
-def _real_step_equals_plan(rank, world_size, precision, degree=None):
+def _plans(world_size, precision=None, degree=None, model=MODEL, tp=1, per_rank=2):
+    """Every level's plan, made here (the plan plays its ranks in this process: before the
+    ranks of the real run start)."""
+    batch = per_rank * world_size // tp
+    return {
+        level: plan_with_calls(
+            PlanConfig(
+                world=world_size, level=level, model=model, batch=batch, seq=SEQ, tp=tp,
+                mixed_precision=precision, buffer_max_size=BUFFER, sharding_degree=degree,
+            )  # fmt: skip
+        )
+        for level in LEVELS
+    }
+
+
+def _real_step_equals_plan(rank, world_size, plans, precision, degree=None):
     _group_arg_positions_are_right()
     recorder = Recorder()
     recorder.install()
     low = LOW[precision]
     per_rank, batch = 2, 2 * world_size
     for level in LEVELS:
-        cfg = PlanConfig(
-            world=world_size, level=level, model=MODEL, batch=batch, seq=SEQ,
-            mixed_precision=precision, buffer_max_size=BUFFER, sharding_degree=degree,
-        )  # fmt: skip
-        report, planned = plan_with_calls(cfg)
+        report, planned = plans[level]
         torch.manual_seed(0)
         work = build_workload(load_factory(MODEL), batch=batch, seq=SEQ, per_rank=per_rank)
         opt = torch.optim.AdamW(work.model.parameters(), lr=1e-3)
@@ -165,24 +176,24 @@ def _real_step_equals_plan(rank, world_size, precision, degree=None):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_real_step_sends_and_holds_what_the_plan_says(world_size):
-    run_distributed(_real_step_equals_plan, world_size, None)
+    run_distributed(_real_step_equals_plan, world_size, _plans(world_size), None)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_mixed_precision_steps_send_and_hold_what_the_plan_says(precision):
-    run_distributed(_real_step_equals_plan, 3, precision)
+    run_distributed(_real_step_equals_plan, 3, _plans(3, precision), precision)
 
 
 @pytest.mark.slow
 def test_hybrid_sharding_steps_send_and_hold_what_the_plan_says():
-    run_distributed(_real_step_equals_plan, 4, None, 2)
+    run_distributed(_real_step_equals_plan, 4, _plans(4, degree=2), None, 2)
 
 
 TP_MODEL = "verify_models:tiny_gpt_tp"
 
 
-def _tp_step_equals_plan(rank, world_size, tp):
+def _tp_step_equals_plan(rank, world_size, plans, tp):
     """dp x tp: the tp layers' collectives and ZeRO's over each dp group, and the memory of
     each rank's tp slices sharded over dp, as the plan says."""
     from zerokit.tensor_parallel import ParallelCrossEntropy
@@ -193,11 +204,7 @@ def _tp_step_equals_plan(rank, world_size, tp):
     recorder.install()
     per_rank, batch = 2, 2 * dp
     for level in LEVELS:
-        cfg = PlanConfig(
-            world=world_size, level=level, model=TP_MODEL, batch=batch, seq=SEQ, tp=tp,
-            buffer_max_size=BUFFER,
-        )  # fmt: skip
-        report, _ = plan_with_calls(cfg)
+        report, _ = plans[level]
         plain = build_workload(load_factory(TP_MODEL), batch=batch, seq=SEQ, per_rank=per_rank)
         model = load_factory(TP_MODEL)(layout=layout)
         loss_fn = ParallelCrossEntropy(layout=layout)
@@ -235,12 +242,12 @@ def _tp_step_equals_plan(rank, world_size, tp):
 
 
 def test_a_real_tensor_parallel_step_sends_and_holds_what_the_plan_says():
-    run_distributed(_tp_step_equals_plan, 2, 2)
+    run_distributed(_tp_step_equals_plan, 2, _plans(2, model=TP_MODEL, tp=2), 2)
 
 
 @pytest.mark.slow
 def test_a_real_dp2_x_tp2_step_sends_and_holds_what_the_plan_says():
-    run_distributed(_tp_step_equals_plan, 4, 2)
+    run_distributed(_tp_step_equals_plan, 4, _plans(4, model=TP_MODEL, tp=2), 2)
 
 
 def _plan(capsys, *args: str) -> tuple[int, str, str]:

@@ -67,3 +67,24 @@ def tiny_gpt_untied():
     return GPT(
         GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=16, tie_weights=False)
     )
+
+
+class BatchStatistic(nn.Module):
+    """Normalises by the batch mean over every rank: its forward makes a collective of its
+    own (an all-reduce of ``FEATURES`` floats), as a synchronised batch norm does."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(FEATURES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(dim=0)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(mean)
+            mean = mean / dist.get_world_size()
+        return self.body(x - mean)
+
+
+def batch_statistic():
+    torch.manual_seed(0)
+    return BatchStatistic(), regression_batch

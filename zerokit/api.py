@@ -37,6 +37,7 @@ from .core.compiled import unwrap_compiled
 from .core.state import state_of
 from .core.units import plan_units
 from .memory import format_bytes, measure
+from .core.stand_in import is_stand_in
 from .meta_init import materialize, on_meta
 from .mixed_precision import MixedPrecision
 from .pipeline.module import PipelineModule
@@ -212,7 +213,8 @@ def group_sharded_parallel(
     # Nothing is changed before this point: every check above can fail without side effects.
     replicas = dp_group if dp_group is not None and dp_group.size() > 1 else None
     shards = None
-    if meta:  # fails alike on every rank, leaving the model on meta
+    # A dry run's stand-in ranks (``zerokit plan``) keep the model on meta: no values to make
+    if meta and not is_stand_in(group):  # fails alike on every rank, leaving it on meta
         shards = materialize(
             model, plans, shard_params=strategy.shard_params, group=group,
             replica_group=replicas, buffer_max_size=buffer_max_size, init_fn=init_fn,

@@ -330,15 +330,19 @@ def _verify(args) -> int:
 
 
 PLAN_DESCRIPTION = """\
-Dry run of an N-rank job on this CPU: the model is built on fake tensors (meta storage: no
-bytes), zerokit's own unit planning and bucket layout are run for --world ranks, and from them
-it prints per rank (alike ranks grouped) the memory by category, as `zerokit compare` measures
-it (params, grads, optimizer), beside the largest transient (gathered units, staged gradients)
+Dry run of an N-rank job on this CPU: this process plays the job's ranks (those that differ)
+one after another with the model on the meta device (no bytes) against stand-in process groups
+that record every collective, through zerokit's real wrapping and two training steps. It
+prints per rank (alike ranks grouped) the memory by category, as `zerokit compare` measures it
+(params, grads, optimizer), beside the largest transient (gathered units, staged gradients)
 and the activations of a rank's micro-batch; then every collective of one training step (op,
-group size, calls, bytes) and the bytes each rank sends, beside the ZeRO paper's volume.
+group size, calls, bytes), the model's own included, and the bytes each rank sends, beside the
+ZeRO paper's volume. Run it where no process group is initialised. --pp plans pipelines from
+zerokit's rules on fake tensors.
 
 --model pkg.module:factory: as for `zerokit compare` (see `zerokit compare --help`); the
-factory runs under torch's FakeTensorMode, so a 7B model costs no memory.
+factory runs under torch.device("meta") (and once under FakeTensorMode for the activations),
+so a 7B model costs no memory.
 --json PATH: {"params", "world", "level", "ranks": [{"rank", "memory": {"params", "grads",
 "optimizer", "transient", "activations"}, "collectives": [{"op", "group_size", "calls",
 "bytes"}], "bytes_per_step"}]} (bytes per entry summed over its calls).

@@ -231,7 +231,8 @@ def measure(model: nn.Module, optimizer, peak: PeakMemory | None = None) -> Memo
             if isinstance(t, DTensor):  # FSDP2: this rank holds the local shard
                 t = t.to_local()
             storage = t.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
+            # meta storages (``zerokit plan``'s dry run) all have address 0: tell them apart
+            key = (storage.data_ptr() or storage._cdata, storage.nbytes())
             if storage.nbytes() and key not in seen:
                 seen.add(key)
                 total += storage.nbytes()

@@ -1,25 +1,21 @@
 """``zerokit plan``: what an N-rank job will hold and send, worked out on one CPU in seconds.
 
-The model is built under torch's ``FakeTensorMode`` (meta storage, no bytes, the device the
-model would really be on, so kernels choose as they would run). From it, zerokit's own unit
-planning and bucket layout (``core.units.plan_units`` / ``plan_groups``, the calls
-``group_sharded_parallel`` makes) give every bucket's padded size and every rank's pieces; the
-rest is derived from those layouts by the rules the core follows, written out here:
+The ranks are played by ``zerokit.dry_run``: this process becomes rank r of the job against
+stand-in process groups (``core.stand_in``, which record every collective and complete it at
+once), builds the model on ``meta`` (no bytes), and runs ``group_sharded_parallel`` and two
+training steps, the real code. A rank's memory is what ``zerokit.memory.measure`` counts after
+the second backward, its collectives are the ones recorded in that second step (the model's
+own included), each a logical collective over a group (the stand-ins take the path NCCL takes:
+one reduce-scatter, one all-gather; on gloo the core runs those as one reduce or broadcast per
+rank, still one logical collective), its bytes counted as a ring would send them.
 
-- memory per rank, in ``zerokit.memory.measure``'s categories as it counts them after a
-  backward (gradients present, optimizer state made by an earlier step);
-- the collectives of one steady training step (forward, backward, ``optimizer.step()``), each
-  a logical collective over a group, as ``core.collectives`` issues it (gloo runs a
-  reduce-scatter as one reduce per owner and an all-gather as one broadcast per rank: that is
-  still one logical collective, and its bytes are counted as a ring would send them).
-
-So this is not a run of the wrapping code against a fake process group: a change to the core's
-schedule must be mirrored here. (Note: ``group_sharded_parallel`` itself does run on a fake-tensor
-model over torch's ``"fake"`` backend, once the store meetings of ``core.agreement`` are stood in
-for; a step does not: the core reads agreed values back (``_agree_on_order``'s digest, the
-contributed flags in ``finish_backward``), which fake tensors do not have.) tests/test_plan.py holds the two together: it records the
-collectives and measures the memory of real 2- and 3-rank steps at every level and requires
-the same ops, calls, bytes and memory as this plan.
+Ranks the layout says are alike (the same tp split and the same amounts by ``rank_memory``,
+the core's rules written out) are played once; if the rank played holds other amounts than
+the rules say, every rank of its kind is played. The largest transient (gathered units and
+staged gradients at once, ``transient_bytes``) and the activations (what autograd saves in a
+forward on fake tensors) are estimated, not measured. Pipelines (``--pp``) are still planned
+from the rules (``zerokit.plan_pp``). tests/test_plan.py holds the plan to real 2- and 3-rank
+steps: the same ops, calls, bytes and memory.
 """
 
 from __future__ import annotations
@@ -35,7 +31,9 @@ from torch import nn
 from .api import LEVELS
 from .config import ShardingConfig
 from .core.layout import BucketLayout
+from .core.stand_in import Call
 from .core.units import UnitPlan, plan_groups, plan_units
+from .dry_run import Job, run_rank
 from .memory import STATE_PER_PARAM
 from .mixed_precision import MixedPrecision
 from .plan_tp import recording_tp_collectives, stand_in_layout
@@ -177,22 +175,26 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
             tp_calls = [Collective(op, n, b, "tensor parallel (forward, loss, backward)")
                         for op, n, b in calls]  # fmt: skip
             per_tp_rank[t] = (units, frozen, activations, tp_calls)
-    replicas = dp // degree
-    ranks, everyone = [], {}
-    for t, (units, _, _, tp_calls) in per_tp_rank.items():
-        everyone[t] = tp_calls + schedule(units, cfg.level, degree, replicas, low)
+    job = Job(
+        world=cfg.world, level=cfg.level, tp=cfg.tp, degree=degree, seq=cfg.seq,
+        rows=batch // dp, low=low, buffer_max_size=cfg.buffer_max_size,
+        segment_size=cfg.segment_size,
+    )  # fmt: skip
+    played = _play_alike_once(job, cfg, factory, per_tp_rank)
     transient = transient_bytes(per_tp_rank[0][0], cfg.level)
+    ranks = []
     for rank in range(cfg.world):
-        t = rank % cfg.tp if rank % cfg.tp in per_tp_rank else 0
-        units, frozen, activations, _ = per_tp_rank[t]
-        memory = rank_memory(units, cfg.level, (rank // cfg.tp) % degree, frozen, cfg.optimizer)
+        run = played[rank]
+        units, _, activations, _ = per_tp_rank[_tp_class(rank, cfg.tp)]
+        memory = dict(run.memory)
         memory.update(transient=transient_bytes(units, cfg.level)["total"], activations=activations)
+        calls = described(run.calls, cfg.level)
         ranks.append(
             {
                 "rank": rank,
                 "memory": memory,
-                "collectives": aggregate(everyone[t]),
-                "bytes_per_step": round(sum(c.sent for c in everyone[t])),
+                "collectives": aggregate(calls),
+                "bytes_per_step": round(sum(c.sent for c in calls)),
             }
         )
     units = per_tp_rank[0][0]
@@ -214,7 +216,66 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
         "transient": transient,
         "paper_bytes_per_step": round(paper),
         "ranks": ranks,
-    }, everyone[0]
+        "played_ranks": sorted({run.rank for run in played.values()}),
+    }, described(played[0].calls, cfg.level)
+
+
+def _tp_class(rank: int, tp: int) -> int:
+    """Which tp split ``rank`` holds, of those planned: the last tp rank's, or the first's."""
+    return tp - 1 if rank % tp == tp - 1 else 0
+
+
+def _play_alike_once(job: Job, cfg: PlanConfig, factory, per_tp_rank: dict) -> dict:
+    """Every rank's ``RankRun``, playing ranks the layout says are alike only once: alike
+    ranks hold the same tp split and the same amounts by ``rank_memory``. If the one played
+    holds other amounts than the layout says, every rank of its kind is played."""
+    alike: dict[tuple, list[int]] = {}
+    for rank in range(cfg.world):
+        t = _tp_class(rank, cfg.tp)
+        units, frozen, _, _ = per_tp_rank[t]
+        said = rank_memory(units, cfg.level, (rank // cfg.tp) % job.degree, frozen, cfg.optimizer)
+        alike.setdefault((t, tuple(sorted(said.items()))), []).append(rank)
+    played = {}
+    for (_, said), ranks in alike.items():
+        run = run_rank(job, ranks[0], factory)
+        if run.memory != dict(said):
+            runs = [run] + [run_rank(job, r, factory) for r in ranks[1:]]
+        else:
+            runs = [run] * len(ranks)
+        played.update(zip(ranks, runs))
+    return played
+
+
+def described(calls: list[tuple[str, Call]], level: str) -> list[Collective]:
+    """The recorded calls of a step as ``Collective``s, each with what it is for (read from
+    the group's role, the phase, the op and the dtype: control values are integers)."""
+    return [Collective(c.op, c.group_size, c.bytes, _purpose(role, c, level)) for role, c in calls]
+
+
+def _purpose(role: str, c: Call, level: str) -> str:
+    if role == "tp":
+        return "tensor parallel (forward, loss, backward)"
+    control = not c.dtype.is_floating_point
+    replicas = "replicas: " if role == "replicas" else ""
+    if c.op == "all_reduce" and c.dtype == torch.int64:
+        return "agree on the units' order"
+    if c.op == "all_reduce" and control:
+        return "agree which parameters have gradients"
+    if c.phase == "forward" and c.op == "all_gather":
+        return "gather parameters (forward)"
+    if c.phase == "backward" and c.op == "all_gather":
+        return (
+            "gather parameters (backward)"
+            if level == "p_g_os"
+            else ("replicas: spread reduced gradients")
+        )
+    if c.phase == "backward" and c.op in ("reduce_scatter", "all_reduce"):
+        return replicas + ("reduce gradient shard" if replicas else "reduce gradients")
+    if c.phase == "step" and c.op == "all_gather":
+        return "gather updated shards"
+    if c.phase == "step" and c.op == "all_reduce":
+        return "loss scaler: agree on inf/nan"
+    return f"{replicas}{c.op} ({c.phase})"
 
 
 def _fake_workload(factory, seq: int, tp: int):

@@ -28,8 +28,9 @@ def format_plan(report: dict) -> str:
     lines = [
         f"{report['model']}: {report['params']:,} parameters, level '{level}' on {where}, "
         f"{report['precision']}, batch {report['batch']} x seq {report['seq']}; "
-        f"{report['units']} units, {report['buckets']} buckets (zerokit's own layout, planned "
-        "on fake tensors: nothing allocated)",
+        f"{report['units']} units, {report['buckets']} buckets (zerokit's own layout, "
+        + _how(report)
+        + ")",
         "",
         "memory per rank (ranks whose figures print alike share a row; params, grads, optimizer as zerokit.memory.measure counts them after "
         "a backward; transient: gathered units and staged gradients at once; activations: "
@@ -92,6 +93,20 @@ def format_plan(report: dict) -> str:
             + f": {format_bytes(paper)}"
         )
     return "\n".join(lines)
+
+
+def _how(report: dict) -> str:
+    played = report.get("played_ranks")
+    if played is None:  # a pipeline: its stages planned on fake tensors
+        return "planned on fake tensors: nothing allocated"
+    return (
+        f"wrapped and stepped for real on meta tensors, nothing allocated, by "
+        f"{'rank' if len(played) == 1 else 'ranks'} {_span(played)} against stand-in process "
+        "groups; the others are alike"
+        if len(played) < report["world"]
+        else "wrapped and stepped for real on meta tensors against stand-in process groups: "
+        "nothing allocated"
+    )
 
 
 def _span(ranks: list[int]) -> str:

@@ -27,6 +27,8 @@ def agree_found_inf(grads: list[torch.Tensor], groups, device: torch.device) -> 
     every rank of them (one MAX all-reduce per group, on ``device``). Collective."""
     found = torch.zeros((), device=device)
     for g in grads:
+        if g.is_meta:  # ``zerokit plan``'s dry run: no values, counted finite
+            continue
         found = torch.maximum(found, (~torch.isfinite(g)).any().float().to(device))
     for group in groups:
         all_reduce_(found, group, op=dist.ReduceOp.MAX)

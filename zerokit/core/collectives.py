@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import presence, teardown
+from .stand_in import is_stand_in
 from .eager import eager
 from .teardown import hand
 
@@ -82,8 +83,10 @@ def _is_gloo(group: ProcessGroup, device: torch.device | str = "cpu") -> bool:
 
 
 def communication_device(group: ProcessGroup) -> torch.device:
-    """A device whose tensors ``group`` can reduce: the CPU where it has gloo, else CUDA."""
-    return torch.device("cpu") if _is_gloo(group, "cpu") else torch.device("cuda")
+    """A device whose tensors ``group`` can reduce: the CPU where it has gloo (or is a dry
+    run's stand-in), else CUDA."""
+    cpu = is_stand_in(group) or _is_gloo(group, "cpu")
+    return torch.device("cpu") if cpu else torch.device("cuda")
 
 
 @eager

@@ -143,7 +143,7 @@ class FullGradients(_Gradients):
             if not (accumulated and not alias):
                 slot.zero_()
             return False
-        if grad.data_ptr() == slot.data_ptr():  # autograd accumulated into the bucket itself
+        if same_memory(grad, slot):  # autograd accumulated into the bucket itself
             return True
         if accumulated and not alias:
             slot.add_(grad)  # mixed precision: the slot cannot be param.grad, so add here
@@ -155,7 +155,7 @@ class FullGradients(_Gradients):
     def add(self, b: int, i: int, param: nn.Parameter) -> None:
         """A second delivery in one backward (a reentrant checkpoint): add it."""
         slot = self.buckets[b].slot_view(self._full(b), i)
-        if param.grad.data_ptr() != slot.data_ptr():  # else autograd added into the slot
+        if not same_memory(param.grad, slot):  # else autograd added into the slot
             slot.add_(param.grad)
         param.grad = slot if self._aliases_param(b) else None
 
@@ -278,3 +278,12 @@ class ShardedGradients(_Gradients):
 
     def parts(self, b: int, i: int) -> list[torch.Tensor]:
         return self._piece_grads(b, i)
+
+
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do ``a`` and ``b`` start at the same element of the same storage? (Not by address:
+    every meta storage, as in ``zerokit plan``'s dry run, is at address 0.)"""
+    return (
+        a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        and a.storage_offset() == b.storage_offset()
+    )

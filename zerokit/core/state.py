@@ -31,6 +31,7 @@ from .collectives import Pending, all_reduce_
 from .flat_param import FlatParamBucket, Storage
 from .group import Phase, ShardGroup
 from .params import ShardedParams, WholeParams
+from .stand_in import is_stand_in
 
 #: most groups whose reductions are in flight at once; the oldest is finished before another
 #: starts, which bounds the staging memory of backward (see docs/ARCHITECTURE.md)
@@ -119,6 +120,8 @@ class ShardState:
     @property
     def communication_device(self) -> torch.device:
         """Where the group's collectives run (offload keeps shards on the CPU, not this)."""
+        if is_stand_in(self.process_group):  # a dry run: control values on the CPU, not meta
+            return torch.device("cpu")
         buckets = self.buckets
         return buckets[0].data.device if buckets else torch.device("cpu")
 

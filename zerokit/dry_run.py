@@ -1,0 +1,159 @@
+"""One rank of an N-rank job, played in this process: zerokit's real wrapping and two real
+training steps on a ``meta`` model, against stand-in process groups that record every
+collective (``core.stand_in``). What ``zerokit plan`` reports is read from it: the memory
+``zerokit.memory.measure`` counts after the second backward (the steady step: optimizer
+state made by the first) and the collectives of that second step, from forward to
+``optimizer.step()``.
+
+Nothing is allocated for the model (meta storage has no bytes) and no other process runs; the
+stand-in groups answer as if every rank held this rank's values (``core.stand_in``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .api import group_sharded_parallel
+from .core import stand_in
+from .layout import init_hybrid_parallel
+from .memory import measure
+from .mixed_precision import MixedPrecision
+from .scaler import ShardedGradScaler
+from .workload import Workload, as_workload, tp_workload
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """The job a rank belongs to (``zerokit.plan.PlanConfig``'s degrees, resolved)."""
+
+    world: int
+    level: str
+    tp: int
+    degree: int
+    """ZeRO's shard group size (hybrid: smaller than the data-parallel degree)."""
+    seq: int
+    rows: int
+    """Rows of this rank's batch."""
+    low: torch.dtype | None
+    buffer_max_size: int
+    segment_size: int
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """What rank ``rank`` held after the steady step's backward, and what it sent in it."""
+
+    rank: int
+    memory: dict[str, int]
+    calls: list[tuple[str, stand_in.Call]]
+    """(the group's role: "shard", "replicas" or "tp"; the call), in the order issued."""
+
+
+class DryRunError(RuntimeError):
+    """The job could not be played (a process group is already initialised here)."""
+
+
+def run_rank(job: Job, rank: int, factory: Callable) -> RankRun:
+    """Play rank ``rank`` of ``job``: build the model on meta, wrap it, train two steps."""
+    if dist.is_initialized():
+        raise DryRunError(
+            "zerokit plan plays each rank of its job in this process with stand-in process "
+            "groups, so it needs a process without an initialised process group: call it "
+            "before torch.distributed.init_process_group, or from a process of its own"
+        )
+    stand_in.register()
+    dist.init_process_group(
+        stand_in.BACKEND, store=dist.HashStore(), rank=rank, world_size=job.world
+    )
+    try:
+        with _quiet():
+            return _play(job, rank, factory)
+    finally:
+        dist.destroy_process_group()
+
+
+def _play(job: Job, rank: int, factory: Callable) -> RankRun:
+    dp = job.world // job.tp
+    roles, kwargs, layout = {}, {}, None
+    if job.tp > 1 or job.degree < dp:
+        replicas = dp // job.degree
+        layout = init_hybrid_parallel(
+            replicas if job.degree < dp else dp, job.tp,
+            **({"sharding_degree": job.degree} if job.degree < dp else {}),
+        )  # fmt: skip
+        if job.degree < dp:
+            kwargs = {"group": layout.sharding_group, "dp_group": layout.dp_group}
+            roles = {id(layout.sharding_group): "shard", id(layout.dp_group): "replicas"}
+        else:
+            kwargs = {"group": layout.dp_group}
+            roles = {id(layout.dp_group): "shard"}
+        if job.tp > 1:
+            roles[id(layout.tp_group)] = "tp"
+    else:
+        roles = {id(dist.group.WORLD): "shard"}
+    work = _meta_workload(factory, job, layout)
+    opt = torch.optim.AdamW(work.model.parameters(), lr=1e-3)
+    model, opt, scaler = group_sharded_parallel(
+        work.model, opt, job.level, buffer_max_size=job.buffer_max_size,
+        segment_size=job.segment_size, mixed_precision=MixedPrecision(param_dtype=job.low),
+        scaler=ShardedGradScaler() if job.low == torch.float16 else None, **kwargs,
+    )  # fmt: skip
+    groups = [g for g in _recording_groups() if id(g) in roles]
+    x, y = (t.to("meta") for t in work.make_batch(0, job.rows))
+    for _step in range(2):  # the second step is the steady one
+        for g in groups:
+            g.calls.clear()
+        _phase(groups, "forward")
+        loss = work.loss_fn(model(x), y)
+        _phase(groups, "backward")
+        (scaler.scale(loss) if scaler else loss).backward()
+        held = measure(model, opt)
+        _phase(groups, "step")
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    calls = [(roles[id(g)], c) for g in groups for c in g.calls]
+    memory = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer}
+    return RankRun(rank, memory, calls)
+
+
+def _meta_workload(factory: Callable, job: Job, layout) -> Workload:
+    """The model on ``meta`` (the tp rank's, with a layout), as its factory builds it."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        plain = as_workload(factory() if job.tp == 1 else factory(layout=None), job.seq)
+        if job.tp == 1:
+            return plain
+        return tp_workload(factory, layout, plain)
+
+
+def _recording_groups() -> list[stand_in.RecordingGroup]:
+    """Every stand-in group this rank belongs to."""
+    groups = dist.distributed_c10d._world.pg_map  # torch's registry of this process's groups
+    return [g for g in groups if stand_in.is_stand_in(g)]
+
+
+def _phase(groups: list[stand_in.RecordingGroup], phase: str) -> None:
+    for g in groups:
+        g.phase = phase
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No wrap log line per played rank (a level the user set is kept)."""
+    log = logging.getLogger("zerokit")
+    before = log.level
+    log.setLevel(max(before, logging.WARNING))
+    try:
+        yield
+    finally:
+        log.setLevel(before)
