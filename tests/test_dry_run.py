@@ -59,3 +59,14 @@ def _plan_inside_a_job(rank, world_size):
 
 def test_a_plan_inside_a_running_job_is_refused():
     run_distributed(_plan_inside_a_job, 2)
+
+
+def test_a_model_that_reads_values_is_refused_saying_why(capsys):
+    from zerokit import cli
+
+    code = cli.main(["plan", "--model", "verify_models:reads_values", "--world", "2",
+                     "--level", "os"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "failed: DataDependentOutputException" in err and "must not read tensor values" in err
+    assert not dist.is_initialized()  # the stand-in world is gone

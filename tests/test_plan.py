@@ -119,15 +119,11 @@ def _plans(world_size, precision=None, degree=None, model=MODEL, tp=1, per_rank=
     """Every level's plan, made here (the plan plays its ranks in this process: before the
     ranks of the real run start)."""
     batch = per_rank * world_size // tp
-    return {
-        level: plan_with_calls(
-            PlanConfig(
-                world=world_size, level=level, model=model, batch=batch, seq=SEQ, tp=tp,
-                mixed_precision=precision, buffer_max_size=BUFFER, sharding_degree=degree,
-            )  # fmt: skip
-        )
-        for level in LEVELS
-    }
+    config = {
+        "world": world_size, "model": model, "batch": batch, "seq": SEQ, "tp": tp,
+        "mixed_precision": precision, "buffer_max_size": BUFFER, "sharding_degree": degree,
+    }  # fmt: skip
+    return {level: plan_with_calls(PlanConfig(level=level, **config)) for level in LEVELS}
 
 
 def _real_step_equals_plan(rank, world_size, plans, precision, degree=None):

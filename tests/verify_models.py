@@ -88,3 +88,19 @@ class BatchStatistic(nn.Module):
 def batch_statistic():
     torch.manual_seed(0)
     return BatchStatistic(), regression_batch
+
+
+class ReadsValues(nn.Module):
+    """A forward that branches on a tensor's value: it cannot run on ``meta``."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(FEATURES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) if x.sum() > 0 else -self.body(x)
+
+
+def reads_values():
+    torch.manual_seed(0)
+    return ReadsValues(), regression_batch

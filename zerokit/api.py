@@ -34,10 +34,10 @@ from .config import (
 from .core import checks
 from .core.build import CoreOptions, LevelPlan, build
 from .core.compiled import unwrap_compiled
+from .core.stand_in import is_stand_in
 from .core.state import state_of
 from .core.units import plan_units
 from .memory import format_bytes, measure
-from .core.stand_in import is_stand_in
 from .meta_init import materialize, on_meta
 from .mixed_precision import MixedPrecision
 from .pipeline.module import PipelineModule

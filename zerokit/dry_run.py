@@ -55,8 +55,17 @@ class RankRun:
     """(the group's role: "shard", "replicas" or "tp"; the call), in the order issued."""
 
 
-class DryRunError(RuntimeError):
-    """The job could not be played (a process group is already initialised here)."""
+NO_VALUES = (
+    "zerokit plan builds the model on tensors without values (the meta device, and fake "
+    "tensors for the activations) and trains it there, so its forward must not read tensor "
+    "values (.item(), a branch on a tensor) and the factory must not put parameters on an "
+    "explicit device"
+)
+
+
+class DryRunError(ValueError):
+    """The job could not be played: a process group is already initialised here, or the model
+    does not run on ``meta`` (its forward reads values)."""
 
 
 def run_rank(job: Job, rank: int, factory: Callable) -> RankRun:
@@ -74,6 +83,10 @@ def run_rank(job: Job, rank: int, factory: Callable) -> RankRun:
     try:
         with _quiet():
             return _play(job, rank, factory)
+    except Exception as e:
+        raise DryRunError(
+            f"playing rank {rank} of {job.world} failed: {type(e).__name__}: {e}. {NO_VALUES}"
+        ) from e
     finally:
         dist.destroy_process_group()
 

@@ -33,7 +33,7 @@ from .config import ShardingConfig
 from .core.layout import BucketLayout
 from .core.stand_in import Call
 from .core.units import UnitPlan, plan_groups, plan_units
-from .dry_run import Job, run_rank
+from .dry_run import NO_VALUES, DryRunError, Job, run_rank
 from .memory import STATE_PER_PARAM
 from .mixed_precision import MixedPrecision
 from .plan_tp import recording_tp_collectives, stand_in_layout
@@ -171,7 +171,12 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
         for t in sorted({0, cfg.tp - 1}):  # tp splits: all ranks alike but the last
             work = plain if cfg.tp == 1 else _fake_tp_workload(factory, cfg, t, plain)
             units, frozen = _units(work.model, cfg, policy, degree)
-            activations, calls = _activation_bytes(work, batch // dp, policy, mode, cfg.tp > 1)
+            try:
+                activations, calls = _activation_bytes(work, batch // dp, policy, mode, cfg.tp > 1)
+            except Exception as e:
+                raise DryRunError(
+                    f"the forward on fake tensors failed: {type(e).__name__}: {e}. {NO_VALUES}"
+                ) from e
             tp_calls = [Collective(op, n, b, "tensor parallel (forward, loss, backward)")
                         for op, n, b in calls]  # fmt: skip
             per_tp_rank[t] = (units, frozen, activations, tp_calls)

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import presence, teardown
-from .stand_in import is_stand_in
 from .eager import eager
+from .stand_in import is_stand_in
 from .teardown import hand
 
 # torch 2.13 renamed the flat-tensor collectives and deprecated the old names.
