@@ -3,6 +3,10 @@ of an N-rank job through zerokit's real wrapping and step, so what the plan repo
 the code does, collectives the model itself makes included; the stand-in groups answer as if
 every rank held this rank's values; a plan inside a running job is refused."""
 
+import logging
+import os
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,18 +42,56 @@ def test_stand_in_groups_answer_as_if_every_rank_held_this_ranks_values(stand_in
     assert ("all_reduce", 4, 16) in ops and ("all_gather", 4, 32) in ops
 
 
-def test_the_plan_shows_the_collectives_a_model_makes_itself():
+@pytest.mark.parametrize("degree", [None, 2])
+def test_the_plan_shows_the_collectives_a_model_makes_itself(degree):
     """A rule-based plan knows only zerokit's collectives; the dry run runs the model's forward
-    against the stand-in world, so the model's own all-reduce is in the plan."""
+    against the stand-in world, so the model's own all-reduce (on the world group, which
+    zerokit is not given under hybrid sharding) is in the plan."""
+    world = 4 if degree else 3
     plain = make_plan(PlanConfig(world=3, level="os_g", model="verify_models:with_dropout"))
-    synced = make_plan(PlanConfig(world=3, level="os_g", model="verify_models:batch_statistic"))
+    synced = make_plan(
+        PlanConfig(world=world, level="os_g", model="verify_models:batch_statistic",
+                   sharding_degree=degree)
+    )  # fmt: skip
     forward = [c for c in synced["ranks"][0]["collectives"] if c["what"] == "all_reduce (forward)"]
     assert forward == [
-        {"op": "all_reduce", "group_size": 3, "calls": 1, "bytes": 4 * FEATURES,
+        {"op": "all_reduce", "group_size": world, "calls": 1, "bytes": 4 * FEATURES,
          "what": "all_reduce (forward)"}
     ]  # fmt: skip
     assert not [c for c in plain["ranks"][0]["collectives"] if "(forward)" in c["what"]]
-    assert synced["played_ranks"] and set(synced["played_ranks"]) <= {0, 1, 2}
+    assert synced["played_ranks"] and set(synced["played_ranks"]) <= set(range(world))
+
+
+def test_the_optimizer_named_is_the_one_played():
+    state = {
+        name: make_plan(PlanConfig(world=2, level="os_g", optimizer=name))["ranks"][0]["memory"]
+        for name in ("adamw", "sgd", "none")
+    }
+    assert state["none"]["optimizer"] == 0
+    assert state["sgd"]["optimizer"] == state["sgd"]["grads"]  # a momentum per owned element
+    steps = state["adamw"]["optimizer"] - 2 * state["sgd"]["optimizer"]
+    assert 0 < steps < 1024  # Adam's two moments, and a 4-byte step per piece
+
+
+def test_zero_over_one_rank_replicated_over_the_rest():
+    report = make_plan(PlanConfig(world=4, level="os_g", sharding_degree=1))
+    ops = {(c["op"], c["group_size"], c["what"]) for c in report["ranks"][0]["collectives"]}
+    assert ("all_reduce", 4, "replicas: reduce gradient shard") in ops
+    assert not [op for op in ops if op[0] in ("reduce_scatter", "all_gather")]
+    memory = report["ranks"][0]["memory"]
+    assert memory["grads"] == memory["params"] == report["params"] * 4
+
+
+def test_the_process_is_left_as_found(monkeypatch):
+    """The played ranks leave no process group, excepthook (torch's prefixes every line with
+    the rank), logger setting or environment change behind; a store barrier asked for by
+    $TORCH_DIST_INIT_BARRIER is not waited for (only one rank ever comes)."""
+    monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", "1")
+    log = logging.getLogger("zerokit")
+    before = (sys.excepthook, log.level, list(log.handlers), log.propagate)
+    make_plan(PlanConfig(world=4, level="p_g_os", sharding_degree=2))
+    assert (sys.excepthook, log.level, list(log.handlers), log.propagate) == before
+    assert not dist.is_initialized() and os.environ["TORCH_DIST_INIT_BARRIER"] == "1"
 
 
 def _plan_inside_a_job(rank, world_size):

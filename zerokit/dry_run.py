@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -41,8 +43,21 @@ class Job:
     rows: int
     """Rows of this rank's batch."""
     low: torch.dtype | None
+    optimizer: str
+    """A key of ``OPTIMIZERS``."""
     buffer_max_size: int
     segment_size: int
+
+
+# the optimizer each of ``zerokit.memory.STATE_PER_PARAM``'s names stands for
+OPTIMIZERS: dict[str, Callable] = {
+    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-3),
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-3),
+    "none": lambda params: torch.optim.SGD(params, lr=1e-3),
+}
 
 
 @dataclass(frozen=True)
@@ -69,7 +84,8 @@ class DryRunError(ValueError):
 
 
 def run_rank(job: Job, rank: int, factory: Callable) -> RankRun:
-    """Play rank ``rank`` of ``job``: build the model on meta, wrap it, train two steps."""
+    """Play rank ``rank`` of ``job``: build the model on meta, wrap it, train two steps.
+    The process is left as it was found: no process group, the same excepthook and logger."""
     if dist.is_initialized():
         raise DryRunError(
             "zerokit plan plays each rank of its job in this process with stand-in process "
@@ -77,66 +93,74 @@ def run_rank(job: Job, rank: int, factory: Callable) -> RankRun:
             "before torch.distributed.init_process_group, or from a process of its own"
         )
     stand_in.register()
-    dist.init_process_group(
-        stand_in.BACKEND, store=dist.HashStore(), rank=rank, world_size=job.world
-    )
-    try:
-        with _quiet():
+    with _left_as_found():
+        try:
+            dist.init_process_group(
+                stand_in.BACKEND, store=dist.HashStore(), rank=rank, world_size=job.world
+            )
             return _play(job, rank, factory)
-    except Exception as e:
-        raise DryRunError(
-            f"playing rank {rank} of {job.world} failed: {type(e).__name__}: {e}. {NO_VALUES}"
-        ) from e
-    finally:
-        dist.destroy_process_group()
+        except Exception as e:
+            hint = f" {NO_VALUES}" if "meta" in str(e) else ""  # a value read, or a device
+            raise DryRunError(
+                f"playing rank {rank} of {job.world} failed: {type(e).__name__}: {e}.{hint}"
+            ) from e
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def _play(job: Job, rank: int, factory: Callable) -> RankRun:
-    dp = job.world // job.tp
-    roles, kwargs, layout = {}, {}, None
-    if job.tp > 1 or job.degree < dp:
-        replicas = dp // job.degree
-        layout = init_hybrid_parallel(
-            replicas if job.degree < dp else dp, job.tp,
-            **({"sharding_degree": job.degree} if job.degree < dp else {}),
-        )  # fmt: skip
-        if job.degree < dp:
-            kwargs = {"group": layout.sharding_group, "dp_group": layout.dp_group}
-            roles = {id(layout.sharding_group): "shard", id(layout.dp_group): "replicas"}
-        else:
-            kwargs = {"group": layout.dp_group}
-            roles = {id(layout.dp_group): "shard"}
-        if job.tp > 1:
-            roles[id(layout.tp_group)] = "tp"
-    else:
-        roles = {id(dist.group.WORLD): "shard"}
+    roles, kwargs, layout = _groups(job, rank)
     work = _meta_workload(factory, job, layout)
-    opt = torch.optim.AdamW(work.model.parameters(), lr=1e-3)
+    opt = OPTIMIZERS[job.optimizer](work.model.parameters())
     model, opt, scaler = group_sharded_parallel(
         work.model, opt, job.level, buffer_max_size=job.buffer_max_size,
         segment_size=job.segment_size, mixed_precision=MixedPrecision(param_dtype=job.low),
         scaler=ShardedGradScaler() if job.low == torch.float16 else None, **kwargs,
     )  # fmt: skip
-    groups = [g for g in _recording_groups() if id(g) in roles]
     x, y = (t.to("meta") for t in work.make_batch(0, job.rows))
     for _step in range(2):  # the second step is the steady one
-        for g in groups:
+        for g in _recording_groups():
             g.calls.clear()
-        _phase(groups, "forward")
+        _phase("forward")
         loss = work.loss_fn(model(x), y)
-        _phase(groups, "backward")
+        _phase("backward")
         (scaler.scale(loss) if scaler else loss).backward()
         held = measure(model, opt)
-        _phase(groups, "step")
+        _phase("step")
         if scaler:
             scaler.step(opt)
             scaler.update()
         else:
             opt.step()
         opt.zero_grad(set_to_none=True)
-    calls = [(roles[id(g)], c) for g in groups for c in g.calls]
+    calls = [(roles.get(id(g), "model"), c) for g in _recording_groups() for c in g.calls]
     memory = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer}
     return RankRun(rank, memory, calls)
+
+
+def _groups(job: Job, rank: int) -> tuple[dict[int, str], dict, object]:
+    """The job's groups as the real run builds them: each one's role (by id), the keywords
+    for ``group_sharded_parallel`` and the layout (None without tp or hybrid sharding)."""
+    dp = job.world // job.tp
+    layout = None
+    if job.degree < dp and job.degree > 1:
+        layout = init_hybrid_parallel(dp // job.degree, job.tp, sharding_degree=job.degree)
+        shard, replicas = layout.sharding_group, layout.dp_group
+    else:
+        if job.tp > 1:
+            layout = init_hybrid_parallel(dp, job.tp)
+        data = layout.dp_group if layout is not None else dist.group.WORLD
+        # ZeRO over one rank (--sharding-degree 1): each rank alone, replicated over the rest
+        shard, replicas = (data, None) if job.degree == dp else (dist.new_group([rank]), data)
+    roles = {id(shard): "shard"}
+    kwargs = {"group": shard}
+    if replicas is not None:
+        roles[id(replicas)] = "replicas"
+        kwargs["dp_group"] = replicas
+    if job.tp > 1:
+        roles[id(layout.tp_group)] = "tp"
+    return roles, kwargs, layout
 
 
 def _meta_workload(factory: Callable, job: Job, layout) -> Workload:
@@ -155,18 +179,25 @@ def _recording_groups() -> list[stand_in.RecordingGroup]:
     return [g for g in groups if stand_in.is_stand_in(g)]
 
 
-def _phase(groups: list[stand_in.RecordingGroup], phase: str) -> None:
-    for g in groups:
+def _phase(phase: str) -> None:
+    for g in _recording_groups():
         g.phase = phase
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """No wrap log line per played rank (a level the user set is kept)."""
+def _left_as_found() -> Iterator[None]:
+    """Within: no wrap log line per played rank; after: the ``zerokit`` logger, the
+    excepthook (``init_process_group`` prefixes it with the rank) and
+    ``$TORCH_DIST_INIT_BARRIER`` (a store barrier would wait for ranks that never come) as
+    they were."""
     log = logging.getLogger("zerokit")
-    before = log.level
-    log.setLevel(max(before, logging.WARNING))
+    saved = (log.level, list(log.handlers), log.propagate, sys.excepthook)
+    barrier = os.environ.pop("TORCH_DIST_INIT_BARRIER", None)
+    log.setLevel(max(log.level, logging.WARNING))
     try:
         yield
     finally:
-        log.setLevel(before)
+        level, log.handlers[:], log.propagate, sys.excepthook = saved
+        log.setLevel(level)
+        if barrier is not None:
+            os.environ["TORCH_DIST_INIT_BARRIER"] = barrier

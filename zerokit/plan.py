@@ -182,7 +182,7 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
             per_tp_rank[t] = (units, frozen, activations, tp_calls)
     job = Job(
         world=cfg.world, level=cfg.level, tp=cfg.tp, degree=degree, seq=cfg.seq,
-        rows=batch // dp, low=low, buffer_max_size=cfg.buffer_max_size,
+        rows=batch // dp, low=low, optimizer=cfg.optimizer, buffer_max_size=cfg.buffer_max_size,
         segment_size=cfg.segment_size,
     )  # fmt: skip
     played = _play_alike_once(job, cfg, factory, per_tp_rank)
@@ -258,7 +258,9 @@ def described(calls: list[tuple[str, Call]], level: str) -> list[Collective]:
 
 
 def _purpose(role: str, c: Call, level: str) -> str:
-    if role == "tp":
+    if role == "model":  # a group zerokit was not given: the model's own (or the world)
+        return f"{c.op} ({c.phase})"
+    if role == "tp" and not (c.phase == "step" and c.op == "all_reduce"):
         return "tensor parallel (forward, loss, backward)"
     control = not c.dtype.is_floating_point
     replicas = "replicas: " if role == "replicas" else ""

@@ -6,7 +6,8 @@ One process plays one rank of an N-rank job: ``RecordingGroup`` is registered wi
 with the model on ``meta`` (no bytes). Each collective is recorded (op, group size, bytes of
 the logical collective) and completes at once; its result is what it would be if every rank
 held this rank's values: an all-gather fills every chunk with this rank's, any reduction and a
-broadcast leave the tensor as it is. Only small control values are real (the order digest, the
+broadcast leave the tensor as it is (so a broadcast's receiver keeps its own values: an
+object broadcast from another rank cannot be played). Only small control values are real (the order digest, the
 has-gradient flags, agreement payloads): those answers let every check pass as on a job whose
 ranks agree.
 
@@ -118,8 +119,33 @@ class RecordingGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        for out, parts in zip(outputs, input_lists):
+            if not out.is_meta:
+                out.copy_(parts[self._rank])
+        return self._record("reduce_scatter", [p for parts in input_lists for p in parts])
+
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return self._record("all_to_all", [input])
+
+    def alltoall(self, outputs, inputs, opts=None):
+        for out in outputs:  # every rank sends this rank its chunk: this rank's own
+            if not out.is_meta:
+                out.copy_(inputs[self._rank])
+        return self._record("all_to_all", inputs)
+
+    def gather(self, output_lists, inputs, opts=None):
+        for parts, mine in zip(output_lists, inputs):
+            for part in parts:
+                if not part.is_meta:
+                    part.copy_(mine)
+        return self._record("gather", inputs)
+
+    def scatter(self, outputs, input_lists, opts=None):
+        for out, parts in zip(outputs, input_lists):
+            if parts and not out.is_meta:
+                out.copy_(parts[self._rank])
+        return self._record("scatter", outputs)
 
     def send(self, tensors, dst, tag=0):
         return self._record("send", tensors)
@@ -143,6 +169,4 @@ def _create(common, backend_options) -> RecordingGroup:
 def register() -> None:
     """Make ``"zerokit-plan"`` a ``torch.distributed`` backend (once per process)."""
     if BACKEND.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(
-            BACKEND, _create, extended_api=True, devices=["cpu", "cuda", "meta"]
-        )
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
