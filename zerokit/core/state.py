@@ -295,6 +295,8 @@ class ShardState:
             self._launch_order = self._static_order
         self._next_launch = 0
         self.staging.reset_peak()
+        # each bucket asks once: a returned buffer no later bucket can reuse is dropped at once
+        self.staging.expect(r for g in self.groups for r in g.gradients.staging_requests())
 
     def unit_pre_backward(self, group: ShardGroup) -> None:
         self.begin_backward()
