@@ -44,6 +44,10 @@ class _Gradients:
     def _dtype(self, b: int) -> torch.dtype:
         return self._reduce_dtype or self.buckets[b].data.dtype
 
+    def staging_requests(self) -> list[tuple[int, torch.dtype]]:
+        """What one reduction of every bucket asks the staging pool for: (elements, dtype)."""
+        return []
+
     def publish(self, b: int, flags: torch.Tensor, owner) -> None:
         """Reductions are done: ``param.grad`` and the pieces' ``.grad`` as the step reads
         them (``flags[i]``: parameter ``i`` holds a gradient on some rank)."""
@@ -223,6 +227,9 @@ class ShardedGradients(_Gradients):
         # reduced (after its parameters were freed: group.accumulate).
         self._defer = defer_staging
         self._deferred: list[dict[int, torch.Tensor | None]] = [{} for _ in buckets]
+
+    def staging_requests(self) -> list[tuple[int, torch.dtype]]:
+        return [(b.layout.padded_numel, self._dtype(k)) for k, b in enumerate(self.buckets)]
 
     def _staged_buffer(self, b: int) -> torch.Tensor:
         if self._staged[b] is None:

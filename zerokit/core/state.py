@@ -298,6 +298,8 @@ class ShardState:
             self._launch_order = self._static_order
         self._next_launch = 0
         self.staging.reset_peak()
+        # each bucket asks once: a returned buffer no later bucket can reuse is dropped at once
+        self.staging.expect(r for g in self.groups for r in g.gradients.staging_requests())
 
     def unit_pre_backward(self, group: ShardGroup) -> None:
         self.begin_backward()
@@ -339,8 +341,15 @@ class ShardState:
             self._in_flight.append((group, group.post_backward()))
             self.peak_groups_in_flight = max(self.peak_groups_in_flight, len(self._in_flight))
             self._next_launch += 1
-            if self.sync_comm:
+            if self.sync_comm or self._root_is_next():
                 self._finish_oldest()
+
+    def _root_is_next(self) -> bool:
+        """Is the root unit the next group to launch? Its gradients come last (the input
+        embedding's), so the group just launched would hold its staging through the root's
+        backward, where a tied embedding peaks (its gradient, the head's and their sum)."""
+        order, k = self._launch_order, self._next_launch
+        return k < len(order) and self.groups[order[k]] is self.root_group
 
     def _finish_oldest(self) -> None:
         """Wait for the oldest group's reduction (its staging goes back to the pool); under

@@ -117,6 +117,13 @@ def _release_unused() -> None:
         del held[key]
 
 
+def release_finished() -> None:
+    """Drop now the handed tensors whose collectives are over and that nobody else holds: the
+    memory of a buffer its owner has dropped (a staging buffer) is freed at once, not at the
+    next collective."""
+    _release_unused()
+
+
 def outstanding() -> int:
     """How many handed tensors someone (gloo's worker or Python) still holds."""
     _release_unused()
