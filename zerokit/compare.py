@@ -32,7 +32,7 @@ from .launch import local_backend, spawn_local
 from .layout import init_hybrid_parallel
 from .memory import PeakMemory, estimate, estimate_activations, measure, measure_activations
 from .mixed_precision import MixedPrecision
-from .scaler import ShardedGradScaler
+from .scaler import ShardedGradScaler, step_and_zero
 from .workload import (  # noqa: F401  (the contract, importable from here as before)
     Workload,
     build_workload,
@@ -114,12 +114,7 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
         (scaler.scale(loss) if scaler else loss).backward()
         if step == cfg.steps - 1:  # what a rank holds with gradients present
             measured = measure(model, optimizer)
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        step_and_zero(optimizer, scaler)
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)

@@ -26,7 +26,7 @@ from .core import stand_in
 from .layout import init_hybrid_parallel
 from .memory import measure
 from .mixed_precision import MixedPrecision
-from .scaler import ShardedGradScaler
+from .scaler import ShardedGradScaler, step_and_zero
 from .workload import Workload, as_workload, tp_workload
 
 
@@ -128,12 +128,7 @@ def _play(job: Job, rank: int, factory: Callable) -> RankRun:
         (scaler.scale(loss) if scaler else loss).backward()
         held = measure(model, opt)
         _phase("step")
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        opt.zero_grad(set_to_none=True)
+        step_and_zero(opt, scaler)
     calls = [(roles.get(id(g), "model"), c) for g in _recording_groups() for c in g.calls]
     memory = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer}
     return RankRun(rank, memory, calls)

@@ -35,6 +35,17 @@ def agree_found_inf(grads: list[torch.Tensor], groups, device: torch.device) -> 
     return bool(found.item())
 
 
+def step_and_zero(optimizer, scaler: ShardedGradScaler | None) -> None:
+    """One optimizer step as a training loop takes it: through ``scaler`` when there is one
+    (``step`` then ``update``), then ``zero_grad(set_to_none=True)``."""
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
 class ShardedGradScaler:
     """``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` (torch's contract),
     for an optimizer returned by ``group_sharded_parallel``. Call ``unscale_(opt)`` before

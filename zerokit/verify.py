@@ -42,7 +42,7 @@ from .launch import local_backend, spawn_local
 from .layout import init_hybrid_parallel
 from .mixed_precision import MixedPrecision
 from .pipeline.schedules import SCHEDULES
-from .scaler import ShardedGradScaler
+from .scaler import ShardedGradScaler, step_and_zero
 from .tensor_parallel import gather_full_state_dict
 from .verify_pp import PipelineTrainer
 from .workload import (
@@ -268,12 +268,7 @@ class _Trainer:
         torch.manual_seed(1000 + step)  # the same random stream on every rank and here
         loss = work.loss_fn(self.model(x), y)
         (self.scaler.scale(loss) if self.scaler else loss).backward()
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        step_and_zero(self.optimizer, self.scaler)
         return loss.detach().double()
 
 

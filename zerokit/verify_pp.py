@@ -14,7 +14,7 @@ from .layout import Layout
 from .mixed_precision import MixedPrecision
 from .models.gpt import GPT, gpt_layers, gpt_pipeline_state_dict
 from .pipeline import PipelineModule
-from .scaler import ShardedGradScaler
+from .scaler import ShardedGradScaler, step_and_zero
 from .tensor_parallel import gather_full_state_dict
 
 
@@ -45,12 +45,7 @@ class PipelineTrainer:
         loss = self.pipe.forward_backward(
             (x, y), self.schedule, self.micro_batches, scaler=self.scaler
         )
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        step_and_zero(self.optimizer, self.scaler)
         return loss.detach().double()
 
     def full_state(self) -> dict[str, torch.Tensor] | None:
