@@ -126,7 +126,7 @@ def _plans(world_size, precision=None, degree=None, model=MODEL, tp=1, per_rank=
     return {level: plan_with_calls(PlanConfig(level=level, **config)) for level in LEVELS}
 
 
-def _real_step_equals_plan(rank, world_size, plans, precision, degree=None):
+def _real_step_equals_plan(rank, world_size, plans, precision, degree=None, model_name=MODEL):
     _group_arg_positions_are_right()
     recorder = Recorder()
     recorder.install()
@@ -135,7 +135,7 @@ def _real_step_equals_plan(rank, world_size, plans, precision, degree=None):
     for level in LEVELS:
         report, planned = plans[level]
         torch.manual_seed(0)
-        work = build_workload(load_factory(MODEL), batch=batch, seq=SEQ, per_rank=per_rank)
+        work = build_workload(load_factory(model_name), batch=batch, seq=SEQ, per_rank=per_rank)
         opt = torch.optim.AdamW(work.model.parameters(), lr=1e-3)
         groups = {}
         if degree is not None:  # hybrid: shard inside groups of `degree`, replicate across
@@ -173,6 +173,14 @@ def _real_step_equals_plan(rank, world_size, plans, precision, degree=None):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_real_step_sends_and_holds_what_the_plan_says(world_size):
     run_distributed(_real_step_equals_plan, world_size, _plans(world_size), None)
+
+
+def test_a_real_hugging_face_llama_step_sends_and_holds_what_the_plan_says():
+    """A model people train, as Hugging Face builds it (its rotary buffers, its masks), played
+    on meta and run for real on 3 ranks."""
+    pytest.importorskip("transformers")
+    model = "verify_models:tiny_llama"
+    run_distributed(_real_step_equals_plan, 3, _plans(3, model=model), None, None, model)
 
 
 @pytest.mark.slow

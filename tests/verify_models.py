@@ -104,3 +104,26 @@ class ReadsValues(nn.Module):
 def reads_values():
     torch.manual_seed(0)
     return ReadsValues(), regression_batch
+
+
+class _Logits(nn.Module):
+    """A Hugging Face causal LM as the token-model contract wants it: ids in, logits out."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids).logits
+
+
+def tiny_llama():
+    """Hugging Face's LlamaForCausalLM, tiny, untied, with grouped KV heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    return _Logits(LlamaForCausalLM(config))
