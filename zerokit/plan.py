@@ -157,7 +157,7 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
     dp = cfg.world // cfg.tp
     degree = cfg.sharding_degree or dp
     batch = cfg.batch if cfg.batch is not None else dp
-    per_tp_rank = {}  # tp rank -> (units, frozen, activations, tp collectives)
+    per_tp_rank = {}  # tp rank -> (units, frozen, activations)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         factory = load_factory(cfg.model)  # a ValueError: a usage error, as it is
         if cfg.tp > 1 and not accepts_layout(factory):
@@ -172,14 +172,12 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
             work = plain if cfg.tp == 1 else _fake_tp_workload(factory, cfg, t, plain)
             units, frozen = _units(work.model, cfg, policy, degree)
             try:
-                activations, calls = _activation_bytes(work, batch // dp, policy, mode, cfg.tp > 1)
+                activations, _ = _activation_bytes(work, batch // dp, policy, mode, cfg.tp > 1)
             except Exception as e:
                 raise DryRunError(
                     f"the forward on fake tensors failed: {type(e).__name__}: {e}. {NO_VALUES}"
                 ) from e
-            tp_calls = [Collective(op, n, b, "tensor parallel (forward, loss, backward)")
-                        for op, n, b in calls]  # fmt: skip
-            per_tp_rank[t] = (units, frozen, activations, tp_calls)
+            per_tp_rank[t] = (units, frozen, activations)
     job = Job(
         world=cfg.world, level=cfg.level, tp=cfg.tp, degree=degree, seq=cfg.seq,
         rows=batch // dp, low=low, optimizer=cfg.optimizer, buffer_max_size=cfg.buffer_max_size,
@@ -190,7 +188,7 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
     ranks = []
     for rank in range(cfg.world):
         run = played[rank]
-        units, _, activations, _ = per_tp_rank[_tp_class(rank, cfg.tp)]
+        units, _, activations = per_tp_rank[_tp_class(rank, cfg.tp)]
         memory = dict(run.memory)
         memory.update(transient=transient_bytes(units, cfg.level)["total"], activations=activations)
         calls = described(run.calls, cfg.level)
@@ -237,7 +235,7 @@ def _play_alike_once(job: Job, cfg: PlanConfig, factory, per_tp_rank: dict) -> d
     alike: dict[tuple, list[int]] = {}
     for rank in range(cfg.world):
         t = _tp_class(rank, cfg.tp)
-        units, frozen, _, _ = per_tp_rank[t]
+        units, frozen, _ = per_tp_rank[t]
         said = rank_memory(units, cfg.level, (rank // cfg.tp) % job.degree, frozen, cfg.optimizer)
         alike.setdefault((t, tuple(sorted(said.items()))), []).append(rank)
     played = {}

@@ -1,10 +1,9 @@
-"""Tensor parallelism in ``zerokit plan``: the tp model built on fake tensors for one tp rank
-with a stand-in layout, and the collectives its real layers issue in one forward, loss and
-backward, recorded by stand-ins for ``torch.distributed``'s collectives (they move nothing).
-
-Unlike the ZeRO schedule in ``zerokit.plan`` (written out from the core's rules), these are
-the calls zerokit's tensor-parallel layers and ``ParallelCrossEntropy`` really make, so a
-change there shows up here by itself.
+"""Tensor parallelism on fake tensors, for ``zerokit plan``'s estimates: the tp model built
+for one tp rank with a stand-in layout (no process group behind it), and stand-ins for the
+``torch.distributed`` collectives its layers call in a forward, loss and backward (they record
+and move nothing). The plan's activation estimate runs that forward; the collectives it
+reports come from the dry run (``zerokit.dry_run``), which runs the real layers over real
+(stand-in) process groups.
 """
 
 from __future__ import annotations
