@@ -6,15 +6,15 @@ One process plays one rank of an N-rank job: ``RecordingGroup`` is registered wi
 with the model on ``meta`` (no bytes). Each collective is recorded (op, group size, bytes of
 the logical collective) and completes at once; its result is what it would be if every rank
 held this rank's values: an all-gather fills every chunk with this rank's, any reduction and a
-broadcast leave the tensor as it is (so a broadcast's receiver keeps its own values: an
-object broadcast from another rank cannot be played). Only small control values are real (the order digest, the
-has-gradient flags, agreement payloads): those answers let every check pass as on a job whose
-ranks agree.
+broadcast leave the tensor as it is (so a broadcast's receiver keeps its own values: an object
+broadcast from another rank cannot be played). Only small control values are real (the order
+digest, the has-gradient flags, agreement payloads): those answers let every check pass as on
+a job whose ranks agree.
 
-The core asks two things of a group here: ``is_stand_in`` (then the store meetings of
-``core.agreement`` are skipped: every rank is this process) and ``communication_device``,
-which is the CPU for a stand-in (control values live there; the meta model's collectives
-never need a device).
+The core asks ``is_stand_in(group)`` where a dry run differs: ``core.agreement`` skips its
+store meetings (every rank is this process); ``communication_device`` (the collectives' and
+the state's) is the CPU, where control values live (the model is on meta); and
+``group_sharded_parallel`` leaves a meta model on meta (no values to make).
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def hand_all(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _hold(tensor: torch.Tensor) -> None:
     _register()
-    _release_unused()
+    release_finished()
     _exit.handed[id(tensor)] = tensor
 
 
@@ -108,25 +108,19 @@ def _refs(held: dict[int, torch.Tensor], key: int) -> int:
 _ALONE = _refs({0: torch.empty(0)}, 0)
 
 
-def _release_unused() -> None:
+def release_finished() -> None:
     """Drop, on this (the main) thread, the handed tensors that nobody else holds any more: no
     C++ holder (gloo's worker has dropped its reference, which it does under the GIL) and no
-    Python one."""
+    Python one. Called as tensors are handed, and by owners that drop a buffer (the staging
+    pool), so its memory is freed at once, not at the next collective."""
     held = _exit.handed
     for key in [k for k in held if held[k]._use_count() == 1 and _refs(held, k) == _ALONE]:
         del held[key]
 
 
-def release_finished() -> None:
-    """Drop now the handed tensors whose collectives are over and that nobody else holds: the
-    memory of a buffer its owner has dropped (a staging buffer) is freed at once, not at the
-    next collective."""
-    _release_unused()
-
-
 def outstanding() -> int:
     """How many handed tensors someone (gloo's worker or Python) still holds."""
-    _release_unused()
+    release_finished()
     return len(_exit.handed)
 
 
