@@ -185,13 +185,15 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
     )  # fmt: skip
     played = _play_alike_once(job, cfg, factory, per_tp_rank)
     transient = transient_bytes(per_tp_rank[0][0], cfg.level)
+    # alike ranks share their run: describe each once
+    calls_of = {id(run): _described(run.calls, cfg.level) for run in played.values()}
     ranks = []
     for rank in range(cfg.world):
         run = played[rank]
         units, _, activations = per_tp_rank[_tp_class(rank, cfg.tp)]
         memory = dict(run.memory)
         memory.update(transient=transient_bytes(units, cfg.level)["total"], activations=activations)
-        calls = described(run.calls, cfg.level)
+        calls = calls_of[id(run)]
         ranks.append(
             {
                 "rank": rank,
@@ -206,21 +208,28 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
     paper = (3 if cfg.level == "p_g_os" else 2) * psi * (dp - 1) / dp * itemsize
     return {
         "params": psi_model if cfg.tp > 1 else psi,
-        "world": cfg.world,
-        "level": cfg.level,
-        "sharding_degree": degree,
+        **report_head(cfg, degree, batch),
         "tp": cfg.tp,
-        "model": cfg.model or "built-in GPT",
-        "precision": cfg.mixed_precision or "fp32",
-        "batch": batch,
-        "seq": cfg.seq,
         "buckets": sum(len(u.layouts) for u in units),
         "units": len(units),
         "transient": transient,
         "paper_bytes_per_step": round(paper),
         "ranks": ranks,
         "played_ranks": sorted({run.rank for run in played.values()}),
-    }, described(played[0].calls, cfg.level)
+    }, calls_of[id(played[0])]
+
+
+def report_head(cfg: PlanConfig, degree: int, batch: int) -> dict:
+    """What every report opens with: the job as asked for."""
+    return {
+        "world": cfg.world,
+        "level": cfg.level,
+        "sharding_degree": degree,
+        "model": cfg.model or "built-in GPT",
+        "precision": cfg.mixed_precision or "fp32",
+        "batch": batch,
+        "seq": cfg.seq,
+    }
 
 
 def _tp_class(rank: int, tp: int) -> int:
@@ -249,7 +258,7 @@ def _play_alike_once(job: Job, cfg: PlanConfig, factory, per_tp_rank: dict) -> d
     return played
 
 
-def described(calls: list[tuple[str, Call]], level: str) -> list[Collective]:
+def _described(calls: list[tuple[str, Call]], level: str) -> list[Collective]:
     """The recorded calls of a step as ``Collective``s, each with what it is for (read from
     the group's role, the phase, the op and the dtype: control values are integers)."""
     return [Collective(c.op, c.group_size, c.bytes, _purpose(role, c, level)) for role, c in calls]
@@ -260,22 +269,19 @@ def _purpose(role: str, c: Call, level: str) -> str:
         return f"{c.op} ({c.phase})"
     if role == "tp" and not (c.phase == "step" and c.op == "all_reduce"):
         return "tensor parallel (forward, loss, backward)"
-    control = not c.dtype.is_floating_point
     replicas = "replicas: " if role == "replicas" else ""
     if c.op == "all_reduce" and c.dtype == torch.int64:
         return "agree on the units' order"
-    if c.op == "all_reduce" and control:
+    if c.op == "all_reduce" and not c.dtype.is_floating_point:  # uint8 flags
         return "agree which parameters have gradients"
     if c.phase == "forward" and c.op == "all_gather":
         return "gather parameters (forward)"
     if c.phase == "backward" and c.op == "all_gather":
-        return (
-            "gather parameters (backward)"
-            if level == "p_g_os"
-            else ("replicas: spread reduced gradients")
-        )
+        if level == "p_g_os":
+            return "gather parameters (backward)"
+        return "replicas: spread reduced gradients"
     if c.phase == "backward" and c.op in ("reduce_scatter", "all_reduce"):
-        return replicas + ("reduce gradient shard" if replicas else "reduce gradients")
+        return "replicas: reduce gradient shard" if replicas else "reduce gradients"
     if c.phase == "step" and c.op == "all_gather":
         return "gather updated shards"
     if c.phase == "step" and c.op == "all_reduce":
@@ -384,26 +390,6 @@ def _pair_max(sizes: list[int]) -> int:
     if len(sizes) < 2:
         return sum(sizes)
     return max(a + b for a, b in itertools.pairwise(sizes))
-
-
-def schedule(
-    units: list[_Unit], level: str, degree: int, replicas: int, low: torch.dtype | None
-) -> list[Collective]:
-    """The logical collectives of one steady training step, in the order the core issues them
-    (within a phase), for every rank alike. ``degree``: the shard group's size; ``replicas``:
-    how many copies of it (hybrid sharding)."""
-    ops = Ops(degree, replicas)
-    if level == "p_g_os":
-        for u in sorted(units, key=lambda u: not u.is_root):  # the root first, then in order
-            ops.gather(u, "forward")
-    ops.agree_order()
-    for u in reversed(units):
-        if level == "p_g_os" and not u.is_root:
-            ops.gather(u, "backward")
-        ops.reduce(u, level)
-    ops.end_of_backward(units, low)
-    ops.step(units, level)
-    return ops.out
 
 
 class Ops:
