@@ -82,7 +82,7 @@ def _all_gather_shard(bucket: FlatParamBucket, shard: torch.Tensor) -> torch.Ten
     """The full flat buffer whose shards are every rank's ``shard`` (shard-size, 1-D)."""
     full = torch.zeros(bucket.layout.padded_numel, dtype=shard.dtype, device=bucket.data.device)
     bucket.shard(full).copy_(shard)
-    start_all_gather_(full, bucket.group).finish()
+    start_all_gather_(full, bucket.group, bucket.ranges).finish()
     return full
 
 
@@ -95,10 +95,11 @@ def _full_optimizer_state(optimizer: torch.optim.Optimizer, state: ShardState) -
     mine = {}  # (bucket, slot) -> {key: ("piece", dtype) | ("value", value)}
     for b, bucket in enumerate(buckets):
         for piece, view in zip(bucket.pieces, bucket.param_pieces):
+            whole = bucket.layout.slots[piece.slot].whole  # its owner holds all of its state
             for key, value in optimizer.state.get(view, {}).items():
                 kind = (
                     ("piece", value.dtype)
-                    if isinstance(value, torch.Tensor) and value.dim() > 0
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and not whole
                     else ("value", value)
                 )
                 mine.setdefault((b, piece.slot), {})[key] = kind

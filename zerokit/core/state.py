@@ -84,10 +84,16 @@ class ShardState:
         self._launch_order: list[int] = self._static_order
         self._next_launch = 0
         self._in_flight: collections.deque[tuple[ShardGroup, list[Pending]]] = collections.deque()
-        # step_in_backward: the sharded optimizer (weakly: it holds this state weakly too) that
-        # steps each group as soon as its reduction finishes, so that its gradient shard is
+        # step_in_backward: the sharded optimizers (weakly: they hold this state weakly too)
+        # that step each group as soon as its reduction finishes, so that its gradient shard is
         # freed before the next group's is made
-        self._stepper: weakref.ref | None = None
+        self._steppers: list[weakref.ref] | None = None
+        # Several optimizers (Muon beside AdamW) share the buckets: the parameters are spread
+        # once every one has stepped, and gradients freed once every one has zeroed them.
+        self._optimizer_ids: set[int] = set()
+        self._stepped: set[int] = set()
+        self._zeroed: set[int] = set()
+        self._refresh_pending = False  # some optimizers stepped, others not yet
         self._unsynced = False  # no_sync() gradients are waiting for a synchronised backward
         for g in groups:
             g.owner = weakref.ref(self)
@@ -104,14 +110,33 @@ class ShardState:
 
     @property
     def step_in_backward(self) -> bool:
-        return self._stepper is not None
+        return self._steppers is not None
 
-    def enable_step_in_backward(self, optimizer) -> None:
+    def enable_step_in_backward(self, optimizers) -> None:
         """Step each group's pieces as soon as its reduction finishes, then free its gradient
         shard (levels 'os_g', 'p_g_os'). Gradients never exist for the whole model at once:
         4/N bytes per parameter less at the peak. No global-norm clipping or loss-scaler skip
         can come first, which ``clip_grad_norm_`` and the scaler refuse."""
-        self._stepper = weakref.ref(optimizer)
+        self._steppers = [weakref.ref(optimizer) for optimizer in optimizers]
+
+    def add_optimizer(self, optimizer) -> None:
+        """``optimizer`` steps some of this model's pieces (``core/optimizer.py``)."""
+        self._optimizer_ids.add(id(optimizer))
+
+    def optimizer_stepped(self, optimizer) -> None:
+        """One of the model's optimizers stepped its pieces: once all have, spread the updated
+        shards (one gather for all of them, as with one optimizer); until then the refresh is
+        pending and done before the parameters are next read (a forward, ``state_dict``)."""
+        self._stepped.add(id(optimizer))
+        self._refresh_pending = True
+        if self._stepped >= self._optimizer_ids:
+            self.refresh_if_pending()
+
+    def refresh_if_pending(self) -> None:
+        if self._refresh_pending:
+            self._refresh_pending = False
+            self._stepped.clear()
+            self.refresh_params()
 
     @property
     def buckets(self) -> list[FlatParamBucket]:
@@ -163,8 +188,18 @@ class ShardState:
         call = "torch.nn.utils.clip_grad_norm_()"
         return self.grad_norm(model, norm_type, param_ids, call=call)[0]
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True, optimizer=None) -> None:
+        """Zero the gradients ``optimizer`` steps (every gradient: when it is the model's only
+        optimizer, or the last of them to zero; the buffers are freed then)."""
         self.check_ready_for_step()
+        if optimizer is not None and len(self._optimizer_ids) > 1:
+            self._zeroed.add(id(optimizer))
+            if not self._zeroed >= self._optimizer_ids:
+                ids = optimizer._zerokit.param_ids
+                for g in self.groups:
+                    g.zero_grad_of(ids, set_to_none)
+                return
+        self._zeroed.clear()
         for g in self.groups:
             g.zero_grad(set_to_none)
 
@@ -212,6 +247,7 @@ class ShardState:
     # -- forward (called by the hooks in hooks.py) ---------------------------------------------
     def root_pre_forward(self) -> None:
         if not self.in_backward:
+            self.refresh_if_pending()  # some optimizers stepped and the others did not
             checks.check_params_intact(self.buckets, self._frozen)
             self.params.begin_forward(self)
         if not self.in_backward and not self._graph_pending:
@@ -357,7 +393,7 @@ class ShardState:
         group, pending = self._in_flight.popleft()
         for work in pending:
             work.finish()
-        if self._stepper is not None:
+        if self._steppers is not None:
             self._step_group(group)
 
     def _step_group(self, group: ShardGroup) -> None:
@@ -366,12 +402,13 @@ class ShardState:
         spread the updated shard (if full parameters are kept) and free the group's gradient
         shard."""
         group.finish_backward(list(self._agree_contributed([group])))
-        optimizer = self._stepper()
-        if optimizer is None:
+        optimizers = [ref() for ref in self._steppers]
+        if any(optimizer is None for optimizer in optimizers):
             raise RuntimeError(
-                "step_in_backward: the optimizer wrapped with this model no longer exists"
+                "step_in_backward: an optimizer wrapped with this model no longer exists"
             )
-        optimizer.step_group(group)
+        for optimizer in optimizers:
+            optimizer.step_group(group)
         self.params.after_group_step(group.buckets)
         group.release_stepped()
 
@@ -386,7 +423,7 @@ class ShardState:
         return iter(contributed.cpu().bool().split(sizes))
 
     def _end_of_backward(self) -> None:
-        if self.sync_enabled and self._stepper is not None:
+        if self.sync_enabled and self._steppers is not None:
             self._launch_ready(force=True)
             while self._in_flight:
                 self._finish_oldest()  # each steps its group
