@@ -2,13 +2,22 @@
 Adafactor, torchao's low-bit AdamW. Each at every level and world size trains as one process
 on the global batch does.
 
-The yardstick, derived. Muon orthogonalises the update by Newton-Schulz iterations that torch
-runs in bf16: a last-bit difference in an averaged gradient (N ranks sum in another order than
-one process) can flip a bf16 rounding and move the update by ~1e-3 of lr. DDP, on the same
-ranks with the same optimizers, moves as far. So each run is judged against DDP's own distance
-from one process (measured in the same run, DDP's arithmetic done by hand: every gradient
-all-reduced and divided): ``zerokit <= max(2e-5, 2 x DDP)``. Adafactor and AdamW8bit have no
-such amplification and land within 2e-5 (the DDP bound is printed on failure).
+The tolerance, derived. torch's Muon orthogonalises the update by Newton-Schulz iterations in
+bf16: a last-bit difference in an averaged gradient (N ranks sum in another order than one
+process) can flip a bf16 rounding and move an element by up to ~lr. DDP on the same ranks with
+the same optimizers (its arithmetic done by hand in the same run: every gradient all-reduced
+and divided, micro-batches accumulated alike) moves as far: measured 8e-4 to 8e-3 after 4
+steps, and two runs rounded differently drift apart chaotically (2.6x between zerokit's and
+DDP's RMS distance was seen). So:
+
+* equality is checked with the same Muon doing its Newton-Schulz in fp32 (``muon_in_fp32``):
+  every case within 2e-5 of one process (measured: 7e-7 at most, DDP alike);
+* torch's own bf16 Muon must be as close to one process as DDP is: over every element
+  ``rms(zerokit - one) <= 4 rms(DDP - one)`` (RMS, not max: one flipped rounding moves one
+  element by ~lr in either run), and where DDP and zerokit add the same numbers in the same
+  order (world 2: a + b either way) they agree within 2e-5 outright.
+
+Adafactor has no such amplification: within 2e-5 of one process everywhere.
 """
 
 import copy
@@ -31,21 +40,55 @@ ATOL = 2e-5
 LEVEL_OPTIONS = {"os": {}, "os_g": {}, "p_g_os": {"segment_size": 10}}
 
 
-def _distance(model: torch.nn.Module, ref: torch.nn.Module) -> float:
+def _newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
+    """torch's Muon orthogonalisation, step for step, in fp32 instead of bf16."""
+    a, b, c = ns_coefficients
+    x = grad.float()
+    tall = grad.size(0) > grad.size(1)
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+@pytest.fixture
+def muon_in_fp32(monkeypatch):
+    """Muon with its Newton-Schulz in fp32: a last-bit difference in a reduced gradient then
+    stays a last-bit difference, so equality with one process is checked at 2e-5 (the ranks
+    are forked from this process, patched)."""
+    import torch.optim._muon as muon
+
+    monkeypatch.setattr(muon, "_zeropower_via_newtonschulz", _newton_schulz_fp32)
+
+
+def _distance(model: torch.nn.Module, ref: torch.nn.Module) -> tuple[float, float]:
+    """(max, rms) over every element of the state dicts."""
     got, want = model.state_dict(), ref.state_dict()  # collective at 'p_g_os': every rank
-    return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+    diffs = [(got[k].double() - want[k].double()).reshape(-1) for k in want]
+    flat = torch.cat(diffs)
+    return flat.abs().max().item(), flat.square().mean().sqrt().item()
 
 
-def _step(optimizers, clip: float | None, params) -> None:
+def _step(optimizers, clip: float | None, params, interleaved: bool = False, t: int = 0) -> None:
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(params, clip)
+    if interleaved:  # each steps and zeroes its own; the second only every other step, its
+        for k, opt in enumerate(optimizers):  # gradients accumulating over two backwards
+            if t % (k + 1) == 0:
+                opt.step()
+                opt.zero_grad()
+        return
     for opt in optimizers:
         opt.step()
     for opt in optimizers:
         opt.zero_grad()
 
 
-def _run_case(rank, world, kind, level, *, micro=1, clip=None, step_in_backward=False):
+def _run_case(
+    rank, world, kind, level, *, micro=1, clip=None, step_in_backward=False, interleaved=False
+):
     """One process, DDP by hand and zerokit on the same global batches; the distances."""
     batches = global_batches(STEPS, batch=4 * world)
     torch.manual_seed(0)
@@ -57,16 +100,17 @@ def _run_case(rank, world, kind, level, *, micro=1, clip=None, step_in_backward=
         **LEVEL_OPTIONS[level],
     )  # fmt: skip
     assert isinstance(opts, list) and len(opts) == len(ref_opts), "a list in, a list out"
-    for x, y in batches:
+    for t, (x, y) in enumerate(batches):
         loss_fn(ref(x), y).backward()
-        _step(ref_opts, clip, ref.parameters())
+        _step(ref_opts, clip, ref.parameters(), interleaved, t)
         xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
-        loss_fn(ddp(xs), ys).backward()
+        for xm, ym in zip(xs.chunk(micro), ys.chunk(micro)):  # DDP accumulates alike
+            (loss_fn(ddp(xm), ym) / micro).backward()
         for p in ddp.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad)
                 p.grad /= world
-        _step(ddp_opts, clip, ddp.parameters())
+        _step(ddp_opts, clip, ddp.parameters(), interleaved, t)
         for m, (xm, ym) in enumerate(zip(xs.chunk(micro), ys.chunk(micro))):
             loss = loss_fn(model(xm), ym) / micro
             if m < micro - 1:
@@ -74,33 +118,53 @@ def _run_case(rank, world, kind, level, *, micro=1, clip=None, step_in_backward=
                     loss.backward()
             else:
                 loss.backward()
-        _step(opts, clip, model.parameters())
-    return _distance(model, ref), _distance(ddp, ref)
+        _step(opts, clip, model.parameters(), interleaved, t)
+    return _distance(model, ref), _distance(ddp, ref), _distance(model, ddp)
 
 
-def _check(rank, world, kind, level, **case):
-    ours, ddp = _run_case(rank, world, kind, level, **case)
-    bound = max(ATOL, 2 * ddp)
-    what = f"{kind} at {level!r}, world {world}, {case}"
-    assert ours <= bound, f"{what}: {ours:.2e} from one process; DDP {ddp:.2e}; bound {bound:.2e}"
-    if kind != "muon":  # no amplification: the absolute tolerance itself
-        assert ours <= ATOL, f"{what}: {ours:.2e} from one process (DDP {ddp:.2e})"
+def _describe(kind, level, world, case, distances) -> str:
+    (ours, ours_rms), (ddp, ddp_rms), (apart, _) = distances
+    return (
+        f"{kind} at {level!r}, world {world}, {case}: from one process zerokit {ours:.2e} "
+        f"(rms {ours_rms:.2e}), DDP {ddp:.2e} (rms {ddp_rms:.2e}); zerokit from DDP {apart:.2e}"
+    )
+
+
+def _equal(rank, world, kind, level, **case):
+    distances = _run_case(rank, world, kind, level, **case)
+    assert distances[0][0] <= ATOL, _describe(kind, level, world, case, distances)
 
 
 def _every_level(rank, world):
     for level in ("os", "os_g", "p_g_os"):
         for kind in ("muon", "adafactor"):
-            _check(rank, world, kind, level)
+            _equal(rank, world, kind, level)
         # gradient accumulation under no_sync, and a clip that binds (grad norm ~1)
-        _check(rank, world, "muon", level, micro=2, clip=0.05)
+        _equal(rank, world, "muon", level, micro=2, clip=0.05)
+        _equal(rank, world, "muon", level, interleaved=True)
     for level in ("os_g", "p_g_os"):  # the optimizer in backward, with accumulation
         for kind in ("muon", "adafactor"):
-            _check(rank, world, kind, level, micro=2, step_in_backward=True)
+            _equal(rank, world, kind, level, micro=2, step_in_backward=True)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_muon_and_adafactor_train_as_one_process_at_every_level(world):
+def test_muon_and_adafactor_train_as_one_process_at_every_level(world, muon_in_fp32):
     run_distributed(_every_level, world)
+
+
+def _as_close_as_ddp(rank, world):
+    for level in ("os", "os_g", "p_g_os"):
+        distances = _run_case(rank, world, "muon", level)
+        (ours, ours_rms), (_, ddp_rms), (apart, _) = distances
+        what = _describe("bf16 muon", level, world, {}, distances)
+        assert ours <= ATOL or ours_rms <= 4 * ddp_rms, what
+        if world == 2:
+            assert apart <= ATOL, what
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_torchs_bf16_muon_is_as_close_to_one_process_as_ddp(world):
+    run_distributed(_as_close_as_ddp, world)
 
 
 # -- the owner layout, as data -----------------------------------------------------------------

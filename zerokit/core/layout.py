@@ -37,6 +37,7 @@ class ParamSpec:
     whole: bool = False  # its optimizer reads the whole parameter: one rank owns all of it
     block: int = 1  # a boundary inside it falls on a multiple of this (quantization blocks)
     cost: float = 0.0  # the optimizer's work on it when whole (balances the owners)
+    optimizer: int = 0  # which of the model's optimizers steps it: buckets never mix two
 
     @property
     def numel(self) -> int:
@@ -141,7 +142,8 @@ def plan_buckets(
 
     Parameters of one (dtype, device) go into the same bucket until adding the next would pass
     ``max_bucket_numel`` elements; a parameter larger than that gets a bucket of its own.
-    Buckets of different (dtype, device) never mix. A bucket holding a parameter whose
+    Buckets of different (dtype, device) never mix, nor do the parameters of two optimizers
+    (each spreads its own updated buckets after its step). A bucket holding a parameter whose
     optimizer cares where boundaries fall (``ParamSpec.placed``) gets the owner layout
     (``place_owners``); ``loads``, each rank's optimizer cost so far, is then added to (pass
     one list for every bucket of a model, so owners balance over all of them).
@@ -156,12 +158,12 @@ def plan_buckets(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if max_bucket_numel < 1:
         raise ValueError(f"buffer_max_size must be >= 1 element, got {max_bucket_numel}")
-    open_slots: dict[tuple[torch.dtype, torch.device], list[Slot]] = {}
+    open_slots: dict[tuple[torch.dtype, torch.device, int], list[Slot]] = {}
     closed: list[tuple[int, BucketLayout]] = []  # (first param index, layout): keeps order
 
     loads = loads if loads is not None else [0.0] * world_size
 
-    def close(key: tuple[torch.dtype, torch.device]) -> None:
+    def close(key: tuple[torch.dtype, torch.device, int]) -> None:
         slots = open_slots.pop(key)
         layout = BucketLayout(key[0], key[1], tuple(slots), world_size)
         if any(params[s.param_index].placed for s in slots):
@@ -171,7 +173,7 @@ def plan_buckets(
     for index, spec in enumerate(params):
         if spec.numel == 0:
             continue  # nothing to store, reduce or update
-        key = (spec.dtype, spec.device)
+        key = (spec.dtype, spec.device, spec.optimizer)
         slots = open_slots.get(key)
         if slots and slots[-1].end + spec.numel > max_bucket_numel:
             close(key)

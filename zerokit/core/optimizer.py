@@ -9,8 +9,9 @@ parameter whose optimizer needs all of it (Muon, Adafactor: ``core/optimizer_nee
 piece, shaped like the parameter, on the one rank that owns it (the owner layout); a low-bit
 optimizer's pieces start on its quantization blocks, and whether a piece's state is quantized
 is decided on the whole parameter (``LowBitPieces``). Several optimizers of one model (Muon for
-the matrices beside AdamW for the rest) are each converted; the parameters are spread once all
-have stepped (``ShardState.optimizer_stepped``).
+the matrices beside AdamW for the rest) are each converted; each steps buckets of its own
+(``core/layout``: a bucket never mixes optimizers), so after its step it spreads its own
+updated shards, and the bytes sent are those one optimizer over all parameters would send.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class ShardedOptimizer:
             for chunk in self._zerokit.chunks:
                 with _stepping_only(self, chunk):
                     super().step()  # type: ignore[misc]
-        state.optimizer_stepped(self)
+        state.refresh_params(self._zerokit.buckets)  # its own buckets only
         return loss
 
     def step_group(self, group) -> None:
@@ -143,6 +144,10 @@ class OptimizerShardState:
         self._shard_state = weakref.ref(shard_state)
         self.group_params = group_params  # each param group's whole parameters, as given
         self.param_ids = {id(p) for params in group_params for p in params}
+        # the buckets this optimizer steps (each bucket holds one optimizer's parameters)
+        self.buckets = [
+            b for b in shard_state.buckets if any(id(p) in self.param_ids for p in b.params)
+        ]
         # id(piece) -> its whole parameter's element count (LowBitPieces' choice)
         self.whole_numel = {
             id(view): bucket.layout.slots[piece.slot].numel

@@ -54,6 +54,7 @@ class Need:
     whole: bool = False  # one rank steps all of it
     block: int = 1  # a boundary inside it falls on a multiple of this
     cost: float = 0.0  # the work of stepping it whole, for balancing owners
+    optimizer: int = 0  # which of the model's optimizers steps it (buckets never mix two)
 
 
 def is_low_bit(optimizer: torch.optim.Optimizer) -> bool:
@@ -107,9 +108,10 @@ def needs_of(
     optimizers: Sequence[torch.optim.Optimizer], *, whole_declared: bool = False
 ) -> dict[int, Need]:
     """``id(parameter)`` -> its ``Need``, for the parameters whose optimizer cares where
-    boundaries fall (elementwise ones are left out: any layout is exact for them)."""
+    boundaries fall, or, with several optimizers, which one steps it (a lone elementwise
+    optimizer's are left out: any layout is exact for them)."""
     needs: dict[int, Need] = {}
-    for optimizer in optimizers:
+    for k, optimizer in enumerate(optimizers):
         muon = type(optimizer).__name__ == "Muon" or isinstance(
             optimizer, getattr(torch.optim, "Muon", ())
         )
@@ -122,7 +124,7 @@ def needs_of(
                 shape = tuple(p.shape)
                 if whole:
                     cost = muon_cost(shape) if muon else float(math.prod(shape))
-                    needs[id(p)] = Need(whole=True, cost=cost)
-                elif block > 1:
-                    needs[id(p)] = Need(block=block)
+                    needs[id(p)] = Need(whole=True, cost=cost, optimizer=k)
+                elif block > 1 or k > 0:
+                    needs[id(p)] = Need(block=block, optimizer=k)
     return needs

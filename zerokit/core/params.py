@@ -46,9 +46,9 @@ class WholeParams:
     def after_wrap(self, state) -> None:
         pass  # every rank starts from rank 0's parameters already
 
-    def refresh(self, state) -> None:
-        """The shards changed (a step, a load): spread every rank's shard to all."""
-        self.after_group_step(state.buckets)
+    def refresh(self, state, buckets) -> None:
+        """The shards of ``buckets`` changed (a step, a load): spread every rank's to all."""
+        self.after_group_step(buckets)
 
     def after_group_step(self, buckets) -> None:
         for work in [bucket.start_gather_updated() for bucket in buckets]:
@@ -110,14 +110,16 @@ class ShardedParams:
 
     # -- after a step, a load, the wrap --------------------------------------------------------
     def after_wrap(self, state) -> None:
-        self.refresh(state)  # gathers the units kept whole
+        self.refresh(state, state.buckets)  # gathers the units kept whole
 
-    def refresh(self, state) -> None:
-        """Drop stale gathered copies; units kept whole gather again."""
+    def refresh(self, state, buckets) -> None:
+        """Drop stale gathered copies of ``buckets``; units kept whole gather again."""
+        changed = {id(b) for b in buckets}
         for g in state.groups:
-            for bucket in g.buckets:
+            touched = [bucket for bucket in g.buckets if id(bucket) in changed]
+            for bucket in touched:
                 bucket.reshard()
-            if g.keep_whole:
+            if g.keep_whole and touched:
                 g.wait_for_unshard()
 
     def after_group_step(self, buckets) -> None:

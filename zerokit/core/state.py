@@ -88,12 +88,10 @@ class ShardState:
         # that step each group as soon as its reduction finishes, so that its gradient shard is
         # freed before the next group's is made
         self._steppers: list[weakref.ref] | None = None
-        # Several optimizers (Muon beside AdamW) share the buckets: the parameters are spread
-        # once every one has stepped, and gradients freed once every one has zeroed them.
+        # Several optimizers (Muon beside AdamW): each steps buckets of its own, and the
+        # gradient buffers are freed once every one has zeroed its gradients.
         self._optimizer_ids: set[int] = set()
-        self._stepped: set[int] = set()
         self._zeroed: set[int] = set()
-        self._refresh_pending = False  # some optimizers stepped, others not yet
         self._unsynced = False  # no_sync() gradients are waiting for a synchronised backward
         for g in groups:
             g.owner = weakref.ref(self)
@@ -123,20 +121,6 @@ class ShardState:
         """``optimizer`` steps some of this model's pieces (``core/optimizer.py``)."""
         self._optimizer_ids.add(id(optimizer))
 
-    def optimizer_stepped(self, optimizer) -> None:
-        """One of the model's optimizers stepped its pieces: once all have, spread the updated
-        shards (one gather for all of them, as with one optimizer); until then the refresh is
-        pending and done before the parameters are next read (a forward, ``state_dict``)."""
-        self._stepped.add(id(optimizer))
-        self._refresh_pending = True
-        if self._stepped >= self._optimizer_ids:
-            self.refresh_if_pending()
-
-    def refresh_if_pending(self) -> None:
-        if self._refresh_pending:
-            self._refresh_pending = False
-            self._stepped.clear()
-            self.refresh_params()
 
     @property
     def buckets(self) -> list[FlatParamBucket]:
@@ -218,9 +202,10 @@ class ShardState:
         self._launch_order, self._next_launch = self._static_order, 0
         self._end_of_backward()
 
-    def refresh_params(self) -> None:
-        """The shards changed (a step, a load): make the parameters the model sees match."""
-        self.params.refresh(self)
+    def refresh_params(self, buckets: list[FlatParamBucket] | None = None) -> None:
+        """The shards changed (a step, a load): make the parameters the model sees match
+        (only ``buckets``': one optimizer of several stepped its own)."""
+        self.params.refresh(self, self.buckets if buckets is None else buckets)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What zerokit holds for this model, by category (each storage may appear in several
@@ -247,7 +232,6 @@ class ShardState:
     # -- forward (called by the hooks in hooks.py) ---------------------------------------------
     def root_pre_forward(self) -> None:
         if not self.in_backward:
-            self.refresh_if_pending()  # some optimizers stepped and the others did not
             checks.check_params_intact(self.buckets, self._frozen)
             self.params.begin_forward(self)
         if not self.in_backward and not self._graph_pending:

@@ -190,4 +190,6 @@ def plan_groups(
 
 def _need(needs: Mapping[int, Need], p: nn.Parameter) -> dict:
     need = needs.get(id(p))
-    return {} if need is None else {"whole": need.whole, "block": need.block, "cost": need.cost}
+    if need is None:
+        return {}
+    return {"whole": need.whole, "block": need.block, "cost": need.cost, "optimizer": need.optimizer}
