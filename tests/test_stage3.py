@@ -202,8 +202,16 @@ def test_stage3_gathers_frees_and_matches_single_process(world_size):
     run_distributed(_checks, world_size)
 
 
-_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-                "reduce_scatter_tensor", "all_to_all_single", "barrier")
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "barrier",
+)
 
 
 @contextlib.contextmanager
