@@ -245,28 +245,35 @@ class PolicyReference:
 
 
 def check_host_syncs(device: torch.device, sizes: Sizes) -> list[Row]:
-    """The second step (the first made the optimizer's state) at each level, and plain torch
-    for comparison: no host read from zerokit's code (counted), and on CUDA none at all."""
+    """Each level in fp32 and under a bf16 policy, plain torch beside them: no host read from
+    zerokit's code in the first two steps (counted), and on CUDA none at all in the second
+    (the first makes the optimizer's state, torch's own lazy work)."""
     cfg, data = sizes.model, batches(sizes.model, sizes, 2, device)
+    bf16 = zerokit.MixedPrecision(param_dtype=torch.bfloat16)
+    cases = [("plain torch", None)] + [(lv, p) for p in (None, bf16) for lv in LEVELS]
     rows = []
-    for level in ("plain torch", *LEVELS):
+    for level, policy in cases:
+        name = level + (" bf16" if policy is not None else "")
         model = fresh(cfg, device)
-        model, opt = plain(model) if level == "plain torch" else wrap(model, level)
-        step(model, opt, data[0])
+        if level == "plain torch":
+            model, opt = plain(model)
+        else:
+            model, opt = wrap(model, level, mixed_precision=policy)
         error = None
         with SyncPoints() as syncs:
+            step(model, opt, data[0])
             try:
                 with cuda_sync_errors(device):
                     step(model, opt, data[1])
             except RuntimeError as e:  # the sync debug mode's error names the operation
                 error = str(e).splitlines()[0]
-        counted = describe(syncs.seen)
+        verdict = "PASS" if not syncs.seen else "FAIL"
         rows.append(
             Row(
                 "no host sync in a step (counted in zerokit)",
-                level,
-                "PASS" if not syncs.seen else "FAIL",
-                counted,
+                name,
+                verdict,
+                describe(syncs.seen),
                 {"sync_points": syncs.seen},
             )
         )
@@ -274,7 +281,7 @@ def check_host_syncs(device: torch.device, sizes: Sizes) -> list[Row]:
             verdict, detail = ("PASS", "none") if error is None else ("FAIL", error)
         else:
             verdict, detail = CUDA_ONLY, "torch.cuda.set_sync_debug_mode('error')"
-        rows.append(Row("no host sync in a step (CUDA sync debug mode)", level, verdict, detail))
+        rows.append(Row("no host sync in a step (CUDA sync debug mode)", name, verdict, detail))
     return rows
 
 

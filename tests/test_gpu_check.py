@@ -45,9 +45,10 @@ def test_every_check_runs_on_cpu_and_passes_or_says_it_needs_cuda(tmp_path):
             "step time / plain torch (target 1.05x)",
         ):
             assert (check, level) in checks, (check, level)
-        counted = checks[("no host sync in a step (counted in zerokit)", level)]
+    for case in (*LEVELS, *(f"{level} bf16" for level in LEVELS)):
+        counted = checks[("no host sync in a step (counted in zerokit)", case)]
         assert counted["verdict"] == "PASS", counted  # a sync point added to the step fails here
-        cuda = checks[("no host sync in a step (CUDA sync debug mode)", level)]
+        cuda = checks[("no host sync in a step (CUDA sync debug mode)", case)]
         assert cuda["verdict"] == "skipped: needs CUDA"
     for check in (
         "meta init + load_pretrained: the saved values",
