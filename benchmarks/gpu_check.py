@@ -54,6 +54,7 @@ from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
 
 LEVELS = ("os", "os_g", "p_g_os")
 CUDA_ONLY = "skipped: needs CUDA"
+CHECKS = ("equivalence", "host_syncs", "offload", "compare", "meta_init", "compile", "step_time")
 ATOL = 2e-5
 
 
@@ -554,6 +555,7 @@ def run_checks(device: torch.device, compile_backend: str, only: set[str] | None
         "compile": lambda: check_compile(device, sizes, compile_backend),
         "step_time": lambda: check_step_time(device, sizes),
     }
+    assert tuple(checks) == CHECKS, "CHECKS names every check, in order"
     rows = []
     for name, check in checks.items():
         if only and name not in only:
@@ -589,14 +591,25 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cuda: one GPU, an NCCL group of one; cpu: gloo, as CI runs it",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     parser.add_argument(
         "--compile-backend",
         default=None,
         help="torch.compile backend (default: inductor on CUDA, eager on CPU)",
     )
-    parser.add_argument("--only", nargs="*", help="run only these checks (names as printed)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=CHECKS,
+        metavar="CHECK",
+        help=f"run only these checks, of: {', '.join(CHECKS)}",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here: run with --device cpu")
