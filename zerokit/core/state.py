@@ -8,8 +8,8 @@ Note: every rank must issue the same collectives in the same sequence. Gradients
 order autograd runs, which can differ between ranks when a parameter is used on some ranks
 only, so reductions are launched in an *agreed* order, never in arrival order: the reverse of
 the order units first ran in this step's forward, once every rank has checked (one small
-all-reduce after the forward) that it saw the same order; otherwise the reverse of the
-registration order. A group is launched when it is ready (every parameter has its gradient, or
+all-reduce after the forward; at 'p_g_os' only when a rank's order differs from the last
+agreed one) that it saw the same order; otherwise the reverse of the registration order. A group is launched when it is ready (every parameter has its gradient, or
 its module's backward is over) and every group before it in that order has been launched; at
 the end of backward the rest are launched in order.
 """
@@ -27,7 +27,7 @@ from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 
 from . import checks, presence
-from .collectives import Pending, all_reduce_
+from .collectives import Pending, all_reduce_, communication_device
 from .flat_param import FlatParamBucket, Storage
 from .group import Phase, ShardGroup
 from .params import ShardedParams, WholeParams
@@ -80,6 +80,8 @@ class ShardState:
         self._static_order = list(reversed(range(len(groups))))  # reverse registration
         self.forward_order: list[int] = []  # groups in first-call order, this step
         self.prefetch_order: list[int] = []  # the last complete forward's order
+        self.agreed_order: list[int] | None = None  # the last order every rank ran (the same
+        # on every rank: set only from an agreement's result)
         self._order_agreed = False
         self._launch_order: list[int] = self._static_order
         self._next_launch = 0
@@ -291,16 +293,35 @@ class ShardState:
             self.forward_order.append(k)
 
     def _agree_on_order(self) -> bool:
-        """Did every rank run the units in the same order? One all-reduce of a digest."""
+        """Did every rank run the units in the same order? One all-reduce of a digest, when
+        the order can have changed (``params.order_check_needed``: at 'p_g_os' only when this
+        rank's order differs from the last agreed one), nothing at one rank."""
+        groups = [g for g in self._data_groups() if g.size() > 1]
+        if not groups:
+            return True
+        if not self.params.order_check_needed(self, groups):
+            return True
         digest = hashlib.sha256(repr(self.forward_order).encode()).digest()
         value = int.from_bytes(digest[:7], "little")  # < 2**56: -value fits an int64 too
-        both = torch.tensor([value, -value], dtype=torch.int64, device=self.communication_device)
-        for group in self._data_groups():
+        device = self.control_device
+        both = torch.tensor([value, -value], dtype=torch.int64, device=device)
+        for group in groups:
             all_reduce_(both, group, op=dist.ReduceOp.MAX)
         agreed = int(both[0]) == -int(both[1])
         if not agreed:
             self.params.order_differs()  # stage 3 refuses; otherwise: the registration order
+        self.agreed_order = list(self.forward_order) if agreed else None
         return agreed
+
+    @property
+    def control_device(self) -> torch.device:
+        """Where the per-step control values (the order digest, the "holds a gradient" flags)
+        are reduced: the CPU when every data group can reduce CPU tensors (gloo, or a
+        ``"cpu:gloo,cuda:nccl"`` group), so reading them back is no device-to-host sync;
+        else the communication device (an NCCL-only group: each read is one)."""
+        if all(communication_device(g).type == "cpu" for g in self._data_groups()):
+            return torch.device("cpu")
+        return self.communication_device
 
     # -- backward ------------------------------------------------------------------------------
     def begin_backward(self) -> None:
@@ -399,12 +420,15 @@ class ShardState:
     def _agree_contributed(self, groups: list[ShardGroup]):
         """Which parameters of ``groups`` hold a gradient on any rank that splits the batch:
         one MAX all-reduce, one byte each. Each bucket's flags, in order."""
-        contributed = torch.cat([f for g in groups for f in g.contributed])
-        contributed = contributed.to(device=self.communication_device, dtype=torch.uint8)
-        for group in self._data_groups():
-            all_reduce_(contributed, group, op=dist.ReduceOp.MAX)
+        flags = torch.cat([f for g in groups for f in g.contributed])  # host bookkeeping
         sizes = [len(b.params) for g in groups for b in g.buckets]
-        return iter(contributed.cpu().bool().split(sizes))
+        data_groups = [g for g in self._data_groups() if g.size() > 1]
+        if data_groups:  # on the control device: no device-to-host read where gloo can reduce
+            contributed = flags.to(device=self.control_device, dtype=torch.uint8)
+            for group in data_groups:
+                all_reduce_(contributed, group, op=dist.ReduceOp.MAX)
+            flags = contributed.bool() if contributed.is_cpu else contributed.cpu().bool()
+        return iter(flags.split(sizes))
 
     def _end_of_backward(self) -> None:
         if self.sync_enabled and self._steppers is not None:
