@@ -307,3 +307,106 @@ def _lowbit_every_level(rank, world):
 def test_adamw8bit_quantizes_the_blocks_one_process_does(world):
     pytest.importorskip("torchao")
     run_distributed(_lowbit_every_level, world)
+
+
+# -- the list: in and out, refused, unwrapped ----------------------------------------------------
+def _unwrap_and_go_on(rank, world):
+    """Wrapped for two steps, unwrapped (optimizer state gathered whole: Muon's momentum,
+    Adafactor's row and column statistics) for two, wrapped again for two: as six steps of
+    one process."""
+    batches = global_batches(6, batch=2 * world)
+    for level in ("os", "p_g_os"):
+        for kind in ("muon", "adafactor"):
+            torch.manual_seed(0)
+            ref = MatrixNet()
+            model = copy.deepcopy(ref)
+            ref_opts, opts = make_optimizers(kind, ref), make_optimizers(kind, model)
+            for t, (x, y) in enumerate(batches):
+                loss_fn(ref(x), y).backward()
+                _step(ref_opts, None, ())
+                if t in (0, 4):
+                    model, opts, _ = zerokit.group_sharded_parallel(
+                        model, opts, level, **LEVEL_OPTIONS[level]
+                    )
+                if t == 2:
+                    model, opts = zerokit.unwrap(model, opts)
+                    assert state_of(model) is None and all(not hasattr(o, "_zerokit") for o in opts)
+                    xs, ys = x, y  # plain training: every rank the whole batch, as one process
+                else:
+                    xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
+                if 2 <= t < 4:
+                    xs, ys = x, y
+                loss_fn(model(xs), ys).backward()
+                _step(opts, None, ())
+            ours, _ = _distance(model, ref)
+            assert ours <= ATOL, f"{kind} at {level!r}, world {world}: {ours:.2e} after unwrap"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_unwrap_gives_back_whole_parameter_state(world, muon_in_fp32):
+    run_distributed(_unwrap_and_go_on, world)
+
+
+def _refusals(rank, world):
+    torch.manual_seed(0)
+    model = MatrixNet()
+    muon, adamw = make_optimizers("muon", model)
+    shared = torch.optim.AdamW([model.blocks[0][0].weight, model.norm.weight])
+    with pytest.raises(ValueError, match=r"parameter 'blocks.0.0.weight' is in optimizers 0"):
+        zerokit.group_sharded_parallel(model, [muon, shared], "os_g")
+    with pytest.raises(TypeError, match="non-empty list of them"):
+        zerokit.group_sharded_parallel(model, [], "os_g")
+    with pytest.raises(TypeError, match="non-empty list of them"):
+        zerokit.group_sharded_parallel(model, [muon, "adamw"], "os_g")
+    sparse = torch.optim.SparseAdam([model.norm.weight])
+    with pytest.raises(ValueError, match="SparseAdam cannot be sharded: it takes sparse"):
+        zerokit.group_sharded_parallel(model, sparse, "os_g")
+    assert state_of(model) is None and not hasattr(muon, "_zerokit"), "changed before refusing"
+    # a list in, a list out (a tuple too); one optimizer in, one out
+    out_model, out, _ = zerokit.group_sharded_parallel(model, (muon, adamw), "os_g")
+    assert out == [muon, adamw] and out_model is model
+    with pytest.raises(ValueError, match="wrapped with 2 optimizer"):
+        zerokit.unwrap(model, muon)
+    plain = MatrixNet()
+    single = torch.optim.AdamW(plain.parameters())
+    assert zerokit.group_sharded_parallel(plain, single, "os")[1] is single
+
+
+def test_a_list_in_is_a_list_out_and_overlaps_are_refused_naming_the_parameter():
+    run_distributed(_refusals, 2)
+
+
+class _DeclaredWhole(torch.optim.SGD):
+    """An optimizer that says it reads whole parameters: it scales each update by the
+    parameter's norm (not elementwise), so a piece would be stepped wrongly."""
+
+    zerokit_whole_parameter = True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] * p.grad / (p.grad.norm() + 1e-3))
+
+
+def _declared(rank, world):
+    batches = global_batches(STEPS, batch=4 * world)
+    for level in ("os_g", "p_g_os"):
+        torch.manual_seed(0)
+        ref = MatrixNet()
+        model = copy.deepcopy(ref)
+        ref_opt = _DeclaredWhole([p for p in ref.parameters() if p.requires_grad], lr=0.01)
+        opt = _DeclaredWhole([p for p in model.parameters() if p.requires_grad], lr=0.01)
+        model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **LEVEL_OPTIONS[level])
+        for x, y in batches:
+            loss_fn(ref(x), y).backward()
+            _step([ref_opt], None, ())
+            loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            _step([opt], None, ())
+        ours, _ = _distance(model, ref)
+        assert ours <= ATOL, f"declared whole at {level!r}, world {world}: {ours:.2e}"
+
+
+def test_an_optimizer_declared_whole_parameter_is_stepped_on_whole_parameters():
+    run_distributed(_declared, 3)

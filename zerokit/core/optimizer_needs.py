@@ -65,11 +65,17 @@ def is_low_bit(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def is_whole_parameter(optimizer: torch.optim.Optimizer, declared: bool) -> bool:
-    return (
-        declared
-        or isinstance(optimizer, WHOLE_PARAMETER_OPTIMIZERS)
-        or getattr(type(optimizer), "zerokit_whole_parameter", False) is True
-    )
+    """Does its update read whole parameters? The class's own ``zerokit_whole_parameter``
+    decides first; then Muon and Adafactor do; ``declared``
+    (``ShardingConfig(whole_parameter_optimizer=True)``) speaks for the optimizers zerokit does
+    not know, never for the elementwise or low-bit ones beside them in a list."""
+    said = getattr(type(optimizer), "zerokit_whole_parameter", None)
+    if said is not None:
+        return bool(said)
+    if isinstance(optimizer, WHOLE_PARAMETER_OPTIMIZERS):
+        return True
+    known = isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or is_low_bit(optimizer)
+    return declared and not known
 
 
 def check_optimizer(
@@ -80,9 +86,9 @@ def check_optimizer(
     for refused, why in REFUSED.items():
         if isinstance(optimizer, getattr(torch.optim, refused)):
             raise ValueError(f"{name} cannot be sharded: {why}. Train it without zerokit.")
-    if elementwise or isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or is_low_bit(optimizer):
-        return
     if is_whole_parameter(optimizer, whole):
+        return
+    if elementwise or isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) or is_low_bit(optimizer):
         return
     raise ValueError(
         f"{name} is not a known elementwise optimizer, nor one known to need whole "
@@ -115,9 +121,7 @@ def needs_of(
         muon = type(optimizer).__name__ == "Muon" or isinstance(
             optimizer, getattr(torch.optim, "Muon", ())
         )
-        whole = is_whole_parameter(optimizer, whole_declared) and not isinstance(
-            optimizer, ELEMENTWISE_OPTIMIZERS
-        )
+        whole = is_whole_parameter(optimizer, whole_declared)
         block = optimizer.block_size if is_low_bit(optimizer) else 1
         for group in optimizer.param_groups:
             for p in group["params"]:

@@ -123,6 +123,11 @@ class ShardState:
         """``optimizer`` steps some of this model's pieces (``core/optimizer.py``)."""
         self._optimizer_ids.add(id(optimizer))
 
+    @property
+    def optimizer_ids(self) -> set[int]:
+        """The ids of the optimizers wrapped with this model."""
+        return set(self._optimizer_ids)
+
 
     @property
     def buckets(self) -> list[FlatParamBucket]:
