@@ -228,17 +228,18 @@ def test_a_parameter_larger_than_a_fair_share_is_owned_whole_and_the_imbalance_s
 
 
 # -- torchao's low-bit states --------------------------------------------------------------------
-def _lowbit_case(rank, world, level):
+def _lowbit_case(rank, world, level, name="AdamW8bit"):
     """AdamW8bit (block 256) on matrices of 64 x 128 = 8192 values (quantized: >= 4096 and
     whole blocks), which at world 3 fall into pieces of fewer than 4096: quantized still, as
     one process quantizes them, each piece starting on a block. At world 2 every rank gets the
     same rows, so the averaged gradient is one process's bit for bit, and so must every
     quantized state and parameter be, after every step. At world 3 a last-bit difference can
     flip an 8-bit code (as it does under DDP): as close to one process as DDP is."""
-    from torchao.optim import AdamW8bit
+    import torchao.optim
 
     def adamw8bit(m):
-        return AdamW8bit([p for p in m.parameters() if p.requires_grad], lr=1e-2, eps=1e-6)
+        cls = getattr(torchao.optim, name)
+        return cls([p for p in m.parameters() if p.requires_grad], lr=1e-2, eps=1e-6)
 
     duplicate = world == 2  # every rank the same rows: (g + g) / 2 == g, exactly
     batches = global_batches(STEPS, batch=4 if duplicate else 4 * world)
@@ -307,6 +308,17 @@ def _lowbit_every_level(rank, world):
 def test_adamw8bit_quantizes_the_blocks_one_process_does(world):
     pytest.importorskip("torchao")
     run_distributed(_lowbit_every_level, world)
+
+
+def _other_lowbit(rank, world):
+    for name in ("AdamW4bit", "AdamWFp8"):  # blocks of 128 and 256
+        _lowbit_case(rank, world, "p_g_os", name)
+
+
+@pytest.mark.slow  # torchao compiles a step per piece shape: minutes on 2 CPU cores
+def test_adamw4bit_and_fp8_states_equal_one_process_bit_for_bit():
+    pytest.importorskip("torchao")
+    run_distributed(_other_lowbit, 2)
 
 
 # -- the list: in and out, refused, unwrapped ----------------------------------------------------
@@ -410,3 +422,75 @@ def _declared(rank, world):
 
 def test_an_optimizer_declared_whole_parameter_is_stepped_on_whole_parameters():
     run_distributed(_declared, 3)
+
+
+# -- mixed precision -----------------------------------------------------------------------------
+def _by_hand(master, optimizers, batches, dtype, loss_scale=1.0):
+    """One process, the policy by hand (tests/test_mixed_precision.py): a low-precision
+    compute copy made from the fp32 masters before each forward, gradients cast to fp32 (and
+    the loss scale divided out) for the step."""
+    compute = copy.deepcopy(master)
+    for p in compute.parameters():
+        p.data = p.data.to(dtype)
+    pairs = [(c, m) for c, m in zip(compute.parameters(), master.parameters()) if m.requires_grad]
+    norms = []
+    for x, y in batches:
+        with torch.no_grad():
+            for c, m in pairs:
+                c.copy_(m)
+        (loss_fn(compute(x).float(), y) * loss_scale).backward()
+        for c, m in pairs:
+            m.grad, c.grad = (None if c.grad is None else c.grad.float() / loss_scale), None
+        norms.append(float(torch.nn.utils.clip_grad_norm_(master.parameters(), float("inf"))))
+        _step(optimizers, None, ())
+    return norms
+
+
+def _mixed(rank, world):
+    """bf16 (and fp16 with a loss scaler stepping both optimizers) compute, fp32 masters:
+    zerokit's N ranks must be as close to exact fp32 training as one process running the same
+    policy by hand, within the factor 4 of tests/test_mixed_precision.py for two runs rounded
+    differently (RMS over every element)."""
+    batches = global_batches(STEPS, batch=4 * world)
+    for level, dtype in (("os", torch.bfloat16), ("p_g_os", torch.bfloat16), ("os_g", torch.float16)):
+        policy = zerokit.MixedPrecision(param_dtype=dtype)
+        scale = 2.0**10 if dtype is torch.float16 else 1.0
+        torch.manual_seed(0)
+        exact = MatrixNet()
+        by_hand, model = copy.deepcopy(exact), copy.deepcopy(exact)
+        exact_opts = make_optimizers("muon", exact)
+        for x, y in batches:
+            loss_fn(exact(x), y).backward()
+            _step(exact_opts, None, ())
+        norms = _by_hand(by_hand, make_optimizers("muon", by_hand), batches, dtype, scale)
+        scaler = zerokit.ShardedGradScaler(init_scale=scale) if scale != 1.0 else None
+        model, opts, scaler = zerokit.group_sharded_parallel(
+            model, make_optimizers("muon", model), level, scaler, mixed_precision=policy,
+            **LEVEL_OPTIONS[level],
+        )  # fmt: skip
+        for (x, y), norm in zip(batches, norms):
+            xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
+            loss = loss_fn(model(xs).float(), ys)
+            if scaler is None:
+                loss.backward()
+                _step(opts, None, ())
+                continue
+            scaler.scale(loss).backward()
+            for opt in opts:  # the model's gradients unscaled once, each checked for inf
+                scaler.unscale_(opt)
+            got = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+            assert abs(got - norm) <= 1e-2 * norm, f"unscaled gradient norm {got} != {norm}"
+            for opt in opts:
+                scaler.step(opt)
+            scaler.update()
+            assert scaler.get_scale() >= scale, "a step was skipped: no overflow was planted"
+            for opt in opts:
+                opt.zero_grad()
+        (_, ours), (_, one) = _distance(model, exact), _distance(by_hand, exact)
+        what = f"{dtype} {level} world {world}: rms {ours:.2e} vs by hand {one:.2e}"
+        assert ours <= 4 * one, what
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_muon_beside_adamw_under_bf16_tracks_one_process(world, muon_in_fp32):
+    run_distributed(_mixed, world)
