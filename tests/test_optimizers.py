@@ -494,3 +494,49 @@ def _mixed(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_muon_beside_adamw_under_bf16_tracks_one_process(world, muon_in_fp32):
     run_distributed(_mixed, world)
+
+
+# -- a real model through parallelize -----------------------------------------------------------
+def _muon_for_layers(model) -> list[torch.optim.Optimizer]:
+    """Muon for the decoder layers' matrices, AdamW for embeddings, head and norms: how Muon's
+    users split a Hugging Face Llama."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    hidden = [p for n, p in named if p.dim() == 2 and ".layers." in n]
+    rest = [p for n, p in named if not (p.dim() == 2 and ".layers." in n)]
+    return [
+        torch.optim.Muon(hidden, lr=0.02, momentum=0.9),
+        torch.optim.AdamW(rest, lr=1e-2, eps=1e-6, weight_decay=0.1),
+    ]
+
+
+def _llama_through_parallelize(rank, world):
+    from test_parallelize import batches, build
+
+    data = batches(STEPS, batch=2 * world)
+    ref, _, plan = build("llama")
+    ref_opts = _muon_for_layers(ref)
+    for x in data:
+        ref(input_ids=x, labels=x).loss.backward()
+        _step(ref_opts, None, ())
+    for level in ("os_g", "p_g_os"):
+        model, _, _ = build("llama")
+        model, opts = zerokit.parallelize(
+            model, _muon_for_layers(model), zerokit.init_mesh(dp=world), level=level
+        )
+        assert isinstance(opts, list) and type(opts[0]).__name__ == "ShardedMuon"
+        for x in data:
+            local = local_slice(x, rank, world)
+            model(input_ids=local, labels=local).loss.backward()
+            _step(opts, None, ())
+        ours, _ = _distance(model, ref)
+        assert ours <= ATOL, f"Llama, Muon + AdamW, {level}, dp {world}: {ours:.2e}"
+    if world == 2:  # Muon on a tensor-parallel slice is not Muon on the matrix: refused
+        model, _, plan = build("llama")
+        with pytest.raises(ValueError, match="is a tensor-parallel slice, and its optimizer"):
+            zerokit.parallelize(model, _muon_for_layers(model), zerokit.init_mesh(tp=2), plan=plan)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_hugging_face_llama_with_muon_through_parallelize(world, muon_in_fp32):
+    pytest.importorskip("transformers")
+    run_distributed(_llama_through_parallelize, world)

@@ -43,7 +43,7 @@ from .meta_init import materialize, on_meta
 from .mixed_precision import MixedPrecision
 from .pipeline.module import PipelineModule
 from .scaler import ShardedGradScaler
-from .tensor_parallel.layers import tp_group_of
+from .tensor_parallel.layers import tensor_parallel_params, tp_group_of
 
 LEVELS = ("os", "os_g", "p_g_os")
 _log = logging.getLogger("zerokit")
@@ -221,6 +221,7 @@ def group_sharded_parallel(
     named = _trainable_params(model)
     _check_optimizer_params(model, optimizers)
     needs = needs_of(optimizers, whole_declared=config.whole_parameter_optimizer)
+    _check_whole_not_split(model, needs)
 
     plans = plan_units(
         model,
@@ -408,6 +409,20 @@ def _trainable_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
                 f"parameter {name!r} is not a dense tensor; zerokit shards dense tensors only"
             )
     return named
+
+
+def _check_whole_not_split(model: nn.Module, needs) -> None:
+    """A tensor-parallel rank holds a slice of a matrix: Muon on the slice is not Muon on the
+    matrix, which one process steps."""
+    split = tensor_parallel_params(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    sliced = [names[i] for i, need in needs.items() if need.whole and i in split]
+    if sliced:
+        raise ValueError(
+            f"{sliced[0]!r} is a tensor-parallel slice, and its optimizer reads whole "
+            "parameters (Muon, Adafactor): stepping a slice is not stepping the matrix. Give "
+            "tensor-parallel layers to an elementwise optimizer (AdamW), or train with tp = 1"
+        )
 
 
 def _optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
