@@ -351,7 +351,8 @@ SCRIPTS = sorted(
     str(path.relative_to(ROOT))
     for folder in ("benchmarks", "examples")
     for path in (ROOT / folder).glob("*.py")
-    if not path.name.endswith("_worker.py")
+    # a script runs as one (a helper module such as sync_points.py, a _worker, has no main)
+    if not path.name.endswith("_worker.py") and '__name__ == "__main__"' in path.read_text()
 )
 # prints each script's --help after a line "== <script>"; one interpreter for all of them
 HELP_DRIVER = """
