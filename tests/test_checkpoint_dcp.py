@@ -1,0 +1,117 @@
+"""torch.distributed.checkpoint (DCP) directories in and out: an FSDP2 run moves to zerokit and
+back and trains on as one uninterrupted process would (2e-5, fp32, AdamW with two param
+groups); a DCP directory that does not fit the model is refused on every rank, nothing
+changed."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from dist_helpers import run_distributed
+from models import (
+    SMALL,
+    assert_same_params,
+    global_batches,
+    make_model,
+    make_optimizer,
+    train_reference,
+    train_sharded,
+)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+
+import zerokit
+from zerokit import checkpoint
+from zerokit.checkpoint import CheckpointError
+
+ATOL = 2e-5
+BEFORE, AFTER = 3, 3
+BATCHES = global_batches(BEFORE + AFTER, batch=12)  # 12: divisible by 2 and 3 ranks
+
+
+def _reference():
+    model = make_model("gpt")
+    opt = make_optimizer("adamw", model)
+    train_reference(model, opt, BATCHES)
+    return model
+
+
+def _fsdp2(seed: int = 0):
+    model = make_model("gpt", seed=seed)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, make_optimizer("adamw", model)
+
+
+def _fsdp2_saves(rank, world_size, path):
+    model, opt = _fsdp2()
+    train_sharded(model, opt, BATCHES[:BEFORE], rank, world_size)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optimizer": osd, "step": BEFORE}, checkpoint_id=path)
+
+
+def _zerokit_loads(rank, world_size, path):
+    model = make_model("gpt", seed=100 + rank)  # everything must come from the load
+    opt = make_optimizer("adamw", model)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os", **SMALL["p_g_os"])
+    extra = {"step": None}
+    checkpoint.load(path, model, opt, extra=extra)
+    assert extra["step"] == BEFORE
+    train_sharded(model, opt, BATCHES[BEFORE:], rank, world_size)
+    assert_same_params(model, _reference(), ATOL, "FSDP2 at 2 -> zerokit p_g_os at 3")
+
+
+def test_fsdp2_dcp_checkpoint_resumes_in_zerokit_at_another_world_size(tmp_path):
+    path = str(tmp_path / "dcp")
+    run_distributed(_fsdp2_saves, 2, path)
+    run_distributed(_zerokit_loads, 3, path)
+
+
+def _bad_dcp(path: str) -> None:
+    """The GPT's state with ``ln_f.bias`` left out and ``wpe.weight`` of another shape."""
+    state = make_model("gpt").state_dict()
+    del state["ln_f.bias"]
+    state["wpe.weight"] = torch.zeros(3, 8)
+    dcp.save({"model": state}, checkpoint_id=path, no_dist=True)
+
+
+def _refused_everywhere(rank, world_size, path):
+    model = make_model("gpt", seed=5)
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "os_g")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.load(path, model)
+    message = str(refused.value)
+    assert "ln_f.bias" in message and "wpe.weight ([3, 8] in the checkpoint, [8, 8]" in message
+    assert not message.startswith("rank "), "every rank found the same: said once"
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), f"{key} changed"
+    dist.barrier()
+
+
+def test_a_dcp_checkpoint_that_does_not_fit_is_refused_on_every_rank(tmp_path):
+    path = str(tmp_path / "bad")
+    _bad_dcp(path)
+    run_distributed(_refused_everywhere, 2, path)
+
+
+def test_wrapper_names_are_normalised_and_top_level_model_keys_load(tmp_path):
+    """torchtitan saves the model's keys at the top level; a compiled or checkpoint-wrapped
+    model's state dict has ``_orig_mod.`` / ``_checkpoint_wrapped_module.`` in its names."""
+    source = make_model("gpt", seed=1)
+    state = {
+        ("_orig_mod." + k if k.startswith("blocks") else k): v
+        for k, v in source.state_dict().items()
+    }
+    state = {k.replace("blocks.0.", "blocks.0._checkpoint_wrapped_module."): v for k, v in state.items()}
+    path = str(tmp_path / "titan")
+    dcp.save({**state, "train_state": {"step": 7}}, checkpoint_id=path, no_dist=True)
+    model = make_model("gpt", seed=2)
+    extra = {"train_state": None}
+    checkpoint.load(path, model, extra=extra)
+    assert extra["train_state"] == {"step": 7}
+    assert_same_params(model, source, 0, "top-level keys")
