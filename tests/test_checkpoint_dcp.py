@@ -115,3 +115,35 @@ def test_wrapper_names_are_normalised_and_top_level_model_keys_load(tmp_path):
     checkpoint.load(path, model, extra=extra)
     assert extra["train_state"] == {"step": 7}
     assert_same_params(model, source, 0, "top-level keys")
+
+
+def _zerokit_saves_dcp(rank, world_size, path):
+    model = make_model("gpt")
+    opt = make_optimizer("adamw", model)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "os_g", **SMALL["os_g"])
+    train_sharded(model, opt, BATCHES[:BEFORE], rank, world_size)
+    checkpoint.save(path, model, opt, extra={"step": BEFORE}, format="dcp")
+
+
+def _fsdp2_loads(rank, world_size, path):
+    model, opt = _fsdp2(seed=100 + rank)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optimizer": osd, "step": 0}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    assert state["step"] == BEFORE
+    train_sharded(model, opt, BATCHES[BEFORE:], rank, world_size)
+    full, _ = get_state_dict(
+        model, opt, options=torch.distributed.checkpoint.state_dict.StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+    want = _reference().state_dict()
+    if rank == 0:
+        for key, value in want.items():
+            torch.testing.assert_close(full[key], value, atol=ATOL, rtol=0, msg=key)
+
+
+def test_zerokit_saves_dcp_that_fsdp2_resumes_at_another_world_size(tmp_path):
+    path = str(tmp_path / "dcp")
+    run_distributed(_zerokit_saves_dcp, 2, path)
+    assert sorted(os.listdir(tmp_path)) == ["dcp"]  # built aside, renamed into place
+    run_distributed(_fsdp2_loads, 3, path)

@@ -23,6 +23,7 @@ import struct
 
 import torch
 
+from .dcp_format import METADATA
 from .index import (
     INDEX_NAME,
     MAX_INDEX_BYTES,
@@ -51,8 +52,11 @@ _KINDS = {
 def resolve(path: str | os.PathLike) -> str:
     """The checkpoint directory; the previous one if a save died between its two renames."""
     path = os.fspath(path).rstrip("/") or "/"
-    if not os.path.lexists(path) and os.path.isfile(os.path.join(path + OLD_SUFFIX, INDEX_NAME)):
-        return path + OLD_SUFFIX
+    old = path + OLD_SUFFIX
+    if not os.path.lexists(path) and any(
+        os.path.isfile(os.path.join(old, name)) for name in (INDEX_NAME, METADATA)
+    ):
+        return old
     return path
 
 
