@@ -64,10 +64,16 @@ def _zerokit_loads(rank, world_size, path):
     assert_same_params(model, _reference(), ATOL, "FSDP2 at 2 -> zerokit p_g_os at 3")
 
 
-def test_fsdp2_dcp_checkpoint_resumes_in_zerokit_at_another_world_size(tmp_path):
-    path = str(tmp_path / "dcp")
+@pytest.fixture(scope="module")
+def fsdp2_dcp(tmp_path_factory):
+    """FSDP2 at 2 ranks after 3 steps, saved as torchtitan and FSDP2 users save."""
+    path = str(tmp_path_factory.mktemp("fsdp2") / "dcp")
     run_distributed(_fsdp2_saves, 2, path)
-    run_distributed(_zerokit_loads, 3, path)
+    return path
+
+
+def test_fsdp2_dcp_checkpoint_resumes_in_zerokit_at_another_world_size(fsdp2_dcp):
+    run_distributed(_zerokit_loads, 3, fsdp2_dcp)
 
 
 def _bad_dcp(path: str) -> None:
@@ -147,3 +153,31 @@ def test_zerokit_saves_dcp_that_fsdp2_resumes_at_another_world_size(tmp_path):
     run_distributed(_zerokit_saves_dcp, 2, path)
     assert sorted(os.listdir(tmp_path)) == ["dcp"]  # built aside, renamed into place
     run_distributed(_fsdp2_loads, 3, path)
+
+
+def _resumes_in_one_process(path: str, what: str) -> None:
+    model = make_model("gpt", seed=3)
+    opt = make_optimizer("adamw", model)
+    extra = {"step": None}
+    checkpoint.load(path, model, opt, extra=extra)
+    assert extra["step"] == BEFORE, what
+    train_reference(model, opt, BATCHES[BEFORE:])
+    assert_same_params(model, _reference(), ATOL, what)
+
+
+def test_convert_between_dcp_zerokit_and_hf(fsdp2_dcp, tmp_path):
+    from safetensors.torch import load_model
+
+    from zerokit.cli import main as cli
+
+    as_zerokit, as_dcp = str(tmp_path / "zk"), str(tmp_path / "dcp")
+    assert cli(["ckpt", "convert", fsdp2_dcp, as_zerokit, "--to", "zerokit"]) == 0
+    assert os.path.isfile(os.path.join(as_zerokit, "index.json"))
+    _resumes_in_one_process(as_zerokit, "DCP -> zerokit")
+    assert cli(["ckpt", "convert", as_zerokit, as_dcp, "--to", "dcp"]) == 0
+    _resumes_in_one_process(as_dcp, "DCP -> zerokit -> DCP")
+    assert cli(["ckpt", "convert", as_dcp, str(tmp_path / "hf"), "--to", "hf"]) == 0
+    plain, at_save = make_model("gpt", seed=4), make_model("gpt")
+    train_reference(at_save, make_optimizer("adamw", at_save), BATCHES[:BEFORE])
+    load_model(plain, str(tmp_path / "hf" / "model.safetensors"), strict=False)
+    assert_same_params(plain, at_save, ATOL, "DCP -> hf")

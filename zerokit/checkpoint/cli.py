@@ -1,4 +1,4 @@
-"""``zerokit ckpt inspect|consolidate``: the checkpoint commands of the ``zerokit`` CLI."""
+"""``zerokit ckpt inspect|consolidate|convert``: the checkpoint commands of the ``zerokit`` CLI."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import sys
 
 from .consolidate import consolidate, describe, parse_size
+from .convert import convert
 from .index import CheckpointError
 from .lightning_file import consolidate_lightning
 
@@ -15,7 +16,7 @@ _CHECKPOINT_HELP = "the checkpoint directory zerokit.checkpoint.save wrote"
 
 def add_parser(commands) -> None:
     """Add ``ckpt`` to the ``zerokit`` command's subparsers."""
-    ckpt = commands.add_parser("ckpt", help="inspect or consolidate a zerokit checkpoint")
+    ckpt = commands.add_parser("ckpt", help="inspect, consolidate or convert a zerokit checkpoint")
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
     inspect = ckpt_commands.add_parser(
         "inspect", help="layout, sizes, and whether it is complete and verified"
@@ -54,6 +55,23 @@ def add_parser(commands) -> None:
         help="e.g. 5GB: write model-0000i-of-0000n.safetensors + index into the directory "
         "OUTPUT (default: none, one file)",
     )
+    convert_cmd = ckpt_commands.add_parser(
+        "convert",
+        help="a zerokit or DCP (torch.distributed.checkpoint) checkpoint in another format",
+        description=(
+            "Read a zerokit checkpoint or a DCP directory (FSDP2, torchtitan) and write it as "
+            "--to dcp (dcp.load + set_state_dict read it at any world size), --to zerokit "
+            "(zerokit.checkpoint.load reads it at any world size and level) or --to hf "
+            "(DST/model.safetensors). One process; each tensor is read when it is written."
+        ),
+    )
+    convert_cmd.add_argument("source", help="a zerokit checkpoint or a DCP directory")
+    convert_cmd.add_argument("output", help="the checkpoint directory to write")
+    convert_cmd.add_argument("--to", required=True, choices=("dcp", "zerokit", "hf"))
+    convert_cmd.add_argument(
+        "--no-optimizer", action="store_true",
+        help="leave the optimizer state out (default: converted too)",
+    )  # fmt: skip
     consolidate_cmd.add_argument(
         "--optimizer",
         metavar="PATH",
@@ -68,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
             report, ok = describe(args.checkpoint, tensors=args.tensors)
             _print(report)
             return 0 if ok else 1
+        if args.ckpt_command == "convert":
+            written = convert(args.source, args.output, args.to, not args.no_optimizer)
+            _print("\n".join(f"wrote {path}" for path in written))
+            return 0
         if args.output is None and args.lightning is None:
             raise ValueError("give an output file (or --lightning PATH)")
         written = []
