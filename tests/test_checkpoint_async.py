@@ -18,7 +18,7 @@ from torch import nn
 import zerokit
 from zerokit import checkpoint
 from zerokit.checkpoint import CheckpointError
-from zerokit.checkpoint import async_save as background
+from zerokit.checkpoint import background
 
 BATCHES = global_batches(3, batch=12)
 

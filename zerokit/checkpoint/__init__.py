@@ -10,7 +10,7 @@ checkpoint from an untrusted source cannot run code.
 """
 
 from ..core.agreement import CollectiveTimeout
-from .async_save import async_save
+from .background import async_save
 from .consolidate import consolidate, describe, load_consolidated
 from .extra import RNGState
 from .index import CheckpointError

@@ -347,7 +347,7 @@ def save(
     directory instead (FSDP2 loads it with ``dcp.load`` and ``set_state_dict`` at any world
     size), as atomically; it may replace a DCP directory as well.
     """
-    from .async_save import wait_in_flight  # async_save imports this module
+    from .background import wait_in_flight  # background imports this module
 
     wait_in_flight()  # this process's async_save first: one save at a time
     path = os.path.abspath(os.fspath(path))

@@ -1,4 +1,4 @@
-"""``async_save``: a checkpoint written while training goes on, as atomic as ``save``.
+"""``async_save`` (``checkpoint.background``): a checkpoint written while training goes on, as atomic as ``save``.
 
 Note: what runs where. On the calling thread, before ``async_save`` returns: every rank
 copies what it will write (its primary chunks, its extra state) into host memory of its own
