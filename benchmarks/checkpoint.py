@@ -3,6 +3,9 @@ level, and resharded to another level) beside torch.distributed.checkpoint (DCP)
 and a rank-0 torch.save of DDP's full state, side by side in one run on gloo CPU ranks.
 
     python benchmarks/checkpoint.py            # 27M-parameter GPT + AdamW state, 2 ranks
+
+Then ``async_save``: how long the call blocks training (state copied to host memory, ranks
+agreed) against a synchronous ``save`` of the same state, and when its checkpoint is in place.
 """
 
 from __future__ import annotations
@@ -128,13 +131,42 @@ def worker(rank: int, world_size: int, args) -> None:
             saves.append(_timed(save))
             loads.append(_timed(load))
         rows.append((name, statistics.median(saves), statistics.median(loads), _dir_bytes(path)))
+    blocked = _async_rows(root, base, x, y, args.repeats)
     if rank == 0:
         n = sum(p.numel() for p in base.parameters())
         print(f"GPT {n / 1e6:.1f}M params + AdamW state, {world_size} gloo ranks, {root}")
         print(f"{'checkpoint':<28}{'save s':>8}{'load s':>8}{'MiB':>8}")
         for name, s, ld, size in rows:
             print(f"{name:<28}{s:>8.3f}{ld:>8.3f}{size / 2**20:>8.1f}")
+        print(f"\n{'async_save':<28}{'save s':>8}{'blocked s':>10}{'in place s':>11}{'ratio':>7}")
+        for name, sync, block, total in blocked:
+            print(f"{name:<28}{sync:>8.3f}{block:>10.3f}{total:>11.3f}{block / sync:>7.2f}")
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _async_rows(root: str, base, x, y, repeats: int) -> list[tuple]:
+    """Per level and format: the synchronous save, the time ``async_save`` blocks the caller,
+    and the time until its checkpoint is in place (medians; the slowest rank each time)."""
+    rows = []
+    for level, fmt in (("os", "zerokit"), ("p_g_os", "zerokit"), ("os", "dcp")):
+        model, opt = _stepped(level, base, x, y)
+        path = os.path.join(root, f"async-{level}-{fmt}")
+        syncs, blocks, totals = [], [], []
+        for _ in range(repeats):
+            syncs.append(_timed(lambda: zerokit.checkpoint.save(path, model, opt, format=fmt)))
+            dist.barrier()
+            start = time.perf_counter()
+            future = zerokit.checkpoint.async_save(path, model, opt, format=fmt)
+            blocked = time.perf_counter() - start
+            future.result()
+            total = time.perf_counter() - start
+            both = torch.tensor([blocked, total], dtype=torch.float64)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            blocks.append(both[0].item())
+            totals.append(both[1].item())
+        name = f"zerokit {level} ({fmt})"
+        rows.append((name, *map(statistics.median, (syncs, blocks, totals))))
+    return rows
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
