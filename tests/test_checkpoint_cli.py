@@ -182,3 +182,25 @@ def test_consolidate_lightning_file(tmp_path, capsys):
     inside = str(path / "one.ckpt")
     assert cli(["ckpt", "consolidate", str(path), "--lightning", inside]) == 2
     assert "inside the checkpoint" in capsys.readouterr().err
+
+
+def test_a_sharded_hugging_face_set_has_its_config_and_loads_with_from_pretrained(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=50, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    checkpoint.save(tmp_path / "ckpt", model)
+    out = tmp_path / "hf"
+    assert cli(["ckpt", "consolidate", str(tmp_path / "ckpt"), str(out), "--max-shard-size", "8KB"]) == 0
+    assert "config.json" in capsys.readouterr().out
+    assert (out / "generation_config.json").is_file()
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out)
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_a_set_without_a_config_says_so(saved, tmp_path, capsys):
+    path, _ = saved
+    out = tmp_path / "set"
+    assert cli(["ckpt", "consolidate", str(path), str(out), "--max-shard-size", "300B"]) == 0
+    assert "has no config.json" in capsys.readouterr().out

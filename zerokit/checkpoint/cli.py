@@ -101,6 +101,13 @@ def run(args: argparse.Namespace) -> int:
         if args.lightning is not None:
             written += consolidate_lightning(args.checkpoint, args.lightning)
         _print("\n".join(f"wrote {path}" for path in written))
+        if args.max_shard_size and args.output and not any(
+            os.path.basename(w) == "config.json" for w in written
+        ):
+            _print(
+                f"note: {args.output} has no config.json (the saved model had no Hugging Face "
+                "config): copy the model's config.json there before from_pretrained"
+            )
     except BrokenPipeError:  # `zerokit ckpt inspect ... | head`: the reader has gone
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # and the interpreter's final flush must not fail

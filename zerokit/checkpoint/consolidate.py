@@ -104,7 +104,9 @@ def consolidate(
     """Write the full model, with the plain model's names and shapes, as one safetensors file
     (``load_consolidated(path, plain_model)`` loads it, tied names included) or, with
     ``max_shard_size``, as a Hugging Face style set in the directory ``output``.
-    ``optimizer_output``: also write the full optimizer state there. Returns the files written.
+    ``optimizer_output``: also write the full optimizer state there. A set also gets the
+    model's ``config.json`` (and ``generation_config.json``) when the saved model had a Hugging
+    Face ``config``, so ``from_pretrained(output)`` loads it. Returns the files written.
     On an error, the files it wrote are removed.
     """
     with CheckpointReader(checkpoint) as reader:
@@ -171,6 +173,10 @@ def _consolidate(reader, output, max_shard_size, optimizer_output, written: list
         with open(os.path.join(output, HF_INDEX), "w", encoding="utf-8") as f:
             written.append(os.path.join(output, HF_INDEX))
             f.write(hf_index)
+        for name, text in index.get("model_config", {}).items():  # from_pretrained needs it
+            with open(os.path.join(output, name), "w", encoding="utf-8") as f:
+                written.append(os.path.join(output, name))
+                f.write(text)
     if optimizer_output is not None:
         state = [n for n in index["tensors"] if n.startswith(OPTIM_PREFIX + ".")]
         meta = metadata | {"optimizer": json.dumps(index["optimizer"])}

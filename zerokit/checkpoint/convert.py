@@ -47,6 +47,7 @@ class _Full:
     groups: list[dict] = field(default_factory=list)  # {"hyperparameters", "params"}
     state: dict[str, dict] = field(default_factory=dict)  # param -> {key: tensor or number}
     extra: dict[str, object] = field(default_factory=dict)
+    model_config: dict[str, str] = field(default_factory=dict)  # config.json's text, ...
 
 
 def _from_zerokit(reader: CheckpointReader) -> _Full:
@@ -57,6 +58,7 @@ def _from_zerokit(reader: CheckpointReader) -> _Full:
         return entry["shape"], dtype_from_name(entry["dtype"], name)
 
     full = _Full(names, reader.read_full, describe, dict(index["aliases"]))
+    full.model_config = dict(index.get("model_config", {}))
     optim = index.get("optimizer")
     if optim is not None:
         full.optimizer_class, full.groups = optim["class"], optim["param_groups"]
@@ -187,6 +189,7 @@ def _to_zerokit(full: _Full, tmp: str) -> None:
                    "zero_group_size": 1, "replicas": 1},
         "files": {fname: {"size": size, "sha256": sha}}, "tensors": tensors,
         "aliases": full.aliases, "extra": extra,
+        **({"model_config": full.model_config} if full.model_config else {}),
         "optimizer": None if full.optimizer_class is None else {
             "class": full.optimizer_class, "param_groups": full.groups,
             "scalar_state": scalars, "state_tensors": state_names},
@@ -244,7 +247,12 @@ def _to_hf(full: _Full, output: str) -> list[str]:
         entries.append((name, dtype, list(shape), lambda name=name: full.read(name)))
     metadata = {"format": "pt", ALIASES_KEY: json.dumps(full.aliases)}
     write_safetensors(target, entries, metadata)
-    return [target]
+    written = [target]
+    for name, text in full.model_config.items():  # from_pretrained(output) needs config.json
+        with open(os.path.join(output, name), "w", encoding="utf-8") as f:
+            f.write(text)
+        written.append(os.path.join(output, name))
+    return written
 
 
 def convert(source: str, output: str, to: str, optimizer: bool = True) -> list[str]:

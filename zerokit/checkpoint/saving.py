@@ -268,6 +268,8 @@ def _build_index(
         },
         "extra": extra,
     }
+    if h.model_config:  # written only when there is one: older readers know no such key
+        index["model_config"] = h.model_config
     for name, entry in tensors.items():
         check_tensor_entry(name, entry, files)  # every element once: no gaps, no overlaps
     return index
