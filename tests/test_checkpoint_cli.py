@@ -204,3 +204,16 @@ def test_a_set_without_a_config_says_so(saved, tmp_path, capsys):
     out = tmp_path / "set"
     assert cli(["ckpt", "consolidate", str(path), str(out), "--max-shard-size", "300B"]) == 0
     assert "has no config.json" in capsys.readouterr().out
+
+
+def test_a_corrupted_file_found_while_consolidating_leaves_no_output(saved, tmp_path):
+    """The sha256s are checked beside the writing: a mismatch still leaves nothing."""
+    path, _ = saved
+    shard = path / "rank00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0xFF  # a value's last byte: size and header still fine
+    shard.write_bytes(bytes(raw))
+    out = tmp_path / "model.safetensors"
+    with pytest.raises(checkpoint.CheckpointError, match="sha256 does not match"):
+        checkpoint.consolidate(str(path), str(out))
+    assert not out.exists()

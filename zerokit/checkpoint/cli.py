@@ -55,6 +55,11 @@ def add_parser(commands) -> None:
         help="e.g. 5GB: write model-0000i-of-0000n.safetensors + index into the directory "
         "OUTPUT (default: none, one file)",
     )
+    consolidate_cmd.add_argument(
+        "--no-verify", action="store_true",
+        help="trust the checkpoint's bytes: check sizes and headers but not the sha256s, which "
+        "read the whole checkpoint (default: verified)",
+    )  # fmt: skip
     convert_cmd = ckpt_commands.add_parser(
         "convert",
         help="a zerokit or DCP (torch.distributed.checkpoint) checkpoint in another format",
@@ -95,7 +100,9 @@ def run(args: argparse.Namespace) -> int:
         written = []
         if args.output is not None:
             max_size = parse_size(args.max_shard_size) if args.max_shard_size else None
-            written += consolidate(args.checkpoint, args.output, max_size, args.optimizer)
+            written += consolidate(
+                args.checkpoint, args.output, max_size, args.optimizer, not args.no_verify
+            )
         elif args.max_shard_size or args.optimizer:
             raise ValueError("--max-shard-size and --optimizer need an output")
         if args.lightning is not None:
