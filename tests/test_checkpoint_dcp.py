@@ -181,3 +181,31 @@ def test_convert_between_dcp_zerokit_and_hf(fsdp2_dcp, tmp_path):
     train_reference(at_save, make_optimizer("adamw", at_save), BATCHES[:BEFORE])
     load_model(plain, str(tmp_path / "hf" / "model.safetensors"), strict=False)
     assert_same_params(plain, at_save, ATOL, "DCP -> hf")
+
+
+def _tp_loads(rank, world_size, path):
+    from models import VOCAB
+
+    from zerokit import tensor_parallel as tp
+    from zerokit.models.gpt import GPT, GPTConfig
+
+    layout = zerokit.init_hybrid_parallel(1, 2)
+    torch.manual_seed(7)
+    cfg = GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=2, n_head=2, n_embd=8,
+                    tensor_parallel=True)  # fmt: skip
+    model = GPT(cfg, layout)
+    opt = make_optimizer("adamw", model)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os", group=layout.dp_group)
+    checkpoint.load(path, model, opt)
+    loss_fn = tp.ParallelCrossEntropy(layout=layout)
+    for x, y in BATCHES[BEFORE:]:
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    full = tp.gather_full_state_dict(model)
+    for key, value in _reference().state_dict().items():
+        torch.testing.assert_close(full[key], value, atol=ATOL, rtol=0, msg=key)
+
+
+def test_fsdp2_dcp_checkpoint_resumes_tensor_parallel(fsdp2_dcp):
+    run_distributed(_tp_loads, 2, fsdp2_dcp)
