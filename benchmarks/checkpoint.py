@@ -150,7 +150,9 @@ def worker(rank: int, world_size: int, args) -> None:
         for line in export:
             print(line)
         if blocked:
-            print(f"\n{'async_save':<28}{'save s':>8}{'blocked s':>10}{'in place s':>11}{'ratio':>7}")
+            print(
+                f"\n{'async_save':<28}{'save s':>8}{'blocked s':>10}{'in place s':>11}{'ratio':>7}"
+            )
         for name, sync, block, total in blocked:
             print(f"{name:<28}{sync:>8.3f}{block:>10.3f}{total:>11.3f}{block / sync:>7.2f}")
         shutil.rmtree(root, ignore_errors=True)
@@ -179,7 +181,11 @@ def _plain_read(paths: list[str], share: int, rank: int, world: int) -> float:
     for path, size in zip(paths, sizes):
         with open(path, "rb") as f:
             while done < share and lo < size:
-                n = os.preadv(f.fileno(), [memoryview(buffer)[: min(len(buffer), share - done, size - lo)]], lo)
+                n = os.preadv(
+                    f.fileno(),
+                    [memoryview(buffer)[: min(len(buffer), share - done, size - lo)]],
+                    lo,
+                )
                 done, lo = done + n, lo + n
         lo = max(0, lo - size)
     return time.perf_counter() - start
@@ -195,6 +201,7 @@ def _export_rows(root: str, base, x, y, repeats: int) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     target, _ = _stepped("p_g_os", base, x, y)
     times: dict[str, list[float]] = {k: [] for k in ("out", "trusted", "write", "in", "read")}
+    part = nbytes // world  # each rank's share, read by load_pretrained and by the plain read
     for _ in range(repeats):
         if rank == 0:
             for key, verify in (("out", True), ("trusted", False)):
@@ -205,7 +212,7 @@ def _export_rows(root: str, base, x, y, repeats: int) -> list[str]:
         dist.barrier()
         times["in"].append(_timed(lambda: zerokit.checkpoint.load_pretrained(target, hf)))
         files = sorted(os.path.join(hf, f) for f in os.listdir(hf) if f.endswith(".safetensors"))
-        times["read"].append(_timed(lambda: _plain_read(files, nbytes // world, rank, world)))
+        times["read"].append(_timed(lambda files=files: _plain_read(files, part, rank, world)))
     if rank != 0:
         return []
     t = {k: statistics.median(v) for k, v in times.items()}
@@ -230,7 +237,11 @@ def _async_rows(root: str, base, x, y, repeats: int) -> list[tuple]:
         path = os.path.join(root, f"async-{level}-{fmt}")
         syncs, blocks, totals = [], [], []
         for _ in range(repeats):
-            syncs.append(_timed(lambda: zerokit.checkpoint.save(path, model, opt, format=fmt)))
+            syncs.append(
+                _timed(
+                    lambda m=model, o=opt, p=path, f=fmt: zerokit.checkpoint.save(p, m, o, format=f)
+                )
+            )
             dist.barrier()
             start = time.perf_counter()
             future = zerokit.checkpoint.async_save(path, model, opt, format=fmt)

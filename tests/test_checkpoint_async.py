@@ -17,8 +17,7 @@ from torch import nn
 
 import zerokit
 from zerokit import checkpoint
-from zerokit.checkpoint import CheckpointError
-from zerokit.checkpoint import background
+from zerokit.checkpoint import CheckpointError, background
 
 BATCHES = global_batches(3, batch=12)
 

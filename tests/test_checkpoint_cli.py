@@ -191,7 +191,10 @@ def test_a_sharded_hugging_face_set_has_its_config_and_loads_with_from_pretraine
     model = transformers.GPT2LMHeadModel(config)
     checkpoint.save(tmp_path / "ckpt", model)
     out = tmp_path / "hf"
-    assert cli(["ckpt", "consolidate", str(tmp_path / "ckpt"), str(out), "--max-shard-size", "8KB"]) == 0
+    assert (
+        cli(["ckpt", "consolidate", str(tmp_path / "ckpt"), str(out), "--max-shard-size", "8KB"])
+        == 0
+    )
     assert "config.json" in capsys.readouterr().out
     assert (out / "generation_config.json").is_file()
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out)

@@ -113,7 +113,9 @@ def test_wrapper_names_are_normalised_and_top_level_model_keys_load(tmp_path):
         ("_orig_mod." + k if k.startswith("blocks") else k): v
         for k, v in source.state_dict().items()
     }
-    state = {k.replace("blocks.0.", "blocks.0._checkpoint_wrapped_module."): v for k, v in state.items()}
+    state = {
+        k.replace("blocks.0.", "blocks.0._checkpoint_wrapped_module."): v for k, v in state.items()
+    }
     path = str(tmp_path / "titan")
     dcp.save({**state, "train_state": {"step": 7}}, checkpoint_id=path, no_dist=True)
     model = make_model("gpt", seed=2)
@@ -140,8 +142,12 @@ def _fsdp2_loads(rank, world_size, path):
     assert state["step"] == BEFORE
     train_sharded(model, opt, BATCHES[BEFORE:], rank, world_size)
     full, _ = get_state_dict(
-        model, opt, options=torch.distributed.checkpoint.state_dict.StateDictOptions(
-            full_state_dict=True, cpu_offload=True))
+        model,
+        opt,
+        options=torch.distributed.checkpoint.state_dict.StateDictOptions(
+            full_state_dict=True, cpu_offload=True
+        ),
+    )
     want = _reference().state_dict()
     if rank == 0:
         for key, value in want.items():

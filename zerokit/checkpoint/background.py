@@ -37,8 +37,17 @@ from ..core.timeouts import collective_timeout
 from .holdings import Chunk
 from .index import CheckpointError
 from .places import LOCK_SUFFIX, remove
-from .saving import Prepared, _agree, _make_temp, _rank, gather_json, mark_call, prepare
-from .saving import world_group, writer_for
+from .saving import (
+    Prepared,
+    _agree,
+    _make_temp,
+    _rank,
+    gather_json,
+    mark_call,
+    prepare,
+    world_group,
+    writer_for,
+)
 
 _POLL = 0.02  # seconds between looks at the temp directory
 _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerokit-async-save")
@@ -163,15 +172,18 @@ class _Job:
             if not _lock_held(self.path):
                 time.sleep(_POLL * 5)  # released between the rename and the look
                 if os.path.lexists(self.tmp):
-                    raise CheckpointError("rank 0 stopped before finishing the checkpoint; "
-                                          "the previous checkpoint is untouched")
+                    raise CheckpointError(
+                        "rank 0 stopped before finishing the checkpoint; "
+                        "the previous checkpoint is untouched"
+                    )
             time.sleep(_POLL)
         if os.path.exists(self.tmp + ".failed"):
             with open(self.tmp + ".failed") as f:
                 raise CheckpointError(f.read())
         if mine and os.stat(os.path.join(self.path, mine)).st_ino != inode:
-            raise CheckpointError(f"{self.path} does not hold this rank's file: another save "
-                                  "replaced it")
+            raise CheckpointError(
+                f"{self.path} does not hold this rank's file: another save replaced it"
+            )
 
 
 def _file_of(info: dict | None) -> str | None:
@@ -197,14 +209,19 @@ def _collect_posts(tmp: str, ranks: int) -> list:
         names = set(os.listdir(tmp))
         if all(f"{r}.posted.json" in names for r in range(ranks)):
             break
-        size = sum(os.path.getsize(os.path.join(tmp, n)) for n in names
-                   if os.path.isfile(os.path.join(tmp, n)))
+        size = sum(
+            os.path.getsize(os.path.join(tmp, n))
+            for n in names
+            if os.path.isfile(os.path.join(tmp, n))
+        )
         if size != last_size:
             last_size, last_change = size, time.monotonic()
         elif time.monotonic() - last_change > limit:
             absent = [r for r in range(ranks) if f"{r}.posted.json" not in names]
-            raise CheckpointError(f"ranks {absent} did not finish writing (nothing written for "
-                                  f"{limit:g} s: stopped or killed)")
+            raise CheckpointError(
+                f"ranks {absent} did not finish writing (nothing written for "
+                f"{limit:g} s: stopped or killed)"
+            )
         time.sleep(_POLL)
     replies = []
     for r in range(ranks):

@@ -108,8 +108,10 @@ def run(args: argparse.Namespace) -> int:
         if args.lightning is not None:
             written += consolidate_lightning(args.checkpoint, args.lightning)
         _print("\n".join(f"wrote {path}" for path in written))
-        if args.max_shard_size and args.output and not any(
-            os.path.basename(w) == "config.json" for w in written
+        if (
+            args.max_shard_size
+            and args.output
+            and not any(os.path.basename(w) == "config.json" for w in written)
         ):
             _print(
                 f"note: {args.output} has no config.json (the saved model had no Hugging Face "

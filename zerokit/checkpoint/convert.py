@@ -53,6 +53,7 @@ class _Full:
 def _from_zerokit(reader: CheckpointReader) -> _Full:
     index = reader.index
     names = [n for n in index["tensors"] if not n.startswith("optim.")]
+
     def describe(name: str):
         entry = index["tensors"][name]
         return entry["shape"], dtype_from_name(entry["dtype"], name)
@@ -63,11 +64,16 @@ def _from_zerokit(reader: CheckpointReader) -> _Full:
     if optim is not None:
         full.optimizer_class, full.groups = optim["class"], optim["param_groups"]
         for param, keys in optim["state_tensors"].items():
-            full.state.setdefault(param, {}).update({k: reader.read_full(t) for k, t in keys.items()})
+            full.state.setdefault(param, {}).update(
+                {k: reader.read_full(t) for k, t in keys.items()}
+            )
         for param, scalars in optim["scalar_state"].items():
             for key, s in scalars.items():
-                value = s["value"] if s["tensor_dtype"] is None else torch.tensor(
-                    s["value"], dtype=dtype_from_name(s["tensor_dtype"], key))
+                value = (
+                    s["value"]
+                    if s["tensor_dtype"] is None
+                    else torch.tensor(s["value"], dtype=dtype_from_name(s["tensor_dtype"], key))
+                )
                 full.state.setdefault(param, {})[key] = value
     for key, entry in index.get("extra", {}).items():
         saved = entry["values"][0]  # per rank: rank 0's
@@ -81,10 +87,14 @@ def _optimizer_class(groups: list[dict], state: dict) -> str:
     keys = {k for s in state.values() for k in s}
     if "exp_avg" in keys and groups:
         return "AdamW" if groups[0].get("decoupled_weight_decay", True) else "Adam"
-    if "momentum_buffer" in keys or (groups and "momentum" in groups[0] and "dampening" in groups[0]):
+    if "momentum_buffer" in keys or (
+        groups and "momentum" in groups[0] and "dampening" in groups[0]
+    ):
         return "SGD"
-    raise CheckpointError("cannot tell the DCP checkpoint's optimizer class (not Adam, AdamW or "
-                          "SGD): convert it with the optimizer left out (--no-optimizer)")
+    raise CheckpointError(
+        "cannot tell the DCP checkpoint's optimizer class (not Adam, AdamW or "
+        "SGD): convert it with the optimizer left out (--no-optimizer)"
+    )
 
 
 def _from_dcp(directory: str, optimizer: bool) -> _Full:
@@ -107,19 +117,25 @@ def _from_dcp(directory: str, optimizer: bool) -> _Full:
     reads, asked = _Reads(src.metadata), {}
     if optimizer and src.groups:
         for param, keys in src.state.items():
-            asked[param] = {k: reads.value(key) if not hasattr(meta[key], "size") else reads.whole(key)
-                            for k, key in keys.items()}
+            asked[param] = {
+                k: reads.value(key) if not hasattr(meta[key], "size") else reads.whole(key)
+                for k, key in keys.items()
+            }
         groups = {i: {hk: reads.value(k) for hk, k in g.items()} for i, g in src.groups.items()}
     extras = {name: _ask_extra(src, reads, name) for name in src.other if name != OPTIMIZER}
     reads.read(directory)
     for param, keys in asked.items():
-        full.state[param] = {k: reads.values[r] if isinstance(r, str) else r for k, r in keys.items()}
+        full.state[param] = {
+            k: reads.values[r] if isinstance(r, str) else r for k, r in keys.items()
+        }
     if asked:
         for i in sorted(groups):
             values = {hk: reads.values[k] for hk, k in groups[i].items()}
             params = values.pop("params", [])
             full.groups.append({"hyperparameters": _json(values), "params": list(params)})
-        full.optimizer_class = _optimizer_class([g["hyperparameters"] for g in full.groups], full.state)
+        full.optimizer_class = _optimizer_class(
+            [g["hyperparameters"] for g in full.groups], full.state
+        )
     full.extra = {name: finish() for name, finish in extras.items()}
     full.aliases = _ties(full)
     full.names = [n for n in full.names if n not in full.aliases]
@@ -147,7 +163,9 @@ def _json(values: dict) -> dict:
     for key, value in values.items():
         value = value.item() if isinstance(value, torch.Tensor) else value
         out[key] = list(value) if isinstance(value, tuple) else value
-    return {k: v for k, v in out.items() if v is None or isinstance(v, (bool, int, float, str, list))}
+    return {
+        k: v for k, v in out.items() if v is None or isinstance(v, (bool, int, float, str, list))
+    }
 
 
 def _to_zerokit(full: _Full, tmp: str) -> None:
@@ -157,8 +175,12 @@ def _to_zerokit(full: _Full, tmp: str) -> None:
     def add(name: str, shape, dtype, produce) -> None:
         numel = torch.Size(shape).numel()
         parts = {"0": [{"file": fname, "key": piece_key(name, 0), "start": 0, "numel": numel}]}
-        tensors[name] = {"shape": list(shape), "dtype": dtype_name(dtype), "tp": None,
-                         "parts": parts if numel else {}}
+        tensors[name] = {
+            "shape": list(shape),
+            "dtype": dtype_name(dtype),
+            "tp": None,
+            "parts": parts if numel else {},
+        }
         if numel:
             entries.append((piece_key(name, 0), dtype, [numel], lambda: produce().reshape(-1)))
 
@@ -172,7 +194,9 @@ def _to_zerokit(full: _Full, tmp: str) -> None:
             else:
                 dtype = dtype_name(value.dtype) if isinstance(value, torch.Tensor) else None
                 scalars.setdefault(param, {})[key] = {
-                    "value": value.item() if dtype else value, "tensor_dtype": dtype}
+                    "value": value.item() if dtype else value,
+                    "tensor_dtype": dtype,
+                }
     extra = {}
     for n, (key, value) in enumerate(sorted(full.extra.items())):
         doc, values = extra_state.encode(value, f"extra {key!r}")
@@ -182,7 +206,9 @@ def _to_zerokit(full: _Full, tmp: str) -> None:
             entries.append((tkey, t.dtype, list(t.shape), lambda t=t: t))
             refs.append(extra_state.tensor_ref(fname, tkey, t))
         extra[key] = {"per_rank": False, "values": [{"json": doc, "tensors": refs}]}
-    size, sha = write_safetensors(os.path.join(tmp, fname), entries, {"format": FORMAT, "rank": "0"})
+    size, sha = write_safetensors(
+        os.path.join(tmp, fname), entries, {"format": FORMAT, "rank": "0"}
+    )
     index = {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "layout": {"world_size": 1, "level": None, "dp_degree": None, "tp_degree": 1,

@@ -53,7 +53,9 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch":
             value = getattr(torch, name, None)
-            if name == "Size" or isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+            if name == "Size" or isinstance(
+                value, (torch.dtype, torch.layout, torch.memory_format)
+            ):
                 return value
         raise CheckpointError(
             f"{METADATA} refers to {module}.{name}, which DCP's metadata never holds "
@@ -80,7 +82,9 @@ def read_metadata(directory: str):
     except CheckpointError:
         raise
     except Exception as e:
-        raise CheckpointError(f"{where}: unreadable DCP metadata: {type(e).__name__}: {e}") from None
+        raise CheckpointError(
+            f"{where}: unreadable DCP metadata: {type(e).__name__}: {e}"
+        ) from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise CheckpointError(f"{where}: not DCP metadata")
     return metadata, hashlib.sha256(raw).hexdigest()

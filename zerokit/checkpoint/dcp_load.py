@@ -61,8 +61,10 @@ class _Reads(LoadPlanner):
             self.items.append(dataclasses.replace(item, dest_index=token))
             got += math.prod(item.lengths)
         if got != into.numel():
-            raise CheckpointError(f"{key}: the checkpoint's chunks cover {got} of the "
-                                  f"{into.numel()} elements asked for (an incomplete save?)")
+            raise CheckpointError(
+                f"{key}: the checkpoint's chunks cover {got} of the "
+                f"{into.numel()} elements asked for (an incomplete save?)"
+            )
 
     def whole(self, key: str) -> torch.Tensor:
         md = self.metadata.state_dict_metadata[key]
@@ -73,8 +75,16 @@ class _Reads(LoadPlanner):
 
     def value(self, key: str) -> str:
         """Ask for a non-tensor value: ``self.values[key]`` once read."""
-        self.items.append(ReadItem(LoadItemType.BYTE_IO, MetadataIndex(key), torch.Size((0,)),
-                                   MetadataIndex(key), torch.Size((0,)), torch.Size((0,))))
+        self.items.append(
+            ReadItem(
+                LoadItemType.BYTE_IO,
+                MetadataIndex(key),
+                torch.Size((0,)),
+                MetadataIndex(key),
+                torch.Size((0,)),
+                torch.Size((0,)),
+            )
+        )
         return key
 
     def read(self, directory: str) -> None:
@@ -136,8 +146,12 @@ class _Source:
                 src.groups.setdefault(int(path[2]), {})[str(path[3])] = key
             elif rooted and path[0] == MODEL and len(path) > 1:
                 src.model[plain(".".join(map(str, path[1:])))] = key
-            elif (not rooted and len(path) == 1 and path[0] not in extra_keys
-                  and isinstance(items[key], TensorStorageMetadata)):
+            elif (
+                not rooted
+                and len(path) == 1
+                and path[0] not in extra_keys
+                and isinstance(items[key], TensorStorageMetadata)
+            ):
                 src.model[plain(key)] = key  # torchtitan: the model's keys at the top level
             else:
                 src.other.setdefault(str(path[0]), []).append(key)
@@ -145,7 +159,9 @@ class _Source:
 
 
 def _listing(names: list[str]) -> str:
-    return ", ".join(names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+    return ", ".join(names[:_SHOWN]) + (
+        f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    )
 
 
 def _key_of(src: _Source, h: Holdings, name: str) -> str | None:
@@ -169,8 +185,10 @@ def _compare(src: _Source, h: Holdings, strict: bool) -> None:
             shape = list(md.size) if isinstance(md, TensorStorageMetadata) else "not a tensor"
             wrong.append(f"{name} ({shape} in the checkpoint, {list(meta.shape)} in the model)")
         elif torch.promote_types(md.properties.dtype, meta.dtype) != meta.dtype:
-            wrong.append(f"{name} ({md.properties.dtype} in the checkpoint, {meta.dtype} in the "
-                         "model: loading would lose precision)")
+            wrong.append(
+                f"{name} ({md.properties.dtype} in the checkpoint, {meta.dtype} in the "
+                "model: loading would lose precision)"
+            )
     known = set(h.param_names) | set(h.aliases)
     unexpected = sorted(n for n in src.model if n not in known)
     problems = [f"shapes or dtypes differ: {_listing(wrong)}"] if wrong else []
@@ -180,8 +198,10 @@ def _compare(src: _Source, h: Holdings, strict: bool) -> None:
         problems.append(f"in the checkpoint but not in the model: {_listing(unexpected)}")
     if problems:
         hint = "" if wrong else " (strict=False loads the tensors both have)"
-        raise CheckpointError(f"DCP checkpoint {src.directory} and the model differ: "
-                              f"{'; '.join(problems)}{hint}; nothing was loaded")
+        raise CheckpointError(
+            f"DCP checkpoint {src.directory} and the model differ: "
+            f"{'; '.join(problems)}{hint}; nothing was loaded"
+        )
 
 
 def _stage(src: _Source, h: Holdings, optimizer, extra) -> _Staged:
@@ -207,8 +227,10 @@ def _ask_optimizer(src: _Source, h: Holdings, reads: _Reads):
     """Ask for this rank's optimizer state and every param group; returns the function that
     stages them once read."""
     if not src.groups:
-        raise CheckpointError(f"DCP checkpoint {src.directory} holds no optimizer state "
-                              "(no 'optimizer' entry); pass optimizer=None")
+        raise CheckpointError(
+            f"DCP checkpoint {src.directory} holds no optimizer state "
+            "(no 'optimizer' entry); pass optimizer=None"
+        )
     items, per_chunk = src.metadata.state_dict_metadata, []
     for chunk, key_tensor in h.optimizer_chunks:
         state = {}
@@ -218,23 +240,33 @@ def _ask_optimizer(src: _Source, h: Holdings, reads: _Reads):
                 state[skey] = ("value", reads.value(key))
             elif tuple(md.size) == meta.shape:
                 data = torch.empty(chunk.tensor.numel(), dtype=md.properties.dtype)
-                reads.tensor_range(key, dataclasses.replace(meta, dtype=md.properties.dtype),
-                                   chunk.start, data)
+                reads.tensor_range(
+                    key, dataclasses.replace(meta, dtype=md.properties.dtype), chunk.start, data
+                )
                 state[skey] = ("tensor", data.view(key_tensor.shape))
             elif len(md.size) == 0:
                 state[skey] = ("tensor", reads.whole(key))
             else:
-                raise CheckpointError(f"{key}: shape {list(md.size)}, neither {chunk.name}'s "
-                                      f"{list(meta.shape)} nor a scalar")
+                raise CheckpointError(
+                    f"{key}: shape {list(md.size)}, neither {chunk.name}'s "
+                    f"{list(meta.shape)} nor a scalar"
+                )
         per_chunk.append((key_tensor, state))
     groups = {i: {hk: reads.value(k) for hk, k in g.items()} for i, g in src.groups.items()}
 
     def finish(staged: _Staged, optimizer) -> None:
         for key_tensor, state in per_chunk:
-            staged.optimizer_state.append((key_tensor, {
-                k: reads.values[ref] if kind == "value" else ref.clone().to(key_tensor.device)
-                for k, (kind, ref) in state.items()
-            }))
+            staged.optimizer_state.append(
+                (
+                    key_tensor,
+                    {
+                        k: reads.values[ref]
+                        if kind == "value"
+                        else ref.clone().to(key_tensor.device)
+                        for k, (kind, ref) in state.items()
+                    },
+                )
+            )
         values = [{hk: reads.values[k] for hk, k in groups[i].items()} for i in sorted(groups)]
         staged.hyperparameters = _hyperparameters(values, h, optimizer)
 
@@ -245,15 +277,19 @@ def _hyperparameters(groups: list[dict], h: Holdings, optimizer) -> list[dict]:
     """The saved param groups, checked against the optimizer's: the same parameters in each
     (by name) and hyperparameters of the kind it holds."""
     if len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(f"the checkpoint's optimizer has {len(groups)} param groups, "
-                              f"the optimizer {len(optimizer.param_groups)}")
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(groups)} param groups, "
+            f"the optimizer {len(optimizer.param_groups)}"
+        )
     out = []
     for i, (saved, held, current) in enumerate(zip(groups, h.groups, optimizer.param_groups)):
         params = {h.aliases.get(plain(p), plain(p)) for p in saved.get("params", [])}
         if params != set(held["params"]):
             only = sorted(params ^ set(held["params"]))
-            raise CheckpointError(f"param group {i} holds other parameters than the "
-                                  f"checkpoint's (differing: {_listing(only)})")
+            raise CheckpointError(
+                f"param group {i} holds other parameters than the "
+                f"checkpoint's (differing: {_listing(only)})"
+            )
         mine = {}
         for key, value in saved.items():
             if key == "params" or key not in current:
@@ -271,12 +307,18 @@ def _ask_extra(src: _Source, reads: _Reads, name: str):
     its value once read."""
     keys = src.other.get(name, []) + ([src.model[name]] if name in src.model else [])
     if not keys:
-        raise CheckpointError(f"DCP checkpoint {src.directory} holds no {name!r} (it holds "
-                              f"{sorted(src.other) + ([MODEL] if src.model else [])})")
+        raise CheckpointError(
+            f"DCP checkpoint {src.directory} holds no {name!r} (it holds "
+            f"{sorted(src.other) + ([MODEL] if src.model else [])})"
+        )
     items = src.metadata.state_dict_metadata
-    asked = [(path_of(k, src.metadata)[1:],
-              reads.value(k) if isinstance(items[k], BytesStorageMetadata) else reads.whole(k))
-             for k in keys]
+    asked = [
+        (
+            path_of(k, src.metadata)[1:],
+            reads.value(k) if isinstance(items[k], BytesStorageMetadata) else reads.whole(k),
+        )
+        for k in keys
+    ]
 
     def finish():
         built = None
@@ -319,8 +361,10 @@ def load_dcp(directory: str, model, optimizer, strict: bool, extra, group, timeo
         try:
             h = collect(model, optimizer)
             if h.pipeline is not None:
-                raise CheckpointError("a PipelineModule cannot load a DCP checkpoint yet: load "
-                                      "it into the plain model, or convert it to zerokit's format")
+                raise CheckpointError(
+                    "a PipelineModule cannot load a DCP checkpoint yet: load "
+                    "it into the plain model, or convert it to zerokit's format"
+                )
             src = _Source.open(directory, set(extra or {}))
             _compare(src, h, strict)
         except CheckpointError as e:
@@ -328,12 +372,17 @@ def load_dcp(directory: str, model, optimizer, strict: bool, extra, group, timeo
         except (OSError, ValueError) as e:
             error = f"{directory}: cannot read: {type(e).__name__}: {e}"
         _agreed(gather_json("checkpoint.load", [error, None], group, timeout))
-        agree_on("checkpoint.load: what", {
-            "the checkpoint read (sha256 of its .metadata)": src.digest.encode(),
-            "the model's tensors": model_fingerprint(h),
-            "the optimizer": str(h.optimizer_class).encode(),
-            "the extra state asked for": repr(sorted(extra or {})).encode(),
-        }, group, timeout)
+        agree_on(
+            "checkpoint.load: what",
+            {
+                "the checkpoint read (sha256 of its .metadata)": src.digest.encode(),
+                "the model's tensors": model_fingerprint(h),
+                "the optimizer": str(h.optimizer_class).encode(),
+                "the extra state asked for": repr(sorted(extra or {})).encode(),
+            },
+            group,
+            timeout,
+        )
         staged, error = None, None
         try:
             staged = _stage(src, h, optimizer, extra)
@@ -346,7 +395,9 @@ def load_dcp(directory: str, model, optimizer, strict: bool, extra, group, timeo
         try:
             _apply_extra(staged.extra, extra)
         except Exception as e:
-            error = (f"restoring the extra state failed: {type(e).__name__}: {e}; the model and "
-                     "optimizer are unchanged")
+            error = (
+                f"restoring the extra state failed: {type(e).__name__}: {e}; the model and "
+                "optimizer are unchanged"
+            )
         _agreed(gather_json("checkpoint.load: extra", [error, None], group, timeout))
         _apply(staged, model, optimizer)

@@ -67,9 +67,17 @@ class _File:
     def tensor(self, path: list, tensor: torch.Tensor, offsets, shape) -> None:
         at = self.f.tell()
         torch.save(tensor.detach().to("cpu").clone(), self.f)  # a clone: the box alone
-        self.items.append({"path": path, "offsets": list(offsets), "sizes": list(tensor.shape),
-                           "shape": list(shape), "dtype": dtype_name(tensor.dtype),
-                           "at": at, "length": self.f.tell() - at})
+        self.items.append(
+            {
+                "path": path,
+                "offsets": list(offsets),
+                "sizes": list(tensor.shape),
+                "shape": list(shape),
+                "dtype": dtype_name(tensor.dtype),
+                "at": at,
+                "length": self.f.tell() - at,
+            }
+        )
 
     def value(self, path: list, value) -> None:
         at = self.f.tell()
@@ -114,12 +122,16 @@ class DcpWriter:
 
     def write(self, tmp: str, h: Holdings, extras: dict, per_rank: dict[str, bool]) -> dict:
         if h.pipeline is not None:
-            raise CheckpointError("format='dcp' cannot save a PipelineModule yet: save in "
-                                  "zerokit's format (it loads at any pp degree)")
+            raise CheckpointError(
+                "format='dcp' cannot save a PipelineModule yet: save in "
+                "zerokit's format (it loads at any pp degree)"
+            )
         differing = sorted(k for k, v in per_rank.items() if v)
         if differing:
-            raise CheckpointError(f"format='dcp' stores one value per extra key; {differing} "
-                                  "differ between ranks (save them in zerokit's format)")
+            raise CheckpointError(
+                f"format='dcp' stores one value per extra key; {differing} "
+                "differ between ranks (save them in zerokit's format)"
+            )
         out = _File(os.path.join(tmp, f"__{_rank()}_0.distcp"))
         try:
             _write_tensors(out, h)
@@ -159,22 +171,31 @@ def _metadata(h: Holdings, shards: list) -> Metadata:
                 storage[MetadataIndex(key)] = where
                 continue
             dtype = dtype_from_name(item["dtype"], key)
-            md = described.setdefault(key, TensorStorageMetadata(
-                TensorProperties(dtype=dtype), torch.Size(item["shape"]), []))
-            md.chunks.append(ChunkStorageMetadata(torch.Size(item["offsets"]),
-                                                  torch.Size(item["sizes"])))
+            md = described.setdefault(
+                key,
+                TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(item["shape"]), []),
+            )
+            md.chunks.append(
+                ChunkStorageMetadata(torch.Size(item["offsets"]), torch.Size(item["sizes"]))
+            )
             storage[MetadataIndex(key, item["offsets"])] = where
     for key, md in described.items():
         if isinstance(md, TensorStorageMetadata):
             covered = sum(c.sizes.numel() for c in md.chunks)
             if covered != md.size.numel():
-                raise CheckpointError(f"{key}: the ranks wrote {covered} of its "
-                                      f"{md.size.numel()} elements")
+                raise CheckpointError(
+                    f"{key}: the ranks wrote {covered} of its {md.size.numel()} elements"
+                )
     for alias, stored in h.aliases.items():  # get_state_dict gives tied names each
         key, alias_key = _key([MODEL, stored]), _key([MODEL, alias])
         described[alias_key], paths[alias_key] = described[key], (MODEL, alias)
         for index, where in list(storage.items()):
             if index.fqn == key:
                 storage[MetadataIndex(alias_key, index.offset)] = where
-    return Metadata(described, planner_data=paths, storage_data=storage,
-                    storage_meta=StorageMeta(), version="1.0.0")
+    return Metadata(
+        described,
+        planner_data=paths,
+        storage_data=storage,
+        storage_meta=StorageMeta(),
+        version="1.0.0",
+    )

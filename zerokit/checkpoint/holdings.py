@@ -224,7 +224,10 @@ def model_config(model: nn.Module) -> dict[str, str]:
     """``config.json`` / ``generation_config.json`` of a model with a Hugging Face style
     ``config`` (anything with ``to_json_string``), as ``save_pretrained`` writes them."""
     files = {}
-    for attribute, name in (("config", "config.json"), ("generation_config", "generation_config.json")):
+    for attribute, name in (
+        ("config", "config.json"),
+        ("generation_config", "generation_config.json"),
+    ):
         config = getattr(model, attribute, None)
         if callable(getattr(config, "to_json_string", None)):
             files[name] = config.to_json_string()

@@ -17,8 +17,8 @@ from torch import nn
 from ..core.agreement import alive
 from ..core.state import state_of
 from . import extra as extra_state
-from .holdings import Chunk, Holdings, TensorMeta, collect, holder_of
 from .dcp_format import is_dcp
+from .holdings import Chunk, Holdings, TensorMeta, collect, holder_of
 from .index import INDEX_NAME, CheckpointError, dtype_from_name, is_finite_number, split_from_json
 from .reading import CheckpointReader, resolve
 from .saving import (

@@ -16,8 +16,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
-import re
 import os
+import re
 import secrets
 import shutil
 import socket

@@ -321,8 +321,10 @@ def writer_for(format: str):
         from .dcp_save import DcpWriter  # torch.distributed.checkpoint: loaded when used
 
         return DcpWriter()
-    raise ValueError(f"format={format!r}: zerokit writes 'zerokit' (its own) or 'dcp' "
-                     "(torch.distributed.checkpoint's, for FSDP2 and torchtitan)")
+    raise ValueError(
+        f"format={format!r}: zerokit writes 'zerokit' (its own) or 'dcp' "
+        "(torch.distributed.checkpoint's, for FSDP2 and torchtitan)"
+    )
 
 
 def save(
@@ -414,13 +416,16 @@ def _make_temp(path: str) -> tuple[SaveLock | None, str | None, str | None]:
         refused = why_not_replaceable(path)
         if refused:
             raise CheckpointError(
-                f"{refused}; zerokit never replaces it: choose another path, or remove "
-                "it yourself"
+                f"{refused}; zerokit never replaces it: choose another path, or remove it yourself"
             )
         clear_debris(path)
         return lock, make_temp(path), None
     except (CheckpointError, OSError) as e:
-        return lock, None, str(e) if isinstance(e, CheckpointError) else f"cannot prepare {path}: {e}"
+        return (
+            lock,
+            None,
+            str(e) if isinstance(e, CheckpointError) else f"cannot prepare {path}: {e}",
+        )
 
 
 def save_prepared(path: str, p: Prepared, writer, group, timeout) -> None:
