@@ -122,3 +122,26 @@ def test_a_process_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     checkpoint.load(path, loaded)
     assert torch.equal(loaded.weight, model.weight)
+
+
+def test_a_second_save_waits_for_the_one_in_flight(tmp_path):
+    model = nn.Linear(4, 4)
+    gate, run = threading.Event(), background._Job.run
+    background._Job.run = lambda job: (gate.wait(), run(job))[1]
+    try:
+        first = checkpoint.async_save(tmp_path / "a", model, format="dcp")
+        second = threading.Thread(target=checkpoint.save, args=(tmp_path / "a", model),
+                                  kwargs={"format": "dcp"})  # fmt: skip
+        second.start()
+        second.join(0.5)
+        assert second.is_alive() and not first.done(), "the second save did not wait"
+    finally:
+        background._Job.run = run
+        gate.set()
+    first.result()
+    second.join(30)
+    assert not second.is_alive()
+    assert sorted(os.listdir(tmp_path)) == ["a"]  # the DCP directory replaced, no debris
+    loaded = nn.Linear(4, 4)
+    checkpoint.load(tmp_path / "a", loaded)
+    assert torch.equal(loaded.weight, model.weight)
