@@ -3,6 +3,7 @@ back and trains on as one uninterrupted process would (2e-5, fp32, AdamW with tw
 groups); a DCP directory that does not fit the model is refused on every rank, nothing
 changed."""
 
+import math
 import os
 
 import pytest
@@ -24,7 +25,8 @@ from torch.distributed.fsdp import fully_shard
 
 import zerokit
 from zerokit import checkpoint
-from zerokit.checkpoint import CheckpointError
+from zerokit.checkpoint import CheckpointError, dcp_load
+from zerokit.core.state import state_of
 
 ATOL = 2e-5
 BEFORE, AFTER = 3, 3
@@ -57,9 +59,18 @@ def _zerokit_loads(rank, world_size, path):
     model = make_model("gpt", seed=100 + rank)  # everything must come from the load
     opt = make_optimizer("adamw", model)
     model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os", **SMALL["p_g_os"])
-    extra = {"step": None}
+    extra, asked, read = {"step": None}, [], dcp_load._Reads.read
+
+    def recording(reads, directory):
+        asked.extend(reads.items)
+        return read(reads, directory)
+
+    dcp_load._Reads.read = recording
     checkpoint.load(path, model, opt, extra=extra)
     assert extra["step"] == BEFORE
+    held = sum(piece.numel for bucket in state_of(model).buckets for piece in bucket.pieces)
+    model_reads = [i for i in asked if i.storage_index.fqn.startswith("model.")]
+    assert sum(math.prod(i.lengths) for i in model_reads) == held, "read more than it holds"
     train_sharded(model, opt, BATCHES[BEFORE:], rank, world_size)
     assert_same_params(model, _reference(), ATOL, "FSDP2 at 2 -> zerokit p_g_os at 3")
 
