@@ -226,3 +226,20 @@ def _tp_loads(rank, world_size, path):
 
 def test_fsdp2_dcp_checkpoint_resumes_tensor_parallel(fsdp2_dcp):
     run_distributed(_tp_loads, 2, fsdp2_dcp)
+
+
+def test_inspect_summarises_a_dcp_directory_and_finds_a_truncated_file(fsdp2_dcp, tmp_path, capsys):
+    import shutil
+
+    from zerokit.cli import main as cli
+
+    assert cli(["ckpt", "inspect", fsdp2_dcp]) == 0
+    out = capsys.readouterr().out
+    assert "DCP checkpoint" in out and "state exp_avg, exp_avg_sq, step" in out
+    assert "complete" in out
+    damaged = str(tmp_path / "damaged")
+    shutil.copytree(fsdp2_dcp, damaged)
+    with open(os.path.join(damaged, "__1_0.distcp"), "r+b") as f:
+        f.truncate(100)
+    assert cli(["ckpt", "inspect", damaged]) == 1
+    assert "__1_0.distcp: missing or shorter" in capsys.readouterr().out

@@ -225,7 +225,14 @@ def load_consolidated(path: str | os.PathLike, model: nn.Module, strict: bool = 
 
 def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
     """A report for a person (a summary; ``tensors=True`` adds one line per tensor), and
-    whether the checkpoint is complete and verified."""
+    whether the checkpoint is complete and verified. A DCP directory gets its own summary."""
+    from .dcp_format import is_dcp
+    from .index import INDEX_NAME
+
+    if is_dcp(checkpoint) and not os.path.exists(os.path.join(checkpoint, INDEX_NAME)):
+        from .dcp_load import describe_dcp
+
+        return describe_dcp(os.fspath(checkpoint))
     with CheckpointReader(checkpoint) as reader:
         problems = []
         for name in reader.index["files"]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -401,3 +402,44 @@ def load_dcp(directory: str, model, optimizer, strict: bool, extra, group, timeo
             )
         _agreed(gather_json("checkpoint.load: extra", [error, None], group, timeout))
         _apply(staged, model, optimizer)
+
+
+def describe_dcp(directory: str) -> tuple[str, bool]:
+    """``zerokit ckpt inspect`` of a DCP directory: its entries, and whether every tensor is
+    covered by its chunks and every chunk's bytes are in a file there."""
+    from ..memory import format_bytes
+
+    src = _Source.open(directory, set())
+    items = src.metadata.state_dict_metadata
+
+    def nbytes(key: str) -> int:
+        md = items[key]
+        return md.size.numel() * md.properties.dtype.itemsize if hasattr(md, "size") else 0
+
+    problems = []
+    for key, md in items.items():
+        covered = sum(c.sizes.numel() for c in getattr(md, "chunks", []))
+        if isinstance(md, TensorStorageMetadata) and covered != md.size.numel():
+            problems.append(f"{key}: its chunks cover {covered} of {md.size.numel()} elements")
+    ends: dict[str, int] = {}
+    for where in (src.metadata.storage_data or {}).values():
+        ends[where.relative_path] = max(
+            ends.get(where.relative_path, 0), where.offset + where.length
+        )
+    for name, end in sorted(ends.items()):
+        full = os.path.join(directory, name)
+        if not os.path.isfile(full) or os.path.getsize(full) < end:
+            problems.append(f"{full}: missing or shorter than the {end} bytes the metadata places")
+    state = sorted({k for keys in src.state.values() for k in keys})
+    lines = [
+        f"DCP checkpoint {directory} (torch.distributed.checkpoint; load and convert read it)",
+        f"model: {len(src.model)} tensors, "
+        f"{format_bytes(sum(nbytes(k) for k in src.model.values()))}",
+        f"optimizer: {len(src.groups)} param group(s), state {', '.join(state) or 'none'}",
+        f"other entries (extra state): {', '.join(sorted(src.other)) or 'none'}",
+        f"files: {len(ends)}, {format_bytes(sum(ends.values()))}",
+    ]
+    ok = not problems
+    lines.append("complete (every tensor covered, every chunk's bytes present)" if ok
+                 else "NOT usable:\n  " + "\n  ".join(problems))  # fmt: skip
+    return "\n".join(lines), ok
