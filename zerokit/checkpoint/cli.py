@@ -21,7 +21,9 @@ def add_parser(commands) -> None:
     inspect = ckpt_commands.add_parser(
         "inspect", help="layout, sizes, and whether it is complete and verified"
     )
-    inspect.add_argument("checkpoint", help=_CHECKPOINT_HELP)
+    inspect.add_argument(
+        "checkpoint", help=_CHECKPOINT_HELP + ", or a DCP directory (FSDP2, torchtitan)"
+    )
     inspect.add_argument(
         "--tensors", action="store_true", help="also list every tensor (default: off)"
     )
