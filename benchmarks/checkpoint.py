@@ -3,6 +3,14 @@ level, and resharded to another level) beside torch.distributed.checkpoint (DCP)
 and a rank-0 torch.save of DDP's full state, side by side in one run on gloo CPU ranks.
 
     python benchmarks/checkpoint.py            # 27M-parameter GPT + AdamW state, 2 ranks
+
+Then ``async_save``: how long the call blocks training (state copied to host memory, ranks
+agreed) against a synchronous ``save`` of the same state, and when its checkpoint is in place.
+Then export: ``consolidate`` to a Hugging Face set (rank 0) and ``load_pretrained`` from it
+(every rank, ``'p_g_os'``), in bytes/s beside a plain write (64 MiB blocks, fsync) and a
+plain read (``pread``, each rank its share) of the same bytes on the same disk.
+
+    python benchmarks/checkpoint.py --sections export   # one section: save, async, export
 """
 
 from __future__ import annotations
@@ -69,7 +77,11 @@ def worker(rank: int, world_size: int, args) -> None:
     holder = [root]
     dist.broadcast_object_list(holder)  # benchmark plumbing only; zerokit never pickles
     root = holder[0]
-    rows = []
+    rows, blocked, export = [], [], []
+    if "export" in args.sections:
+        export = _export_rows(root, base, x, y, args.repeats)
+    if "async" in args.sections:
+        blocked = _async_rows(root, base, x, y, args.repeats)
 
     def zerokit_case(save_level: str, load_level: str):
         model, opt = _stepped(save_level, base, x, y)
@@ -121,7 +133,7 @@ def worker(rank: int, world_size: int, args) -> None:
         "DCP + FSDP2": dcp_case,
         "torch.save (rank 0, DDP)": torch_save_case,
     }
-    for name, make in cases.items():
+    for name, make in cases.items() if "save" in args.sections else ():
         save, load, path = make()
         saves, loads = [], []
         for _ in range(args.repeats):
@@ -131,10 +143,118 @@ def worker(rank: int, world_size: int, args) -> None:
     if rank == 0:
         n = sum(p.numel() for p in base.parameters())
         print(f"GPT {n / 1e6:.1f}M params + AdamW state, {world_size} gloo ranks, {root}")
-        print(f"{'checkpoint':<28}{'save s':>8}{'load s':>8}{'MiB':>8}")
+        if rows:
+            print(f"{'checkpoint':<28}{'save s':>8}{'load s':>8}{'MiB':>8}")
         for name, s, ld, size in rows:
             print(f"{name:<28}{s:>8.3f}{ld:>8.3f}{size / 2**20:>8.1f}")
+        for line in export:
+            print(line)
+        if blocked:
+            print(
+                f"\n{'async_save':<28}{'save s':>8}{'blocked s':>10}{'in place s':>11}{'ratio':>7}"
+            )
+        for name, sync, block, total in blocked:
+            print(f"{name:<28}{sync:>8.3f}{block:>10.3f}{total:>11.3f}{block / sync:>7.2f}")
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _plain_write(path: str, nbytes: int) -> float:
+    block = _BLOCK
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for at in range(0, nbytes, len(block)):
+            f.write(block[: min(len(block), nbytes - at)])
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - start
+
+
+_BLOCK = bytearray(64 << 20)  # dd's buffer, allocated once
+
+
+def _plain_read(paths: list[str], share: int, rank: int, world: int) -> float:
+    """Read ``share`` bytes, this rank's part of the files, as a loader of its shards would."""
+    sizes = [os.path.getsize(p) for p in paths]
+    lo = sum(sizes) * rank // world
+    buffer = _BLOCK
+    start, done = time.perf_counter(), 0
+    for path, size in zip(paths, sizes):
+        with open(path, "rb") as f:
+            while done < share and lo < size:
+                n = os.preadv(
+                    f.fileno(),
+                    [memoryview(buffer)[: min(len(buffer), share - done, size - lo)]],
+                    lo,
+                )
+                done, lo = done + n, lo + n
+        lo = max(0, lo - size)
+    return time.perf_counter() - start
+
+
+def _export_rows(root: str, base, x, y, repeats: int) -> list[str]:
+    """Consolidate (rank 0) and load_pretrained (every rank) against plain writes and reads of
+    the same bytes, alternating, medians of ``repeats``; files in the page cache for both."""
+    model, opt = _stepped("os", base, x, y)
+    path, hf = os.path.join(root, "export"), os.path.join(root, "export-hf")
+    zerokit.checkpoint.save(path, model, opt)
+    nbytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    target, _ = _stepped("p_g_os", base, x, y)
+    times: dict[str, list[float]] = {k: [] for k in ("out", "trusted", "write", "in", "read")}
+    part = nbytes // world  # each rank's share, read by load_pretrained and by the plain read
+    for _ in range(repeats):
+        if rank == 0:
+            for key, verify in (("out", True), ("trusted", False)):
+                start = time.perf_counter()
+                zerokit.checkpoint.consolidate(path, hf, max_shard_size=1 << 30, verify=verify)
+                times[key].append(time.perf_counter() - start)
+            times["write"].append(_plain_write(os.path.join(root, "plain"), nbytes))
+        dist.barrier()
+        times["in"].append(_timed(lambda: zerokit.checkpoint.load_pretrained(target, hf)))
+        files = sorted(os.path.join(hf, f) for f in os.listdir(hf) if f.endswith(".safetensors"))
+        times["read"].append(_timed(lambda files=files: _plain_read(files, part, rank, world)))
+    if rank != 0:
+        return []
+    t = {k: statistics.median(v) for k, v in times.items()}
+    share = nbytes / world
+    return [
+        f"\nexport of {nbytes / 2**20:.1f} MiB{'':<8}{'MB/s':>8}{'plain MB/s':>12}{'ratio':>7}",
+        f"{'consolidate (rank 0)':<30}{nbytes / t['out'] / 1e6:>8.0f}"
+        f"{nbytes / t['write'] / 1e6:>12.0f}{t['write'] / t['out']:>7.2f}",
+        f"{'consolidate --no-verify':<30}{nbytes / t['trusted'] / 1e6:>8.0f}"
+        f"{nbytes / t['write'] / 1e6:>12.0f}{t['write'] / t['trusted']:>7.2f}",
+        f"{'load_pretrained (per rank)':<30}{share / t['in'] / 1e6:>8.0f}"
+        f"{share / t['read'] / 1e6:>12.0f}{t['read'] / t['in']:>7.2f}",
+    ]
+
+
+def _async_rows(root: str, base, x, y, repeats: int) -> list[tuple]:
+    """Per level and format: the synchronous save, the time ``async_save`` blocks the caller,
+    and the time until its checkpoint is in place (medians; the slowest rank each time)."""
+    rows = []
+    for level, fmt in (("os", "zerokit"), ("p_g_os", "zerokit"), ("os", "dcp")):
+        model, opt = _stepped(level, base, x, y)
+        path = os.path.join(root, f"async-{level}-{fmt}")
+        syncs, blocks, totals = [], [], []
+        for _ in range(repeats):
+            syncs.append(
+                _timed(
+                    lambda m=model, o=opt, p=path, f=fmt: zerokit.checkpoint.save(p, m, o, format=f)
+                )
+            )
+            dist.barrier()
+            start = time.perf_counter()
+            future = zerokit.checkpoint.async_save(path, model, opt, format=fmt)
+            blocked = time.perf_counter() - start
+            future.result()
+            total = time.perf_counter() - start
+            both = torch.tensor([blocked, total], dtype=torch.float64)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX)
+            blocks.append(both[0].item())
+            totals.append(both[1].item())
+        name = f"zerokit {level} ({fmt})"
+        rows.append((name, *map(statistics.median, (syncs, blocks, totals))))
+    return rows
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -146,6 +266,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2, help="ranks to start")
     p.add_argument("--layers", type=int, default=8, help="GPT blocks (8: 27.3M parameters)")
     p.add_argument("--repeats", type=int, default=3, help="saves and loads timed (median)")
+    p.add_argument("--sections", default="save,async,export", help="which to run, of these")
     args = p.parse_args()
     spawn_local(worker, args.nproc, args)
 

@@ -182,3 +182,41 @@ def test_consolidate_lightning_file(tmp_path, capsys):
     inside = str(path / "one.ckpt")
     assert cli(["ckpt", "consolidate", str(path), "--lightning", inside]) == 2
     assert "inside the checkpoint" in capsys.readouterr().err
+
+
+def test_a_sharded_hugging_face_set_has_its_config_and_loads_with_from_pretrained(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=50, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    checkpoint.save(tmp_path / "ckpt", model)
+    out = tmp_path / "hf"
+    assert (
+        cli(["ckpt", "consolidate", str(tmp_path / "ckpt"), str(out), "--max-shard-size", "8KB"])
+        == 0
+    )
+    assert "config.json" in capsys.readouterr().out
+    assert (out / "generation_config.json").is_file()
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out)
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_a_set_without_a_config_says_so(saved, tmp_path, capsys):
+    path, _ = saved
+    out = tmp_path / "set"
+    assert cli(["ckpt", "consolidate", str(path), str(out), "--max-shard-size", "300B"]) == 0
+    assert "has no config.json" in capsys.readouterr().out
+
+
+def test_a_corrupted_file_found_while_consolidating_leaves_no_output(saved, tmp_path):
+    """The sha256s are checked beside the writing: a mismatch still leaves nothing."""
+    path, _ = saved
+    shard = path / "rank00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0xFF  # a value's last byte: size and header still fine
+    shard.write_bytes(bytes(raw))
+    out = tmp_path / "model.safetensors"
+    with pytest.raises(checkpoint.CheckpointError, match="sha256 does not match"):
+        checkpoint.consolidate(str(path), str(out))
+    assert not out.exists()

@@ -96,9 +96,9 @@ def _reads_its_own(rank: int, world_size: int, path: str, level: str, out) -> No
     reads = []
     original = _Sources.read
 
-    def recording(self, name, lo, hi):
+    def recording(self, name, lo, hi, into):
         reads.append((name, lo, hi))
-        return original(self, name, lo, hi)
+        return original(self, name, lo, hi, into)
 
     _Sources.read = recording
     with zerokit.empty_init():

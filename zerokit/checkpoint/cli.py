@@ -1,4 +1,4 @@
-"""``zerokit ckpt inspect|consolidate``: the checkpoint commands of the ``zerokit`` CLI."""
+"""``zerokit ckpt inspect|consolidate|convert``: the checkpoint commands of the ``zerokit`` CLI."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import sys
 
 from .consolidate import consolidate, describe, parse_size
+from .convert import convert
 from .index import CheckpointError
 from .lightning_file import consolidate_lightning
 
@@ -15,12 +16,14 @@ _CHECKPOINT_HELP = "the checkpoint directory zerokit.checkpoint.save wrote"
 
 def add_parser(commands) -> None:
     """Add ``ckpt`` to the ``zerokit`` command's subparsers."""
-    ckpt = commands.add_parser("ckpt", help="inspect or consolidate a zerokit checkpoint")
+    ckpt = commands.add_parser("ckpt", help="inspect, consolidate or convert a zerokit checkpoint")
     ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", required=True)
     inspect = ckpt_commands.add_parser(
         "inspect", help="layout, sizes, and whether it is complete and verified"
     )
-    inspect.add_argument("checkpoint", help=_CHECKPOINT_HELP)
+    inspect.add_argument(
+        "checkpoint", help=_CHECKPOINT_HELP + ", or a DCP directory (FSDP2, torchtitan)"
+    )
     inspect.add_argument(
         "--tensors", action="store_true", help="also list every tensor (default: off)"
     )
@@ -55,6 +58,28 @@ def add_parser(commands) -> None:
         "OUTPUT (default: none, one file)",
     )
     consolidate_cmd.add_argument(
+        "--no-verify", action="store_true",
+        help="trust the checkpoint's bytes: check sizes and headers but not the sha256s, which "
+        "read the whole checkpoint (default: verified)",
+    )  # fmt: skip
+    convert_cmd = ckpt_commands.add_parser(
+        "convert",
+        help="a zerokit or DCP (torch.distributed.checkpoint) checkpoint in another format",
+        description=(
+            "Read a zerokit checkpoint or a DCP directory (FSDP2, torchtitan) and write it as "
+            "--to dcp (dcp.load + set_state_dict read it at any world size), --to zerokit "
+            "(zerokit.checkpoint.load reads it at any world size and level) or --to hf "
+            "(DST/model.safetensors). One process; each tensor is read when it is written."
+        ),
+    )
+    convert_cmd.add_argument("source", help="a zerokit checkpoint or a DCP directory")
+    convert_cmd.add_argument("output", help="the checkpoint directory to write")
+    convert_cmd.add_argument("--to", required=True, choices=("dcp", "zerokit", "hf"))
+    convert_cmd.add_argument(
+        "--no-optimizer", action="store_true",
+        help="leave the optimizer state out (default: converted too)",
+    )  # fmt: skip
+    consolidate_cmd.add_argument(
         "--optimizer",
         metavar="PATH",
         help="also write the optimizer state (a .safetensors file) (default: none, the model only)",
@@ -68,17 +93,32 @@ def run(args: argparse.Namespace) -> int:
             report, ok = describe(args.checkpoint, tensors=args.tensors)
             _print(report)
             return 0 if ok else 1
+        if args.ckpt_command == "convert":
+            written = convert(args.source, args.output, args.to, not args.no_optimizer)
+            _print("\n".join(f"wrote {path}" for path in written))
+            return 0
         if args.output is None and args.lightning is None:
             raise ValueError("give an output file (or --lightning PATH)")
         written = []
         if args.output is not None:
             max_size = parse_size(args.max_shard_size) if args.max_shard_size else None
-            written += consolidate(args.checkpoint, args.output, max_size, args.optimizer)
+            written += consolidate(
+                args.checkpoint, args.output, max_size, args.optimizer, not args.no_verify
+            )
         elif args.max_shard_size or args.optimizer:
             raise ValueError("--max-shard-size and --optimizer need an output")
         if args.lightning is not None:
             written += consolidate_lightning(args.checkpoint, args.lightning)
         _print("\n".join(f"wrote {path}" for path in written))
+        if (
+            args.max_shard_size
+            and args.output
+            and not any(os.path.basename(w) == "config.json" for w in written)
+        ):
+            _print(
+                f"note: {args.output} has no config.json (the saved model had no Hugging Face "
+                "config): copy the model's config.json there before from_pretrained"
+            )
     except BrokenPipeError:  # `zerokit ckpt inspect ... | head`: the reader has gone
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # and the interpreter's final flush must not fail

@@ -1,10 +1,12 @@
 """Offline tools (no process group): describe a checkpoint, consolidate it to plain files, and
 load a consolidated file into a plain model.
 
-Consolidation streams: every file of the checkpoint is verified first (size, sha256, header,
-so no tensor can claim more bytes than its files hold), then the safetensors header is computed
-from the index, and each tensor is assembled from its pieces, written and dropped, so at most
-one tensor (and its tp parts) is in memory at a time. Tied names are stored once; the
+Consolidation streams: every file of the checkpoint is checked first (size and header, so no
+tensor can claim more bytes than its files hold; the sha256s are computed in threads beside
+the writing and checked before it returns, removing the output on a mismatch), then the
+safetensors header is computed from the index, and each tensor is written from its pieces'
+mapped bytes (no copy; a tp-split one is assembled first), so at most one tensor is in memory
+at a time. Tied names are stored once; the
 ``zerokit_aliases`` metadata names the others, and ``load_consolidated`` restores them.
 """
 
@@ -36,16 +38,22 @@ def _nbytes(entry: dict) -> int:
 
 def _write_safetensors(path: str, names: list[str], reader, metadata: dict) -> None:
     index = reader.index
+
+    def produce(name: str):
+        if index["tensors"][name]["tp"] is None:  # its pieces, straight from the mappings
+            return reader.buffers(name)
+        return reader.read_full(name)  # tp parts assembled: one tensor in memory at a time
+
     entries = [
         (
             name,
             dtype_from_name(index["tensors"][name]["dtype"], name),
             index["tensors"][name]["shape"],
-            lambda name=name: reader.read_full(name),  # one tensor in memory at a time
+            lambda name=name: produce(name),
         )
         for name in names
     ]
-    write_safetensors(path, entries, metadata)
+    write_safetensors(path, entries, metadata, digest=False)
 
 
 def parse_size(text: str) -> int:
@@ -100,11 +108,16 @@ def consolidate(
     output: str,
     max_shard_size: int | None = None,
     optimizer_output: str | None = None,
+    verify: bool = True,
 ) -> list[str]:
     """Write the full model, with the plain model's names and shapes, as one safetensors file
     (``load_consolidated(path, plain_model)`` loads it, tied names included) or, with
     ``max_shard_size``, as a Hugging Face style set in the directory ``output``.
-    ``optimizer_output``: also write the full optimizer state there. Returns the files written.
+    ``optimizer_output``: also write the full optimizer state there. A set also gets the
+    model's ``config.json`` (and ``generation_config.json``) when the saved model had a Hugging
+    Face ``config``, so ``from_pretrained(output)`` loads it. ``verify=False`` trusts the
+    files' contents: sizes and headers are still checked, the sha256s are not (they read the
+    whole checkpoint, optimizer state included). Returns the files written.
     On an error, the files it wrote are removed.
     """
     with CheckpointReader(checkpoint) as reader:
@@ -122,13 +135,17 @@ def consolidate(
             _check_file_output(optimizer_output, "--optimizer")
             if reader.index["optimizer"] is None:
                 raise CheckpointError(f"{reader.directory}: holds no optimizer state")
-        reader.verify_all()  # before anything is allocated: tensors fit in the files' bytes
+        # sizes and headers before anything is allocated (tensors fit in the files' bytes);
+        # the sha256s beside the writing, checked before returning: on a mismatch what was
+        # written is removed
+        hashes_match = reader.verify_all(hash_in_background=True, hash=verify)
         written, made_dir = [], False
         try:
             if max_shard_size is not None and not os.path.isdir(output):
                 os.mkdir(output)
                 made_dir = True
             _consolidate(reader, output, max_shard_size, optimizer_output, written)
+            hashes_match()
         except BaseException:
             for path in written:
                 if os.path.lexists(path):
@@ -171,6 +188,10 @@ def _consolidate(reader, output, max_shard_size, optimizer_output, written: list
         with open(os.path.join(output, HF_INDEX), "w", encoding="utf-8") as f:
             written.append(os.path.join(output, HF_INDEX))
             f.write(hf_index)
+        for name, text in index.get("model_config", {}).items():  # from_pretrained needs it
+            with open(os.path.join(output, name), "w", encoding="utf-8") as f:
+                written.append(os.path.join(output, name))
+                f.write(text)
     if optimizer_output is not None:
         state = [n for n in index["tensors"] if n.startswith(OPTIM_PREFIX + ".")]
         meta = metadata | {"optimizer": json.dumps(index["optimizer"])}
@@ -204,7 +225,14 @@ def load_consolidated(path: str | os.PathLike, model: nn.Module, strict: bool = 
 
 def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
     """A report for a person (a summary; ``tensors=True`` adds one line per tensor), and
-    whether the checkpoint is complete and verified."""
+    whether the checkpoint is complete and verified. A DCP directory gets its own summary."""
+    from .dcp_format import is_dcp
+    from .index import INDEX_NAME
+
+    if is_dcp(checkpoint) and not os.path.exists(os.path.join(checkpoint, INDEX_NAME)):
+        from .dcp_load import describe_dcp
+
+        return describe_dcp(os.fspath(checkpoint))
     with CheckpointReader(checkpoint) as reader:
         problems = []
         for name in reader.index["files"]:

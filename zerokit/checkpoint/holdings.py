@@ -67,6 +67,8 @@ class Holdings:
     layout: dict = field(default_factory=dict)  # world size, level, dp/tp(/pp) degrees
     pipeline: dict | None = None
     """For a ``PipelineModule``: {"stage": this rank's stage, "stages": n, "bounds": [...]}."""
+    model_config: dict[str, str] = field(default_factory=dict)
+    """A Hugging Face model's ``config.json`` (and ``generation_config.json``) as text."""
 
     @property
     def param_names(self) -> list[str]:
@@ -214,7 +216,22 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
 
     if optimizer is not None:
         _collect_optimizer(h, optimizer, owner, names)
+    h.model_config = model_config(model)
     return h
+
+
+def model_config(model: nn.Module) -> dict[str, str]:
+    """``config.json`` / ``generation_config.json`` of a model with a Hugging Face style
+    ``config`` (anything with ``to_json_string``), as ``save_pretrained`` writes them."""
+    files = {}
+    for attribute, name in (
+        ("config", "config.json"),
+        ("generation_config", "generation_config.json"),
+    ):
+        config = getattr(model, attribute, None)
+        if callable(getattr(config, "to_json_string", None)):
+            files[name] = config.to_json_string()
+    return files
 
 
 def _rank_local(model: nn.Module, split_of: dict, pipelined: bool) -> dict:

@@ -132,8 +132,13 @@ def validate(index: dict) -> None:
         index,
         "index",
         {"format", "format_version", "checksum", "layout", "files", "tensors", "aliases"},
-        frozenset({"optimizer", "extra"}),
+        frozenset({"optimizer", "extra", "model_config"}),
     )
+    for name, text in _dict(index.get("model_config", {}), "model_config").items():
+        _need(
+            name in ("config.json", "generation_config.json") and isinstance(text, str),
+            f"model_config: {name!r} is not a Hugging Face config file's text",
+        )
     _check_layout(_dict(index["layout"], "layout"))
     files = _dict(index["files"], "files")
     for name, listed in files.items():

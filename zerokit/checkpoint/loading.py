@@ -17,8 +17,9 @@ from torch import nn
 from ..core.agreement import alive
 from ..core.state import state_of
 from . import extra as extra_state
+from .dcp_format import is_dcp
 from .holdings import Chunk, Holdings, TensorMeta, collect, holder_of
-from .index import CheckpointError, dtype_from_name, is_finite_number, split_from_json
+from .index import INDEX_NAME, CheckpointError, dtype_from_name, is_finite_number, split_from_json
 from .reading import CheckpointReader, resolve
 from .saving import (
     agree_on,
@@ -55,6 +56,12 @@ def load(
     """Load a checkpoint written by ``save`` at any world size and level into ``model`` (and
     ``optimizer``), wrapped at any level or bare. Collective: every rank calls it.
 
+    ``path`` may also be a torch.distributed.checkpoint (DCP) directory, as FSDP2 and
+    torchtitan save one (``dcp.save({"model": msd, "optimizer": osd, ...})`` with
+    ``get_state_dict``, or the model's keys at the top level): each rank reads only the saved
+    chunks that overlap what it holds; its other entries (``lr_scheduler``, ``step``, ...)
+    are extra state, restored by name through ``extra``.
+
     ``strict=False`` loads the tensors both sides have and leaves the rest as they are.
     ``extra``: the extra state to restore, by the names it was saved under: an object with
     ``load_state_dict()`` gets its state; any other entry of the dict is replaced by the saved
@@ -64,6 +71,10 @@ def load(
     """
     group = world_group()
     mark_call("zerokit.checkpoint.load()", model, group)
+    if is_dcp(resolve(path)) and not os.path.exists(os.path.join(resolve(path), INDEX_NAME)):
+        from .dcp_load import load_dcp  # imports loading: loaded when first used
+
+        return load_dcp(resolve(path), model, optimizer, strict, extra, group, timeout)
     with alive(group):
         reader, error, h = None, None, None
         try:

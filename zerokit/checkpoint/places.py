@@ -17,17 +17,20 @@ import errno
 import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
 import stat
 import time
 
+from .dcp_format import METADATA
 from .index import FORMAT, INDEX_NAME, MAX_INDEX_BYTES, CheckpointError
 from .reading import OLD_SUFFIX, kind_of
 
 TMP_INFIX = ".zerokit-tmp-"
 LOCK_SUFFIX = ".zerokit-lock"
+_DCP_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
 
 def _listing(names: list[str], path: str) -> str:
@@ -36,8 +39,9 @@ def _listing(names: list[str], path: str) -> str:
 
 
 def why_not_replaceable(path: str) -> str | None:
-    """None if a save may replace what is at ``path`` (nothing, an empty directory, or a zerokit
-    checkpoint), else what is there."""
+    """None if a save may replace what is at ``path`` (nothing, an empty directory, a zerokit
+    checkpoint, or a DCP checkpoint: ``.metadata`` and ``__<rank>_<n>.distcp`` files only),
+    else what is there."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -46,6 +50,11 @@ def why_not_replaceable(path: str) -> str | None:
         return f"{path} is {kind_of(st.st_mode)}, not a zerokit checkpoint"
     names = os.listdir(path)
     if not names:
+        return None
+    if METADATA in names and INDEX_NAME not in names:
+        others = [n for n in names if n != METADATA and not _DCP_FILE.match(n)]
+        if others:
+            return f"{path} is a DCP checkpoint that also holds {_listing(others, path)}"
         return None
     if INDEX_NAME not in names:
         return f"{path} is a directory holding {_listing(names, path)}, not a zerokit checkpoint"

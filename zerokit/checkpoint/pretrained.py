@@ -150,9 +150,11 @@ class _Sources:
     def shape(self, name: str) -> list[int]:
         return self.where[name].header[name]["shape"]
 
-    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+    def read(self, name: str, lo: int, hi: int, into: torch.Tensor) -> None:
+        """Elements ``[lo, hi)`` of ``name`` copied into ``into`` (of the file's dtype), one
+        copy from the mapped file."""
         shard = self.where[name]
-        values = shard.read(name, lo, hi)  # a copy: the mapped pages are not needed after it
+        values = shard.read_into(name, lo, hi, into)  # the mapped pages are not needed after it
         nbytes = values.numel() * values.element_size()
         self.bytes_read += nbytes
         begin = (
@@ -163,7 +165,6 @@ class _Sources:
             # drop the pages from this process (the page cache keeps them): else every byte
             # read would count twice in the rank's memory until the load ends
             shard.mm.madvise(mmap.MADV_DONTNEED, first, begin + nbytes - first)
-        return values
 
     def close(self) -> None:
         for shard in self.files.values():
@@ -236,7 +237,7 @@ def _read(h: Holdings, sources: _Sources) -> list[tuple[Chunk, torch.Tensor]]:
         dtype = _DTYPE_OF[sources.where[source].header[source]["dtype"]]
         values = torch.empty(chunk.tensor.numel(), dtype=dtype)
         for full_lo, full_hi, at in _runs(meta, chunk.start, chunk.tensor.numel()):
-            values[at : at + full_hi - full_lo] = sources.read(source, full_lo, full_hi)
+            sources.read(source, full_lo, full_hi, values[at : at + full_hi - full_lo])
         staged.append((chunk, values))
     return staged
 

@@ -23,6 +23,7 @@ import struct
 
 import torch
 
+from .dcp_format import METADATA
 from .index import (
     INDEX_NAME,
     MAX_INDEX_BYTES,
@@ -51,8 +52,11 @@ _KINDS = {
 def resolve(path: str | os.PathLike) -> str:
     """The checkpoint directory; the previous one if a save died between its two renames."""
     path = os.fspath(path).rstrip("/") or "/"
-    if not os.path.lexists(path) and os.path.isfile(os.path.join(path + OLD_SUFFIX, INDEX_NAME)):
-        return path + OLD_SUFFIX
+    old = path + OLD_SUFFIX
+    if not os.path.lexists(path) and any(
+        os.path.isfile(os.path.join(old, name)) for name in (INDEX_NAME, METADATA)
+    ):
+        return old
     return path
 
 
@@ -96,20 +100,33 @@ class ShardFile:
         self.header: dict = {}
         self.data_start = 0
 
-    def verify(self, size: int, sha256: str) -> None:
+    def verify(self, size: int, sha256: str, hash: bool = True) -> None:
+        """Size and header; and the sha256 unless ``hash=False`` (``check_sha256`` later)."""
         if self.size != size:
             raise CheckpointError(
                 f"{self.where}: {self.size} bytes, the index says {size} (truncated?)"
             )
+        if hash:
+            self.check_sha256(sha256)
+        self.header, self.data_start = self._parse_header()
+
+    def check_sha256(self, sha256: str) -> None:
         digest, view = hashlib.sha256(), memoryview(self.mm) if self.mm else memoryview(b"")
         for begin in range(0, self.size, 1 << 26):
-            digest.update(view[begin : begin + (1 << 26)])
+            digest.update(view[begin : begin + (1 << 26)])  # hashlib lets go of the GIL
         view.release()
         if digest.hexdigest() != sha256:
             raise CheckpointError(
                 f"{self.where}: sha256 does not match the index (corrupted or replaced)"
             )
-        self.header, self.data_start = self._parse_header()
+
+    def buffers(self, key: str, lo: int, hi: int) -> list[memoryview]:
+        """Elements ``[lo, hi)`` of ``key`` as a view of the mapping (no copy); release it
+        before the reader is closed."""
+        info = self.header[key]
+        itemsize = _DTYPE_OF[info["dtype"]].itemsize
+        begin = self.data_start + info["data_offsets"][0] + lo * itemsize
+        return [memoryview(self.mm)[begin : begin + (hi - lo) * itemsize]]
 
     def _parse_header(self) -> tuple[dict, int]:
         bad = f"{self.where}: not a valid safetensors file"
@@ -155,6 +172,17 @@ class ShardFile:
                 f"{self.where}: {key!r} is {info['dtype']} {info['shape']}, the index says "
                 f"{str(dtype).removeprefix('torch.')} {list(shape)} ({what})"
             )
+
+    def read_into(self, key: str, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the flattened tensor ``key`` copied into ``out`` (1-D, of
+        the file's dtype): one copy, straight from the mapping. Returns ``out``."""
+        info = self.header[key]
+        dtype = _DTYPE_OF[info["dtype"]]
+        offset = self.data_start + info["data_offsets"][0] + lo * dtype.itemsize
+        raw = torch.frombuffer(
+            self.mm, dtype=torch.uint8, count=(hi - lo) * dtype.itemsize, offset=offset
+        )
+        return out.copy_(raw.view(dtype)) if hi > lo else out
 
     def read(self, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the flattened tensor ``key``: a tensor of its own."""
@@ -218,14 +246,18 @@ class CheckpointReader:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def verify_file(self, name: str) -> ShardFile:
-        """Open a listed file once, checking its size, sha256 and header against the index."""
+    def verify_file(self, name: str, hash: bool = True) -> ShardFile:
+        """Open a listed file once, checking its size, sha256 (unless ``hash=False``: see
+        ``verify_all``) and header against the index."""
         if name in self._files:
             return self._files[name]
         listed = self.index["files"][name]
         shard = ShardFile(self._dir_fd, name, os.path.join(self.directory, name))
         try:
-            shard.verify(listed["size"], listed["sha256"])
+            if hash:
+                shard.verify(listed["size"], listed["sha256"])
+            else:
+                shard.verify(listed["size"], listed["sha256"], hash=False)
             for tensor, entry in self.index["tensors"].items():
                 dtype = dtype_from_name(entry["dtype"], tensor)
                 for pieces in entry["parts"].values():
@@ -246,9 +278,36 @@ class CheckpointReader:
         self._files[name] = shard
         return shard
 
-    def verify_all(self) -> None:
+    def verify_all(self, hash_in_background: bool = False, hash: bool = True):
+        """Every file's size and header now (so no tensor can claim bytes its file lacks) and
+        its sha256: now, or with ``hash_in_background`` in a thread beside the caller's work
+        (hashlib lets go of the GIL); then it returns a function that waits for the hashes
+        and raises ``CheckpointError`` if one does not match (call it before publishing).
+        ``hash=False``: sizes and headers only."""
         for name in self.index["files"]:
-            self.verify_file(name)
+            self.verify_file(name, hash=hash and not hash_in_background)
+        if not hash_in_background or not hash:
+            return lambda: None
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerokit-sha256")
+        sums = [
+            pool.submit(self._files[n].check_sha256, listed["sha256"])
+            for n, listed in self.index["files"].items()
+        ]
+        pool.shutdown(wait=False)
+        return lambda: [s.result() for s in sums] and None
+
+    def buffers(self, name: str) -> list[memoryview]:
+        """The bytes of an untransformed tensor (no tp split), its pieces in order, as views of
+        the mappings: written out without a copy. Files must have been verified."""
+        entry = self.index["tensors"][name]
+        pieces = sorted(entry["parts"].get("0", []), key=lambda piece: piece["start"])
+        return [
+            view
+            for piece in pieces
+            for view in self._files[piece["file"]].buffers(piece["key"], 0, piece["numel"])
+        ]
 
     def read_part(self, name: str, tp_rank: int, start: int, numel: int) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of tp part ``tp_rank`` of ``name``, flattened."""

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -267,6 +268,8 @@ def _build_index(
         },
         "extra": extra,
     }
+    if h.model_config:  # written only when there is one: older readers know no such key
+        index["model_config"] = h.model_config
     for name, entry in tensors.items():
         check_tensor_entry(name, entry, files)  # every element once: no gaps, no overlaps
     return index
@@ -293,6 +296,37 @@ def _local_checks(h: Holdings, extra: Mapping[str, Any] | None) -> dict:
     return extras
 
 
+class ZerokitWriter:
+    """zerokit's own format: a safetensors file per rank, rank 0's sealed ``index.json``."""
+
+    name = "zerokit"
+
+    def write(self, tmp: str, h: Holdings, extras: dict, per_rank: dict[str, bool]) -> dict:
+        mine = {k for k in extras if per_rank[k] or _rank() == 0}
+        shard = _write_shard(tmp, h, extras, mine)
+        shard["scalars"], shard["tensors"] = h.scalars, _describe(h)
+        shard["state_names"] = h.state_names
+        shard["tp_rank"] = next((m.tp_rank for m in h.metas.values() if m.split), 0)
+        return shard
+
+    def finish(self, path: str, tmp: str, h: Holdings, shards: list, per_rank, world) -> None:
+        _commit(path, tmp, _build_index(h, shards, per_rank, world))
+
+
+def writer_for(format: str):
+    """The writer of ``format``: ``"zerokit"`` or ``"dcp"``."""
+    if format == "zerokit":
+        return ZerokitWriter()
+    if format == "dcp":
+        from .dcp_save import DcpWriter  # torch.distributed.checkpoint: loaded when used
+
+        return DcpWriter()
+    raise ValueError(
+        f"format={format!r}: zerokit writes 'zerokit' (its own) or 'dcp' "
+        "(torch.distributed.checkpoint's, for FSDP2 and torchtitan)"
+    )
+
+
 def save(
     path: str | os.PathLike,
     model: nn.Module,
@@ -300,6 +334,7 @@ def save(
     *,
     extra: Mapping[str, Any] | None = None,
     timeout: float | None = None,
+    format: str = "zerokit",
 ) -> None:
     """Save ``model`` (and ``optimizer``, and ``extra`` state) to the directory ``path``,
     atomically.
@@ -312,16 +347,32 @@ def save(
     ``zerokit.checkpoint.RNGState()``) or a plain value (numbers, strings, lists, dicts,
     tensors), stored without pickle. ``timeout``: seconds to wait for a rank that does not
     call ``save`` (default ``$ZEROKIT_COLLECTIVE_TIMEOUT`` or 60) before raising
-    ``CollectiveTimeout`` naming it.
+    ``CollectiveTimeout`` naming it. ``format="dcp"`` writes a torch.distributed.checkpoint
+    directory instead (FSDP2 loads it with ``dcp.load`` and ``set_state_dict`` at any world
+    size), as atomically; it may replace a DCP directory as well.
     """
+    from .background import wait_in_flight  # background imports this module
+
+    wait_in_flight()  # this process's async_save first: one save at a time
     path = os.path.abspath(os.fspath(path))
     group = world_group()
+    writer = writer_for(format)
     mark_call("zerokit.checkpoint.save()", model, group)
     with alive(group):
-        _save(path, model, optimizer, extra, group, timeout)
+        save_prepared(path, prepare(model, optimizer, extra), writer, group, timeout)
 
 
-def _save(path: str, model, optimizer, extra, group, timeout) -> None:
+@dataclass
+class Prepared:
+    """What a rank saves, collected and checked; ``error`` what went wrong here (told to every
+    rank by ``save_prepared`` before anything is written)."""
+
+    h: Holdings | None
+    extras: dict
+    error: str | None
+
+
+def prepare(model, optimizer, extra) -> Prepared:
     h, extras, error = None, {}, None
     try:
         h = collect(model, optimizer)
@@ -330,13 +381,21 @@ def _save(path: str, model, optimizer, extra, group, timeout) -> None:
         error = str(e)
     except Exception as e:  # every rank must hear of it, or the others would wait for it
         error = f"{type(e).__name__}: {e}"
+    return Prepared(h, extras, error)
+
+
+def _agree(path: str, p: Prepared, writer, group, timeout) -> tuple[dict, dict | None]:
+    """Every rank's error (if any) told to all, then the path, model, optimizer, extra keys
+    and layout agreed. Returns which extra keys differ per rank, and the pipeline's view."""
+    h, extras = p.h, p.extras
     digests = {k: extra_state.digest(*v) for k, v in extras.items()}
-    replies = raise_any(gather_json("checkpoint.save", [error, digests], group, timeout))
+    replies = raise_any(gather_json("checkpoint.save", [p.error, digests], group, timeout))
     world = world_view(h, "checkpoint.save", group, timeout)
     agree_on(
         "checkpoint.save: what and where",
         {
             "the path": path.encode(),
+            "the format": writer.name.encode(),
             "the model's tensors": model_fingerprint(h) if world is None else world["fingerprint"],
             "the optimizer": optimizer_fingerprint(h),
             "the extra state's keys": json.dumps(sorted(extras)).encode(),
@@ -345,25 +404,39 @@ def _save(path: str, model, optimizer, extra, group, timeout) -> None:
         group,
         timeout,
     )
-    per_rank = {k: len({d[k] for _, d in replies}) > 1 for k in extras}
-    mine = {k for k in extras if per_rank[k] or _rank() == 0}
+    return {k: len({d[k] for _, d in replies}) > 1 for k in extras}, world
+
+
+def _make_temp(path: str) -> tuple[SaveLock | None, str | None, str | None]:
+    """Rank 0: the lock, the path checked, debris cleared, a temp directory made."""
+    lock = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # as `mkdir -p` would
+        lock = SaveLock(path).acquire()
+        refused = why_not_replaceable(path)
+        if refused:
+            raise CheckpointError(
+                f"{refused}; zerokit never replaces it: choose another path, or remove it yourself"
+            )
+        clear_debris(path)
+        return lock, make_temp(path), None
+    except (CheckpointError, OSError) as e:
+        return (
+            lock,
+            None,
+            str(e) if isinstance(e, CheckpointError) else f"cannot prepare {path}: {e}",
+        )
+
+
+def save_prepared(path: str, p: Prepared, writer, group, timeout) -> None:
+    """The collective part of a save, from what ``prepare`` collected (see the module's
+    note): agree, make the temp directory, write, and let rank 0 finish with ``writer``."""
+    per_rank, world = _agree(path, p, writer, group, timeout)
     lock, tmp, committed = None, None, False
     try:
         error = None
         if _rank() == 0:
-            try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)  # as `mkdir -p` would
-                lock = SaveLock(path).acquire()
-                refused = why_not_replaceable(path)
-                if refused:
-                    raise CheckpointError(
-                        f"{refused}; zerokit never replaces it: choose another path, or remove "
-                        "it yourself"
-                    )
-                clear_debris(path)
-                tmp = make_temp(path)
-            except (CheckpointError, OSError) as e:
-                error = str(e) if isinstance(e, CheckpointError) else f"cannot prepare {path}: {e}"
+            lock, tmp, error = _make_temp(path)
         made = gather_json("checkpoint.save: directory", [error, tmp], group, timeout)
         if made[0][0] is not None:
             raise CheckpointError(made[0][0])
@@ -374,10 +447,7 @@ def _save(path: str, model, optimizer, extra, group, timeout) -> None:
                 raise CheckpointError(
                     f"cannot see {tmp}, which rank 0 made: all ranks must share one file system"
                 )
-            shard = _write_shard(tmp, h, extras, mine)
-            shard["scalars"], shard["tensors"] = h.scalars, _describe(h)
-            shard["state_names"] = h.state_names
-            shard["tp_rank"] = next((m.tp_rank for m in h.metas.values() if m.split), 0)
+            shard = writer.write(tmp, p.h, p.extras, per_rank)
         except CheckpointError as e:
             error = str(e)
         except Exception as e:  # disk full, permissions: every rank must hear of it
@@ -387,8 +457,7 @@ def _save(path: str, model, optimizer, extra, group, timeout) -> None:
         error = None
         if _rank() == 0:
             try:
-                index = _build_index(h, shards, per_rank, world)
-                _commit(path, tmp, index)
+                writer.finish(path, tmp, p.h, shards, per_rank, world)
                 committed = True
             except Exception as e:
                 error = f"finishing the checkpoint failed: {type(e).__name__}: {e}"
@@ -426,6 +495,12 @@ def _commit(path: str, tmp: str, index: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(index_tmp, os.path.join(tmp, INDEX_NAME))
+    swap_in(path, tmp)
+
+
+def swap_in(path: str, tmp: str) -> None:
+    """The finished temp directory (its files fsynced) becomes ``path``: ``path`` moved to
+    ``.zerokit-old``, ``tmp`` renamed to ``path``, the old one removed."""
     _fsync_dir(tmp)
     refused = why_not_replaceable(path)  # again: something may have appeared meanwhile
     if refused:

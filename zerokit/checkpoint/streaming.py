@@ -34,11 +34,14 @@ SAFETENSORS_DTYPES = {
 
 def write_safetensors(
     path: str,
-    tensors: list[tuple[str, torch.dtype, list[int], Callable[[], torch.Tensor]]],
+    tensors: list[tuple[str, torch.dtype, list[int], Callable[[], torch.Tensor | list]]],
     metadata: dict[str, str],
-) -> tuple[int, str]:
+    digest: bool = True,
+) -> tuple[int, str | None]:
     """Write ``(name, dtype, shape, produce)`` entries; ``produce()`` is called once per tensor,
-    just before its bytes are written. Returns the file's size and sha256."""
+    just before its bytes are written, and gives a tensor or a list of buffers holding its
+    bytes in order (pieces of a mapped file: written without a copy in between). Returns the
+    file's size and sha256 (None with ``digest=False``, when no one will check it)."""
     header, offset = {}, 0
     for name, dtype, shape, _ in tensors:
         size = math.prod(shape) * dtype.itemsize
@@ -51,19 +54,20 @@ def write_safetensors(
     header["__metadata__"] = metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
-    digest, tmp = hashlib.sha256(), f"{path}.tmp-{secrets.token_hex(4)}"
+    hasher, tmp = hashlib.sha256() if digest else None, f"{path}.tmp-{secrets.token_hex(4)}"
+
+    def put(data) -> None:
+        f.write(data)
+        if hasher is not None:
+            hasher.update(data)
+
     try:
         with open(tmp, "xb") as f:
-            for chunk in (struct.pack("<Q", len(raw)), raw):
-                f.write(chunk)
-                digest.update(chunk)
+            put(struct.pack("<Q", len(raw)))
+            put(raw)
             for name, dtype, shape, produce in tensors:
-                tensor = produce().detach().to("cpu").contiguous()
-                if tensor.dtype != dtype or list(tensor.shape) != list(shape):
-                    raise ValueError(f"{name}: produced {tensor.dtype} {list(tensor.shape)}")
-                data = tensor.view(-1).view(torch.uint8).numpy()
-                f.write(data)
-                digest.update(data)
+                for data in _buffers(name, dtype, shape, produce()):
+                    put(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -71,4 +75,17 @@ def write_safetensors(
         if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
-    return os.path.getsize(path), digest.hexdigest()
+    return os.path.getsize(path), hasher.hexdigest() if hasher is not None else None
+
+
+def _buffers(name: str, dtype: torch.dtype, shape: list[int], produced) -> list:
+    """The bytes of one entry, checked against its size (and, for a tensor, dtype and shape)."""
+    if isinstance(produced, list):
+        size = sum(memoryview(b).nbytes for b in produced)
+        if size != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{name}: produced {size} bytes for {dtype} {list(shape)}")
+        return produced
+    tensor = produced.detach().to("cpu").contiguous()
+    if tensor.dtype != dtype or list(tensor.shape) != list(shape):
+        raise ValueError(f"{name}: produced {tensor.dtype} {list(tensor.shape)}")
+    return [tensor.view(-1).view(torch.uint8).numpy()]

@@ -1,0 +1,317 @@
+"""``zerokit ckpt convert SRC DST --to dcp|zerokit|hf``: one process, no process group.
+
+A checkpoint (zerokit's format or a DCP directory) is read as a ``_Full`` source (the model's
+tensor names, each read whole when it is written, one at a time; the optimizer's class,
+groups and state; the extra state) and written in the other format as if one rank had saved
+it: a zerokit checkpoint of world size 1, a DCP directory with one ``.distcp`` file, or a
+Hugging Face ``model.safetensors``. Checkpoints are built in a temp directory and renamed into
+place, as ``save`` does; a path holding anything but a checkpoint is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from . import extra as extra_state
+from .dcp_format import OPTIMIZER, is_dcp
+from .index import (
+    FORMAT,
+    FORMAT_VERSION,
+    INDEX_NAME,
+    CheckpointError,
+    dtype_from_name,
+    dtype_name,
+    piece_key,
+    seal,
+)
+from .places import make_temp, remove, why_not_replaceable
+from .reading import CheckpointReader, resolve
+from .streaming import write_safetensors
+
+TARGETS = ("dcp", "zerokit", "hf")
+
+
+@dataclass
+class _Full:
+    """A checkpoint as one process sees it. ``read(name)``: a model tensor, whole."""
+
+    names: list[str]
+    read: object
+    describe: object  # name -> (shape, dtype), without reading it
+    aliases: dict[str, str] = field(default_factory=dict)
+    optimizer_class: str | None = None
+    groups: list[dict] = field(default_factory=list)  # {"hyperparameters", "params"}
+    state: dict[str, dict] = field(default_factory=dict)  # param -> {key: tensor or number}
+    extra: dict[str, object] = field(default_factory=dict)
+    model_config: dict[str, str] = field(default_factory=dict)  # config.json's text, ...
+
+
+def _from_zerokit(reader: CheckpointReader) -> _Full:
+    index = reader.index
+    names = [n for n in index["tensors"] if not n.startswith("optim.")]
+
+    def describe(name: str):
+        entry = index["tensors"][name]
+        return entry["shape"], dtype_from_name(entry["dtype"], name)
+
+    full = _Full(names, reader.read_full, describe, dict(index["aliases"]))
+    full.model_config = dict(index.get("model_config", {}))
+    optim = index.get("optimizer")
+    if optim is not None:
+        full.optimizer_class, full.groups = optim["class"], optim["param_groups"]
+        for param, keys in optim["state_tensors"].items():
+            full.state.setdefault(param, {}).update(
+                {k: reader.read_full(t) for k, t in keys.items()}
+            )
+        for param, scalars in optim["scalar_state"].items():
+            for key, s in scalars.items():
+                value = (
+                    s["value"]
+                    if s["tensor_dtype"] is None
+                    else torch.tensor(s["value"], dtype=dtype_from_name(s["tensor_dtype"], key))
+                )
+                full.state.setdefault(param, {})[key] = value
+    for key, entry in index.get("extra", {}).items():
+        saved = entry["values"][0]  # per rank: rank 0's
+        tensors = [reader.read_tensor(r["file"], r["key"]) for r in saved["tensors"]]
+        full.extra[key] = extra_state.decode(saved["json"], tensors, f"extra {key!r}")
+    return full
+
+
+def _optimizer_class(groups: list[dict], state: dict) -> str:
+    """DCP does not record the optimizer's class: told by its state and hyperparameters."""
+    keys = {k for s in state.values() for k in s}
+    if "exp_avg" in keys and groups:
+        return "AdamW" if groups[0].get("decoupled_weight_decay", True) else "Adam"
+    if "momentum_buffer" in keys or (
+        groups and "momentum" in groups[0] and "dampening" in groups[0]
+    ):
+        return "SGD"
+    raise CheckpointError(
+        "cannot tell the DCP checkpoint's optimizer class (not Adam, AdamW or "
+        "SGD): convert it with the optimizer left out (--no-optimizer)"
+    )
+
+
+def _from_dcp(directory: str, optimizer: bool) -> _Full:
+    from .dcp_load import _ask_extra, _Reads, _Source
+
+    src = _Source.open(directory, set())
+    meta = src.metadata.state_dict_metadata
+
+    def read(name: str) -> torch.Tensor:
+        reads = _Reads(src.metadata)
+        out = reads.whole(src.model[name])
+        reads.read(directory)
+        return out
+
+    def describe(name: str):
+        md = meta[src.model[name]]
+        return list(md.size), md.properties.dtype
+
+    full = _Full(sorted(src.model), read, describe)
+    reads, asked = _Reads(src.metadata), {}
+    if optimizer and src.groups:
+        for param, keys in src.state.items():
+            asked[param] = {
+                k: reads.value(key) if not hasattr(meta[key], "size") else reads.whole(key)
+                for k, key in keys.items()
+            }
+        groups = {i: {hk: reads.value(k) for hk, k in g.items()} for i, g in src.groups.items()}
+    extras = {name: _ask_extra(src, reads, name) for name in src.other if name != OPTIMIZER}
+    reads.read(directory)
+    for param, keys in asked.items():
+        full.state[param] = {
+            k: reads.values[r] if isinstance(r, str) else r for k, r in keys.items()
+        }
+    if asked:
+        for i in sorted(groups):
+            values = {hk: reads.values[k] for hk, k in groups[i].items()}
+            params = values.pop("params", [])
+            full.groups.append({"hyperparameters": _json(values), "params": list(params)})
+        full.optimizer_class = _optimizer_class(
+            [g["hyperparameters"] for g in full.groups], full.state
+        )
+    full.extra = {name: finish() for name, finish in extras.items()}
+    full.aliases = _ties(full)
+    full.names = [n for n in full.names if n not in full.aliases]
+    return full
+
+
+def _ties(full: _Full) -> dict[str, str]:
+    """DCP does not record tied weights (``get_state_dict`` gives each name its own entry):
+    a name no param group holds, equal in shape, dtype and every bit to one a group holds, is
+    taken for a tied name of it."""
+    params = {p for g in full.groups for p in g["params"]}
+    ties = {}
+    for name in full.names:
+        if name in params or not params:
+            continue
+        shape, dtype = full.describe(name)
+        same = [p for p in full.names if p in params and full.describe(p) == (shape, dtype)]
+        value = full.read(name) if same else None
+        ties.update({name: next((p for p in same if torch.equal(full.read(p), value)), None)})
+    return {name: p for name, p in ties.items() if p is not None}
+
+
+def _json(values: dict) -> dict:
+    out = {}
+    for key, value in values.items():
+        value = value.item() if isinstance(value, torch.Tensor) else value
+        out[key] = list(value) if isinstance(value, tuple) else value
+    return {
+        k: v for k, v in out.items() if v is None or isinstance(v, (bool, int, float, str, list))
+    }
+
+
+def _to_zerokit(full: _Full, tmp: str) -> None:
+    fname = "rank00000.safetensors"
+    tensors, entries, scalars, state_names = {}, [], {}, {}
+
+    def add(name: str, shape, dtype, produce) -> None:
+        numel = torch.Size(shape).numel()
+        parts = {"0": [{"file": fname, "key": piece_key(name, 0), "start": 0, "numel": numel}]}
+        tensors[name] = {
+            "shape": list(shape),
+            "dtype": dtype_name(dtype),
+            "tp": None,
+            "parts": parts if numel else {},
+        }
+        if numel:
+            entries.append((piece_key(name, 0), dtype, [numel], lambda: produce().reshape(-1)))
+
+    for name in full.names:
+        add(name, *full.describe(name), lambda name=name: full.read(name))
+    for param, keys in full.state.items():
+        for key, value in keys.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                state_names.setdefault(param, {})[key] = f"optim.{key}.{param}"
+                add(f"optim.{key}.{param}", value.shape, value.dtype, lambda v=value: v)
+            else:
+                dtype = dtype_name(value.dtype) if isinstance(value, torch.Tensor) else None
+                scalars.setdefault(param, {})[key] = {
+                    "value": value.item() if dtype else value,
+                    "tensor_dtype": dtype,
+                }
+    extra = {}
+    for n, (key, value) in enumerate(sorted(full.extra.items())):
+        doc, values = extra_state.encode(value, f"extra {key!r}")
+        refs = []
+        for i, t in enumerate(values):
+            tkey = extra_state.tensor_key(n, 0, i)
+            entries.append((tkey, t.dtype, list(t.shape), lambda t=t: t))
+            refs.append(extra_state.tensor_ref(fname, tkey, t))
+        extra[key] = {"per_rank": False, "values": [{"json": doc, "tensors": refs}]}
+    size, sha = write_safetensors(
+        os.path.join(tmp, fname), entries, {"format": FORMAT, "rank": "0"}
+    )
+    index = {
+        "format": FORMAT, "format_version": FORMAT_VERSION,
+        "layout": {"world_size": 1, "level": None, "dp_degree": None, "tp_degree": 1,
+                   "zero_group_size": 1, "replicas": 1},
+        "files": {fname: {"size": size, "sha256": sha}}, "tensors": tensors,
+        "aliases": full.aliases, "extra": extra,
+        **({"model_config": full.model_config} if full.model_config else {}),
+        "optimizer": None if full.optimizer_class is None else {
+            "class": full.optimizer_class, "param_groups": full.groups,
+            "scalar_state": scalars, "state_tensors": state_names},
+    }  # fmt: skip
+    with open(os.path.join(tmp, INDEX_NAME), "wb") as f:
+        f.write(seal(index))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _to_dcp(full: _Full, tmp: str) -> None:
+    import pickle
+
+    from .dcp_format import METADATA, MODEL
+    from .dcp_save import _File, _hyperparameter, _metadata
+
+    out = _File(os.path.join(tmp, "__0_0.distcp"))
+    try:
+        for name in full.names:
+            value = full.read(name)
+            out.tensor([MODEL, name], value, (0,) * value.dim(), value.shape)
+        for param, keys in full.state.items():
+            for key, value in keys.items():
+                path = [OPTIMIZER, "state", param, key]
+                if isinstance(value, torch.Tensor):
+                    out.tensor(path, value, (0,) * value.dim(), value.shape)
+                else:
+                    out.value(path, value)
+        for i, group in enumerate(full.groups):
+            for key, value in group["hyperparameters"].items():
+                out.value([OPTIMIZER, "param_groups", i, key], _hyperparameter(value))
+            out.value([OPTIMIZER, "param_groups", i, "params"], list(group["params"]))
+        for key, value in full.extra.items():
+            out.value([key], value)
+    finally:
+        out.close()
+
+    class _Aliases:  # what _metadata reads of a rank's holdings
+        aliases = full.aliases
+
+    with open(os.path.join(tmp, METADATA), "wb") as f:
+        pickle.dump(_metadata(_Aliases, [{"file": out.name, "items": out.items}]), f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _to_hf(full: _Full, output: str) -> list[str]:
+    from .consolidate import ALIASES_KEY
+
+    os.makedirs(output, exist_ok=True)
+    target = os.path.join(output, "model.safetensors")
+    entries = []
+    for name in full.names:
+        shape, dtype = full.describe(name)
+        entries.append((name, dtype, list(shape), lambda name=name: full.read(name)))
+    metadata = {"format": "pt", ALIASES_KEY: json.dumps(full.aliases)}
+    write_safetensors(target, entries, metadata)
+    written = [target]
+    for name, text in full.model_config.items():  # from_pretrained(output) needs config.json
+        with open(os.path.join(output, name), "w", encoding="utf-8") as f:
+            f.write(text)
+        written.append(os.path.join(output, name))
+    return written
+
+
+def convert(source: str, output: str, to: str, optimizer: bool = True) -> list[str]:
+    """Write the checkpoint ``source`` (zerokit's or DCP) as ``to`` (``"dcp"``, ``"zerokit"``
+    or ``"hf"``) at ``output``; returns what was written."""
+    if to not in TARGETS:
+        raise ValueError(f"--to {to!r}: one of {', '.join(TARGETS)}")
+    directory = resolve(source)
+    if is_dcp(directory) and not os.path.exists(os.path.join(directory, INDEX_NAME)):
+        full = _from_dcp(directory, optimizer)
+    else:
+        with CheckpointReader(source) as reader:
+            reader.verify_all()
+            full = _from_zerokit(reader)
+            if not optimizer:
+                full.optimizer_class, full.groups, full.state = None, [], {}
+            return _write(full, os.path.abspath(output), to)
+    return _write(full, os.path.abspath(output), to)
+
+
+def _write(full: _Full, output: str, to: str) -> list[str]:
+    if to == "hf":
+        return _to_hf(full, output)
+    refused = why_not_replaceable(output)
+    if refused:
+        raise CheckpointError(f"{refused}; zerokit never replaces it")
+    tmp = make_temp(output)
+    try:
+        (_to_dcp if to == "dcp" else _to_zerokit)(full, tmp)
+        from .saving import swap_in
+
+        swap_in(output, tmp)
+    except BaseException:
+        remove(tmp)
+        raise
+    return [output]

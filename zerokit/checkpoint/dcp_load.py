@@ -1,0 +1,445 @@
+"""``load`` of a torch.distributed.checkpoint (DCP) directory, as FSDP2 and torchtitan write it:
+``dcp.save({"model": msd, "optimizer": osd, ...})`` with ``msd, osd = get_state_dict(model,
+optimizer)`` (or the model's keys at the top level, as torchtitan saves them).
+
+Each rank turns its holdings (``holdings.collect``: flat ranges of each tensor) into DCP boxes
+and asks DCP's resharding (``create_read_items_for_chunk_list``) which saved boxes overlap
+them; ``FileSystemReader.read_data`` then reads only those, straight into this rank's staging
+buffers. No DCP collective runs: the ranks meet in zerokit's agreement (errors gathered, the
+same ``CheckpointError`` on every rank) and nothing is copied into the model until every rank
+has read and checked everything, as for zerokit's own format.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ..core.agreement import alive
+from .dcp_format import MODEL, OPTIMIZER, boxes, load_value, path_of, plain, read_metadata
+from .holdings import Holdings, TensorMeta, collect
+from .index import CheckpointError
+from .loading import _apply, _apply_extra, _check_hyperparameter, _Staged
+from .pretrained import _runs
+from .saving import agree_on, gather_json, model_fingerprint
+
+_SHOWN = 10
+
+
+class _Reads(LoadPlanner):
+    """The reads one rank asks for: each destination is a view into its staging buffers."""
+
+    def __init__(self, metadata):
+        self.metadata = metadata
+        self.items: list[ReadItem] = []
+        self.targets: list[torch.Tensor] = []
+        self.values: dict[str, object] = {}
+
+    def tensor_range(self, key: str, meta: TensorMeta, start: int, into: torch.Tensor) -> None:
+        """Elements ``[start, start + into.numel())`` of this rank's (tp-local) ``key``."""
+        md = self.metadata.state_dict_metadata[key]
+        chunks, first = [], len(self.targets)
+        for lo, hi, at in _runs(meta, start, into.numel()):
+            for offsets, sizes in boxes(meta.shape, lo, hi):
+                n = math.prod(sizes)
+                self.targets.append(into[at : at + n].view(sizes))
+                chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+                at += n
+        got = 0
+        for item in create_read_items_for_chunk_list(key, md, chunks):
+            token = MetadataIndex(str(first + item.dest_index.index))
+            self.items.append(dataclasses.replace(item, dest_index=token))
+            got += math.prod(item.lengths)
+        if got != into.numel():
+            raise CheckpointError(
+                f"{key}: the checkpoint's chunks cover {got} of the "
+                f"{into.numel()} elements asked for (an incomplete save?)"
+            )
+
+    def whole(self, key: str) -> torch.Tensor:
+        md = self.metadata.state_dict_metadata[key]
+        out = torch.empty(md.size, dtype=md.properties.dtype)
+        meta = TensorMeta(tuple(md.size), md.properties.dtype, None, 0)
+        self.tensor_range(key, meta, 0, out.view(-1))
+        return out
+
+    def value(self, key: str) -> str:
+        """Ask for a non-tensor value: ``self.values[key]`` once read."""
+        self.items.append(
+            ReadItem(
+                LoadItemType.BYTE_IO,
+                MetadataIndex(key),
+                torch.Size((0,)),
+                MetadataIndex(key),
+                torch.Size((0,)),
+                torch.Size((0,)),
+            )
+        )
+        return key
+
+    def read(self, directory: str) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        reader = FileSystemReader(directory)
+        reader.set_up_storage_reader(self.metadata, False)
+        reader.read_data(LoadPlan(self.items), self).wait()
+
+    # LoadPlanner: only what FileSystemReader.read_data calls is used
+    def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
+        target = self.targets[int(req.dest_index.fqn)]
+        for dim, (offset, length) in enumerate(zip(req.dest_offsets, req.lengths)):
+            target = target.narrow(dim, offset, length)
+        return target
+
+    def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+    def load_bytes(self, req: ReadItem, value) -> None:
+        self.values[req.dest_index.fqn] = load_value(value, req.dest_index.fqn)
+
+    def set_up_planner(self, *args, **kwargs) -> None:
+        pass
+
+    def create_local_plan(self) -> LoadPlan:
+        return LoadPlan(self.items)
+
+    def create_global_plan(self, plans):
+        return plans
+
+    def finish_plan(self, plan):
+        return plan
+
+
+@dataclasses.dataclass
+class _Source:
+    """A DCP directory's keys, sorted into the model's, the optimizer's and the rest."""
+
+    directory: str
+    metadata: object
+    model: dict = dataclasses.field(default_factory=dict)  # plain name -> key
+    state: dict = dataclasses.field(default_factory=dict)  # param -> {state key -> key}
+    groups: dict = dataclasses.field(default_factory=dict)  # group -> {hyperparameter -> key}
+    other: dict = dataclasses.field(default_factory=dict)  # top-level name -> keys
+
+    @classmethod
+    def open(cls, directory: str, extra_keys) -> _Source:
+        metadata, digest = read_metadata(directory)
+        src = cls(directory, metadata)
+        src.digest = digest
+        items = metadata.state_dict_metadata
+        paths = {k: path_of(k, metadata) for k in items}
+        rooted = any(p[0] == MODEL for p in paths.values())
+        for key, path in paths.items():
+            if path[0] == OPTIMIZER and len(path) == 4 and path[1] == "state":
+                src.state.setdefault(plain(str(path[2])), {})[str(path[3])] = key
+            elif path[0] == OPTIMIZER and len(path) == 4 and path[1] == "param_groups":
+                src.groups.setdefault(int(path[2]), {})[str(path[3])] = key
+            elif rooted and path[0] == MODEL and len(path) > 1:
+                src.model[plain(".".join(map(str, path[1:])))] = key
+            elif (
+                not rooted
+                and len(path) == 1
+                and path[0] not in extra_keys
+                and isinstance(items[key], TensorStorageMetadata)
+            ):
+                src.model[plain(key)] = key  # torchtitan: the model's keys at the top level
+            else:
+                src.other.setdefault(str(path[0]), []).append(key)
+        return src
+
+
+def _listing(names: list[str]) -> str:
+    return ", ".join(names[:_SHOWN]) + (
+        f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    )
+
+
+def _key_of(src: _Source, h: Holdings, name: str) -> str | None:
+    """The checkpoint's key for ``name`` or for any name tied to it."""
+    names = [name] + [a for a, s in h.aliases.items() if s == name]
+    return next((src.model[n] for n in names if n in src.model), None)
+
+
+def _compare(src: _Source, h: Holdings, strict: bool) -> None:
+    """Names, shapes and dtypes: the same ``CheckpointError`` on every rank (each rank sees
+    the whole model's names and the whole checkpoint's metadata)."""
+    items = src.metadata.state_dict_metadata
+    missing, wrong = [], []
+    for name in h.param_names:
+        key = _key_of(src, h, name)
+        if key is None:
+            missing.append(name)
+            continue
+        md, meta = items[key], h.metas[name]
+        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != meta.shape:
+            shape = list(md.size) if isinstance(md, TensorStorageMetadata) else "not a tensor"
+            wrong.append(f"{name} ({shape} in the checkpoint, {list(meta.shape)} in the model)")
+        elif torch.promote_types(md.properties.dtype, meta.dtype) != meta.dtype:
+            wrong.append(
+                f"{name} ({md.properties.dtype} in the checkpoint, {meta.dtype} in the "
+                "model: loading would lose precision)"
+            )
+    known = set(h.param_names) | set(h.aliases)
+    unexpected = sorted(n for n in src.model if n not in known)
+    problems = [f"shapes or dtypes differ: {_listing(wrong)}"] if wrong else []
+    if strict and missing:
+        problems.append(f"missing from the checkpoint: {_listing(missing)}")
+    if strict and unexpected:
+        problems.append(f"in the checkpoint but not in the model: {_listing(unexpected)}")
+    if problems:
+        hint = "" if wrong else " (strict=False loads the tensors both have)"
+        raise CheckpointError(
+            f"DCP checkpoint {src.directory} and the model differ: "
+            f"{'; '.join(problems)}{hint}; nothing was loaded"
+        )
+
+
+def _stage(src: _Source, h: Holdings, optimizer, extra) -> _Staged:
+    reads, staged, later = _Reads(src.metadata), _Staged(), []
+    for chunk in h.chunks:
+        key = _key_of(src, h, chunk.name) if chunk.name in h.param_names else None
+        if key is None or not chunk.tensor.numel():
+            continue
+        data = torch.empty(chunk.tensor.numel(), dtype=chunk.tensor.dtype)
+        reads.tensor_range(key, h.metas[chunk.name], chunk.start, data)
+        staged.copies.append((chunk.tensor, data))
+    if optimizer is not None:
+        later.append(_ask_optimizer(src, h, reads))
+    asked = {k: _ask_extra(src, reads, k) for k in (extra or {})}
+    reads.read(src.directory)
+    if optimizer is not None:
+        later[0](staged, optimizer)
+    staged.extra = {k: finish() for k, finish in asked.items()}
+    return staged
+
+
+def _ask_optimizer(src: _Source, h: Holdings, reads: _Reads):
+    """Ask for this rank's optimizer state and every param group; returns the function that
+    stages them once read."""
+    if not src.groups:
+        raise CheckpointError(
+            f"DCP checkpoint {src.directory} holds no optimizer state "
+            "(no 'optimizer' entry); pass optimizer=None"
+        )
+    items, per_chunk = src.metadata.state_dict_metadata, []
+    for chunk, key_tensor in h.optimizer_chunks:
+        state = {}
+        for skey, key in src.state.get(chunk.name, {}).items():
+            md, meta = items[key], h.metas[chunk.name]
+            if isinstance(md, BytesStorageMetadata):
+                state[skey] = ("value", reads.value(key))
+            elif tuple(md.size) == meta.shape:
+                data = torch.empty(chunk.tensor.numel(), dtype=md.properties.dtype)
+                reads.tensor_range(
+                    key, dataclasses.replace(meta, dtype=md.properties.dtype), chunk.start, data
+                )
+                state[skey] = ("tensor", data.view(key_tensor.shape))
+            elif len(md.size) == 0:
+                state[skey] = ("tensor", reads.whole(key))
+            else:
+                raise CheckpointError(
+                    f"{key}: shape {list(md.size)}, neither {chunk.name}'s "
+                    f"{list(meta.shape)} nor a scalar"
+                )
+        per_chunk.append((key_tensor, state))
+    groups = {i: {hk: reads.value(k) for hk, k in g.items()} for i, g in src.groups.items()}
+
+    def finish(staged: _Staged, optimizer) -> None:
+        for key_tensor, state in per_chunk:
+            staged.optimizer_state.append(
+                (
+                    key_tensor,
+                    {
+                        k: reads.values[ref]
+                        if kind == "value"
+                        else ref.clone().to(key_tensor.device)
+                        for k, (kind, ref) in state.items()
+                    },
+                )
+            )
+        values = [{hk: reads.values[k] for hk, k in groups[i].items()} for i in sorted(groups)]
+        staged.hyperparameters = _hyperparameters(values, h, optimizer)
+
+    return finish
+
+
+def _hyperparameters(groups: list[dict], h: Holdings, optimizer) -> list[dict]:
+    """The saved param groups, checked against the optimizer's: the same parameters in each
+    (by name) and hyperparameters of the kind it holds."""
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(groups)} param groups, "
+            f"the optimizer {len(optimizer.param_groups)}"
+        )
+    out = []
+    for i, (saved, held, current) in enumerate(zip(groups, h.groups, optimizer.param_groups)):
+        params = {h.aliases.get(plain(p), plain(p)) for p in saved.get("params", [])}
+        if params != set(held["params"]):
+            only = sorted(params ^ set(held["params"]))
+            raise CheckpointError(
+                f"param group {i} holds other parameters than the "
+                f"checkpoint's (differing: {_listing(only)})"
+            )
+        mine = {}
+        for key, value in saved.items():
+            if key == "params" or key not in current:
+                continue
+            value = value.item() if isinstance(value, torch.Tensor) else value
+            value = list(value) if isinstance(value, tuple) else value
+            _check_hyperparameter(i, key, value, current[key])
+            mine[key] = value
+        out.append(mine)
+    return out
+
+
+def _ask_extra(src: _Source, reads: _Reads, name: str):
+    """Ask for the entry ``name`` (every key under it); returns the function that rebuilds
+    its value once read."""
+    keys = src.other.get(name, []) + ([src.model[name]] if name in src.model else [])
+    if not keys:
+        raise CheckpointError(
+            f"DCP checkpoint {src.directory} holds no {name!r} (it holds "
+            f"{sorted(src.other) + ([MODEL] if src.model else [])})"
+        )
+    items = src.metadata.state_dict_metadata
+    asked = [
+        (
+            path_of(k, src.metadata)[1:],
+            reads.value(k) if isinstance(items[k], BytesStorageMetadata) else reads.whole(k),
+        )
+        for k in keys
+    ]
+
+    def finish():
+        built = None
+        for path, ref in asked:
+            value = reads.values[ref] if isinstance(ref, str) else ref
+            built = _put(built, path, value)
+        return built
+
+    return finish
+
+
+def _put(into, path: tuple, value):
+    """``into`` with ``value`` at the nested ``path`` (dicts by name, lists by index)."""
+    if not path:
+        return value
+    head = path[0]
+    if into is None:
+        into = [] if isinstance(head, int) else {}
+    if isinstance(into, list):
+        into.extend([None] * (head + 1 - len(into)))
+        into[head] = _put(into[head], path[1:], value)
+    else:
+        into[head] = _put(into.get(head), path[1:], value)
+    return into
+
+
+def _agreed(replies: list) -> None:
+    """The same ``CheckpointError`` on every rank: one message if every rank failed alike."""
+    failed = {e for e, _ in replies if e is not None}
+    if len(failed) == 1:
+        raise CheckpointError(failed.pop())
+    if failed:
+        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, (e, _) in enumerate(replies) if e))
+
+
+def load_dcp(directory: str, model, optimizer, strict: bool, extra, group, timeout) -> None:
+    """``checkpoint.load`` of the DCP directory ``directory`` (see ``load``)."""
+    with alive(group):
+        error, src, h = None, None, None
+        try:
+            h = collect(model, optimizer)
+            if h.pipeline is not None:
+                raise CheckpointError(
+                    "a PipelineModule cannot load a DCP checkpoint yet: load "
+                    "it into the plain model, or convert it to zerokit's format"
+                )
+            src = _Source.open(directory, set(extra or {}))
+            _compare(src, h, strict)
+        except CheckpointError as e:
+            error = str(e)
+        except (OSError, ValueError) as e:
+            error = f"{directory}: cannot read: {type(e).__name__}: {e}"
+        _agreed(gather_json("checkpoint.load", [error, None], group, timeout))
+        agree_on(
+            "checkpoint.load: what",
+            {
+                "the checkpoint read (sha256 of its .metadata)": src.digest.encode(),
+                "the model's tensors": model_fingerprint(h),
+                "the optimizer": str(h.optimizer_class).encode(),
+                "the extra state asked for": repr(sorted(extra or {})).encode(),
+            },
+            group,
+            timeout,
+        )
+        staged, error = None, None
+        try:
+            staged = _stage(src, h, optimizer, extra)
+        except CheckpointError as e:
+            error = str(e)
+        except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:
+            error = f"{directory}: malformed DCP checkpoint: {type(e).__name__}: {e}"
+        _agreed(gather_json("checkpoint.load: read", [error, None], group, timeout))
+        error = None
+        try:
+            _apply_extra(staged.extra, extra)
+        except Exception as e:
+            error = (
+                f"restoring the extra state failed: {type(e).__name__}: {e}; the model and "
+                "optimizer are unchanged"
+            )
+        _agreed(gather_json("checkpoint.load: extra", [error, None], group, timeout))
+        _apply(staged, model, optimizer)
+
+
+def describe_dcp(directory: str) -> tuple[str, bool]:
+    """``zerokit ckpt inspect`` of a DCP directory: its entries, and whether every tensor is
+    covered by its chunks and every chunk's bytes are in a file there."""
+    from ..memory import format_bytes
+
+    src = _Source.open(directory, set())
+    items = src.metadata.state_dict_metadata
+
+    def nbytes(key: str) -> int:
+        md = items[key]
+        return md.size.numel() * md.properties.dtype.itemsize if hasattr(md, "size") else 0
+
+    problems = []
+    for key, md in items.items():
+        covered = sum(c.sizes.numel() for c in getattr(md, "chunks", []))
+        if isinstance(md, TensorStorageMetadata) and covered != md.size.numel():
+            problems.append(f"{key}: its chunks cover {covered} of {md.size.numel()} elements")
+    ends: dict[str, int] = {}
+    for where in (src.metadata.storage_data or {}).values():
+        ends[where.relative_path] = max(
+            ends.get(where.relative_path, 0), where.offset + where.length
+        )
+    for name, end in sorted(ends.items()):
+        full = os.path.join(directory, name)
+        if not os.path.isfile(full) or os.path.getsize(full) < end:
+            problems.append(f"{full}: missing or shorter than the {end} bytes the metadata places")
+    state = sorted({k for keys in src.state.values() for k in keys})
+    lines = [
+        f"DCP checkpoint {directory} (torch.distributed.checkpoint; load and convert read it)",
+        f"model: {len(src.model)} tensors, "
+        f"{format_bytes(sum(nbytes(k) for k in src.model.values()))}",
+        f"optimizer: {len(src.groups)} param group(s), state {', '.join(state) or 'none'}",
+        f"other entries (extra state): {', '.join(sorted(src.other)) or 'none'}",
+        f"files: {len(ends)}, {format_bytes(sum(ends.values()))}",
+    ]
+    ok = not problems
+    lines.append("complete (every tensor covered, every chunk's bytes present)" if ok
+                 else "NOT usable:\n  " + "\n  ".join(problems))  # fmt: skip
+    return "\n".join(lines), ok

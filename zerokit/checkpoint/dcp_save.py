@@ -1,0 +1,201 @@
+"""``save(..., format="dcp")``: a torch.distributed.checkpoint directory that FSDP2 loads with
+``dcp.load({"model": msd, "optimizer": osd}, ...)`` and ``set_state_dict`` at any world size.
+
+The keys are those ``get_state_dict`` gives: ``model.<name>`` (tied names each, sharing the
+stored boxes), ``optimizer.state.<param>.<state>`` (a scalar ``step`` as a 0-dim tensor),
+``optimizer.param_groups.<i>.<hyperparameter>`` and ``params`` (parameter names), and each
+extra key at the top level. Each rank writes the boxes of what it alone holds (``boxes``: its
+flat ranges cut into DCP's chunks) to ``__<rank>_0.distcp``, each box ``torch.save``d as DCP's
+``FileSystemWriter`` does; rank 0 writes the pickled ``.metadata``. The directory is built and
+swapped in as zerokit's own format is (``saving.save_prepared``): a temp directory, renamed
+into place when complete.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from . import extra as extra_state
+from .dcp_format import METADATA, MODEL, OPTIMIZER, boxes
+from .holdings import OPTIM_PREFIX, Holdings
+from .index import CheckpointError, dtype_from_name, dtype_name
+from .pretrained import _runs
+from .saving import _fsync_dir, _rank, swap_in
+
+
+def _path(name: str) -> list:
+    """The nested path of a zerokit tensor name in ``{"model": ..., "optimizer": ...}``."""
+    if name.startswith(OPTIM_PREFIX + "."):
+        key, param = name[len(OPTIM_PREFIX) + 1 :].split(".", 1)
+        return [OPTIMIZER, "state", param, key]
+    return [MODEL, name]
+
+
+def _key(path: list) -> str:
+    return ".".join(map(str, path))
+
+
+def _hyperparameter(value):
+    """As the optimizer held it: torch's optimizers hold numeric pairs (``betas``) as tuples."""
+    if isinstance(value, list) and value and not any(isinstance(v, str) for v in value):
+        return tuple(value)
+    return value
+
+
+class _File:
+    """One rank's ``.distcp`` file, written item by item; ``items`` describes each."""
+
+    def __init__(self, path: str):
+        self.name = os.path.basename(path)
+        self.f = open(path, "xb")
+        self.items: list[dict] = []
+
+    def tensor(self, path: list, tensor: torch.Tensor, offsets, shape) -> None:
+        at = self.f.tell()
+        torch.save(tensor.detach().to("cpu").clone(), self.f)  # a clone: the box alone
+        self.items.append(
+            {
+                "path": path,
+                "offsets": list(offsets),
+                "sizes": list(tensor.shape),
+                "shape": list(shape),
+                "dtype": dtype_name(tensor.dtype),
+                "at": at,
+                "length": self.f.tell() - at,
+            }
+        )
+
+    def value(self, path: list, value) -> None:
+        at = self.f.tell()
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        self.f.write(buffer.getbuffer())
+        self.items.append({"path": path, "offsets": None, "at": at, "length": self.f.tell() - at})
+
+    def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+def _write_tensors(out: _File, h: Holdings) -> None:
+    """This rank's primary chunks as boxes, and the scalar state of the parameters whose
+    first element it writes."""
+    for chunk in h.chunks:
+        if not chunk.primary or not chunk.tensor.numel():
+            continue
+        meta = h.metas[chunk.name]
+        for lo, hi, at in _runs(meta, chunk.start, chunk.tensor.numel()):
+            for offsets, sizes in boxes(meta.shape, lo, hi):
+                n = torch.Size(sizes).numel()
+                box = chunk.tensor[at : at + n].view(sizes)
+                out.tensor(_path(chunk.name), box, offsets, meta.shape)
+                at += n
+        first = chunk.start == 0 and (meta.split is None or meta.tp_rank == 0)
+        for key, scalar in h.scalars.get(chunk.name, {}).items() if first else ():
+            path = [OPTIMIZER, "state", chunk.name, key]
+            if scalar["tensor_dtype"] is None:
+                out.value(path, scalar["value"])
+            else:
+                dtype = dtype_from_name(scalar["tensor_dtype"], key)
+                out.tensor(path, torch.tensor(scalar["value"], dtype=dtype), (), ())
+
+
+class DcpWriter:
+    """``saving.save_prepared``'s writer for ``format="dcp"``."""
+
+    name = "dcp"
+
+    def write(self, tmp: str, h: Holdings, extras: dict, per_rank: dict[str, bool]) -> dict:
+        if h.pipeline is not None:
+            raise CheckpointError(
+                "format='dcp' cannot save a PipelineModule yet: save in "
+                "zerokit's format (it loads at any pp degree)"
+            )
+        differing = sorted(k for k, v in per_rank.items() if v)
+        if differing:
+            raise CheckpointError(
+                f"format='dcp' stores one value per extra key; {differing} "
+                "differ between ranks (save them in zerokit's format)"
+            )
+        out = _File(os.path.join(tmp, f"__{_rank()}_0.distcp"))
+        try:
+            _write_tensors(out, h)
+            if _rank() == 0:
+                for i, group in enumerate(h.groups):
+                    for key, value in group["hyperparameters"].items():
+                        out.value([OPTIMIZER, "param_groups", i, key], _hyperparameter(value))
+                    out.value([OPTIMIZER, "param_groups", i, "params"], list(group["params"]))
+                for key, (doc, tensors) in extras.items():
+                    out.value([key], extra_state.decode(doc, tensors, f"extra {key!r}"))
+        finally:
+            out.close()
+        return {"file": out.name, "items": out.items}
+
+    def finish(self, path: str, tmp: str, h: Holdings, shards: list, per_rank, world) -> None:
+        metadata = _metadata(h, shards)
+        partial = os.path.join(tmp, METADATA + ".tmp")
+        with open(partial, "wb") as f:
+            pickle.dump(metadata, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, os.path.join(tmp, METADATA))
+        _fsync_dir(tmp)
+        swap_in(path, tmp)
+
+
+def _metadata(h: Holdings, shards: list) -> Metadata:
+    """Every rank's items as DCP's ``Metadata``; each tensor covered exactly once."""
+    described, storage, paths = {}, {}, {}
+    for shard in shards:
+        for item in shard["items"]:
+            key = _key(item["path"])
+            paths[key] = tuple(item["path"])
+            where = _StorageInfo(shard["file"], item["at"], item["length"])
+            if item["offsets"] is None:
+                described[key] = BytesStorageMetadata()
+                storage[MetadataIndex(key)] = where
+                continue
+            dtype = dtype_from_name(item["dtype"], key)
+            md = described.setdefault(
+                key,
+                TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(item["shape"]), []),
+            )
+            md.chunks.append(
+                ChunkStorageMetadata(torch.Size(item["offsets"]), torch.Size(item["sizes"]))
+            )
+            storage[MetadataIndex(key, item["offsets"])] = where
+    for key, md in described.items():
+        if isinstance(md, TensorStorageMetadata):
+            covered = sum(c.sizes.numel() for c in md.chunks)
+            if covered != md.size.numel():
+                raise CheckpointError(
+                    f"{key}: the ranks wrote {covered} of its {md.size.numel()} elements"
+                )
+    for alias, stored in h.aliases.items():  # get_state_dict gives tied names each
+        key, alias_key = _key([MODEL, stored]), _key([MODEL, alias])
+        described[alias_key], paths[alias_key] = described[key], (MODEL, alias)
+        for index, where in list(storage.items()):
+            if index.fqn == key:
+                storage[MetadataIndex(alias_key, index.offset)] = where
+    return Metadata(
+        described,
+        planner_data=paths,
+        storage_data=storage,
+        storage_meta=StorageMeta(),
+        version="1.0.0",
+    )
