@@ -127,3 +127,21 @@ def tiny_llama():
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
     )  # fmt: skip
     return _Logits(LlamaForCausalLM(config))
+
+
+def tiny_hf_gpt2():
+    """Hugging Face's GPT2LMHeadModel as it comes (returns a ``CausalLMOutputWithCrossAttentions``),
+    tiny and dropout-free (GPT-2's configs default to dropout 0.1)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def tiny_hf_llama():
+    """Hugging Face's LlamaForCausalLM as it comes (returns a ``CausalLMOutputWithPast``)."""
+    return tiny_llama().lm

@@ -231,13 +231,16 @@ def _compare(args) -> int:
 
 
 VERIFY_DESCRIPTION = """\
-Train the model on one process on the global batch and on --nproc ranks at --level (each rank
-on its slice), and print per step the loss of both, their difference, and the largest
-parameter difference with its tensor; at the end the largest difference, the worst tensor and
-the tolerance judged by. fp32: max |element difference| <= --tolerance (default 2e-5). Mixed
-precision: the RMS distance of all parameters from exact fp32 training must stay within
---tolerance times (default 4) that of the same policy on one process. Exit 0 within the tolerance, 1
-beyond it (naming the tensor that diverged first), 2 on a usage error.
+Train the model on one process on the global batch, and on --nproc ranks at --level and under
+torch DDP on the same ranks (each rank on its slice), and print per step the loss of both, their
+difference, zerokit's and DDP's parameter distance from one process, the distance allowed and the
+worst tensor. fp32: max |element difference| <= --tolerance (default 2e-5) or <= 2x DDP's (an
+optimizer such as AdamW amplifies the last bit of rounding, DDP's as much). Mixed precision: the
+RMS distance of all parameters from exact fp32 training within --tolerance times (default 4)
+that of the same policy on one process, or 2x DDP's under torch.autocast. A forward that
+computes differently on the ranks' slices (it reads the rank or draws per row: dropout) is
+judged by the tolerance alone and blamed. --tp/--pp: no DDP, the tolerance alone. Exit 0 within,
+1 beyond (naming the tensor that diverged first), 2 on a usage error.
 
 --model pkg.module:factory: as for `zerokit compare` (see `zerokit compare --help`).
 """
