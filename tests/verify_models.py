@@ -145,3 +145,18 @@ def tiny_hf_gpt2():
 def tiny_hf_llama():
     """Hugging Face's LlamaForCausalLM as it comes (returns a ``CausalLMOutputWithPast``)."""
     return tiny_llama().lm
+
+
+class _NoLogits(nn.Module):
+    """A token model whose forward returns a dict without logits: outside the contract."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> dict:
+        return {"hidden": self.embed(ids)}
+
+
+def no_logits():
+    return _NoLogits()
