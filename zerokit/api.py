@@ -124,6 +124,7 @@ def group_sharded_parallel(
             rank 0's random state; at 'p_g_os' a rank materialises one unit at a time and
             keeps only its shards (see ``zerokit/meta_init.py``).
     """
+    _check_argument_order(model, optimizer, init_fn)
     pipe = model if isinstance(model, PipelineModule) else None
     if pipe is not None:
         model = pipe.stage  # a rank holds, runs and shards only its own stage
@@ -291,6 +292,26 @@ def _log_wrap(state, optimizer, named, model) -> None:
         format_bytes(held.grads),
         format_bytes(held.optimizer),
     )
+
+
+def _check_argument_order(model, optimizer, init_fn) -> None:
+    """The model first, then its optimizer: a swapped pair is named as such, not met later as
+    a missing attribute."""
+    if isinstance(model, torch.optim.Optimizer) and isinstance(optimizer, nn.Module):
+        raise TypeError(
+            f"group_sharded_parallel takes the model first, then the optimizer: got "
+            f"({type(model).__name__}, {type(optimizer).__name__}); call "
+            "group_sharded_parallel(model, optimizer, level)"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer over the model's parameters, got "
+            f"{type(optimizer).__name__}"
+        )
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"init_fn must be a callable taking a module, got {init_fn!r}")
 
 
 def _sharded_scaler(scaler):

@@ -49,7 +49,7 @@ from .api import LEVELS, group_sharded_parallel
 from .core.teardown import hand
 from .launch import local_backend, spawn_local
 from .layout import init_hybrid_parallel
-from .mixed_precision import MixedPrecision
+from .mixed_precision import PRECISIONS, MixedPrecision
 from .pipeline.schedules import SCHEDULES
 from .scaler import ShardedGradScaler, step_and_zero
 from .tensor_parallel import gather_full_state_dict
@@ -73,7 +73,7 @@ OPTIMIZERS = {
     "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
     "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr),
 }
-LOW = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+LOW = {None: None, **PRECISIONS}
 _RMS_FLOOR = 1e-9  # a one-process run that stayed exact: the distributed one must nearly too
 
 

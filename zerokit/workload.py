@@ -72,8 +72,21 @@ def load_factory(spec: str | None) -> Callable:
         raise ValueError(f"--model: cannot import {module_name!r}: {e}") from e
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise ValueError(f"--model: {module_name!r} has no callable {attr!r}")
+        listed = ", ".join(factories_of(module)) or "none"
+        raise ValueError(
+            f"--model: {module_name!r} has no callable {attr!r}; its factories: {listed}"
+        )
     return factory
+
+
+def factories_of(module) -> list[str]:
+    """The public functions a module defines itself (``zerokit.models.presets``: the presets)."""
+    return sorted(
+        name
+        for name, value in vars(module).items()
+        if inspect.isfunction(value) and not name.startswith("_")
+        and value.__module__ == module.__name__
+    )  # fmt: skip
 
 
 def default_model(layout=None) -> nn.Module:
