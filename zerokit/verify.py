@@ -5,8 +5,9 @@ its slice of the global batch, and beside it, on rank 0, the same model on one p
 whole global batch; after every step the full parameters of both are compared.
 
 What is judged after every step, against the yardstick of the same ranks: beside zerokit each
-rank trains the same model under torch's ``DistributedDataParallel`` (fp32; mixed precision
-under ``torch.autocast``) on the same slice, with the same optimizer. Averaging N slices'
+rank trains the same model as torch's DDP does (each gradient averaged over the ranks after
+backward, in plain torch; mixed precision under ``torch.autocast``) on the same slice, with the
+same optimizer. Averaging N slices'
 gradients rounds differently from one gradient of the batch, and an optimizer can amplify the
 last bit (AdamW divides by the gradient's own size), so DDP is not exact either:
 
@@ -43,7 +44,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from .api import LEVELS, group_sharded_parallel
 from .core.teardown import hand
@@ -227,13 +227,7 @@ def _verify_rank(rank: int, world_size: int, cfg: VerifyConfig, out: str) -> Non
     dp_rank = layout.dp_rank if layout is not None else rank
     mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     forward = _forward_check(plain, cfg, mine, device, rank)  # before anything is wrapped
-    one_process = dist.new_group([0])  # every rank takes part in making it
-    # rank 0's references start from the model every rank starts from (the wrap broadcasts it)
-    exact = _Trainer(copy.deepcopy(plain.model), cfg) if rank == 0 else None
-    same_policy = None
-    if low is not None and rank == 0:
-        same_policy = _Trainer(copy.deepcopy(plain.model), cfg, cfg.level, low, one_process)
-    ddp = _DDPTrainer(copy.deepcopy(plain.model), cfg, low) if cfg.tp * cfg.pp == 1 else None
+    exact, same_policy, ddp = _references(plain.model, cfg, low, rank)
     group = layout.dp_group if layout is not None else None  # ZeRO across the replicas
     if cfg.pp > 1:
         optimizer = functools.partial(OPTIMIZERS[cfg.optimizer], lr=cfg.lr)
@@ -262,6 +256,19 @@ def _verify_rank(rank: int, world_size: int, cfg: VerifyConfig, out: str) -> Non
             rows.append(row)
     if rank == 0:
         Path(out).write_text(json.dumps({"forward": forward, "steps": rows}))
+
+
+def _references(model, cfg: VerifyConfig, low, rank: int):
+    """Rank 0's one-process runs (exact fp32; the same policy, under mixed precision) and every
+    rank's DDP yardstick (not with --tp/--pp), each from a copy of the model every rank starts
+    from (the wrap broadcasts rank 0's)."""
+    one_process = dist.new_group([0])  # every rank takes part in making it
+    exact = _Trainer(copy.deepcopy(model), cfg) if rank == 0 else None
+    same_policy = None
+    if low is not None and rank == 0:
+        same_policy = _Trainer(copy.deepcopy(model), cfg, cfg.level, low, one_process)
+    ddp = _DDPTrainer(copy.deepcopy(model), cfg, low) if cfg.tp * cfg.pp == 1 else None
+    return exact, same_policy, ddp
 
 
 def _forward_check(plain: Workload, cfg: VerifyConfig, mine: slice, device, rank: int):
@@ -306,13 +313,13 @@ class _Trainer:
 
 
 class _DDPTrainer:
-    """The yardstick: the same model and optimizer under torch's DDP on every rank (mixed
-    precision: under ``torch.autocast``, fp16 with torch's ``GradScaler``)."""
+    """The yardstick: the same model and optimizer on every rank, each gradient averaged over
+    the ranks after backward as torch's DDP does, in plain torch (no buckets, no buffer
+    broadcast, unused parameters allowed); mixed precision under ``torch.autocast``, fp16 with
+    torch's ``GradScaler``."""
 
     def __init__(self, model, cfg: VerifyConfig, low):
-        self.plain = model
-        device_ids = [model_device(model).index] if dist.get_backend() == "nccl" else None
-        self.model = DistributedDataParallel(model, device_ids=device_ids)
+        self.model = model
         self.optimizer = OPTIMIZERS[cfg.optimizer](model.parameters(), cfg.lr)
         self.low = low
         fp16 = low == torch.float16
@@ -324,7 +331,19 @@ class _DDPTrainer:
             output = self.model(x)
         loss = work.loss_fn(output, y)
         (self.scaler.scale(loss) if self.scaler else loss).backward()
+        self._average_grads()
         step_and_zero(self.optimizer, self.scaler)
+
+    def _average_grads(self) -> None:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:  # a parameter this rank did not use: zeros, as DDP's
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(hand(flat))
+        flat /= dist.get_world_size()
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad.copy_(g.view_as(p))
 
 
 def model_device(model) -> torch.device:
@@ -336,7 +355,7 @@ def _compare_step(step, loss, ref_loss, full, exact, same_policy, ddp) -> dict:
     precision, the squared distances from exact training of the distributed run, the
     one-process run (and DDP)."""
     same = dict(same_policy.model.state_dict()) if same_policy is not None else None
-    theirs = dict(ddp.plain.named_parameters()) if ddp is not None else {}
+    theirs = dict(ddp.model.named_parameters()) if ddp is not None else {}
     tensors = {}
     for name, want in exact.model.named_parameters():
         want = want.detach().double()
