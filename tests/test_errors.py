@@ -151,6 +151,17 @@ def test_a_precision_name_is_taken_as_toml_and_strategy_take_it():
     run_distributed(_wrap_named_precision, 1)
 
 
+def test_the_lightning_strategy_takes_the_precision_names_too():
+    pytest.importorskip("lightning")
+    from zerokit.integrations import _lightning_common as common
+
+    assert common.check_options("ZeroKitStrategy", 3, "bf16", {}) == "p_g_os"
+    policy = common.precision_policy("32-true", "bf16", "ZeroKitStrategy")
+    assert policy == zerokit.MixedPrecision(param_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'bf16' or 'fp16'"):
+        common.check_options("ZeroKitStrategy", 3, "int8", {})
+
+
 def test_the_cli_takes_stage_numbers_as_python_does(capsys):
     from zerokit import cli
 
