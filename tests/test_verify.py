@@ -7,7 +7,7 @@ import re
 import pytest
 
 from zerokit import cli
-from zerokit.verify import FP32_TOLERANCE, judge
+from zerokit.verify import FP32_TOLERANCE, format_report, judge
 
 
 def _verify(capsys, *args: str) -> tuple[int, str, str]:
@@ -240,3 +240,18 @@ def test_judge_mixed_precision_within_twice_ddps_ratio():
     steps = [{"step": 1, "tensors": {"w": entry(25.0, 1.0, 9.0)}}]
     verdict = judge(_report("bf16", steps, 4.0, ddp_factor=2.0))
     assert verdict["passed"] and verdict["worst"]["ddp"] == 3.0
+
+
+def test_a_divergence_ddp_does_not_share_is_zerokits_not_the_forwards():
+    """The forward computes alike on slices and DDP stays within the tolerance: the FAIL names
+    zerokit's first diverging tensor and does not blame dropout or the rank."""
+    report = {
+        "model": "m", "level": "os_g", "nproc": 2, "backend": "gloo", "batch": 8,
+        "precision": "fp32", "optimizer": "sgd lr 0.01", "tolerance": 2e-5, "ddp_factor": 2.0,
+        "forward": {"ranks": 4.0, "one_process": 4.0},
+        "steps": [{"step": 1, "loss": 4.0, "loss_one_process": 4.0,
+                   "tensors": {"w": {"max_abs": 3e-3, "max_abs_ddp": 1e-7}}}],
+    }  # fmt: skip
+    out = format_report(report, judge(report))
+    assert "FAIL: w diverged first, at step 1" in out and "zerokit diverged where DDP did not" in out
+    assert "dropout" not in out, out
