@@ -1,5 +1,7 @@
 """Bad input gets a clear error that says what to do, and nothing is changed."""
 
+import re
+
 import pytest
 import torch
 from dist_helpers import run_distributed
@@ -48,10 +50,11 @@ def _bad_inputs(rank, world_size):
         ("scaler", {"level": "os", "scaler": object()}, TypeError, "ShardedGradScaler"),
         (
             "mixed precision",
-            {"level": "os", "mixed_precision": "bf16"},
-            TypeError,
-            "MixedPrecision",
+            {"level": "os", "mixed_precision": "int8"},
+            ValueError,
+            "'bf16' or 'fp16'",
         ),
+        ("a knob of the wrong type", {"level": "os", "offload": "yes"}, TypeError, "offload"),
         (  # world size 2: the world as both shard group and replica group shares 2 ranks
             "dp_group overlapping group",
             {"level": "os", "dp_group": torch.distributed.group.WORLD},
@@ -98,3 +101,84 @@ def _bad_inputs(rank, world_size):
 
 def test_bad_input_is_refused_before_anything_changes():
     run_distributed(_bad_inputs, 2)
+
+
+# -- arguments at the edges: what one entry point takes, every one takes ----------------------
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"offload": "yes"}, TypeError, "offload must be True or False, got str 'yes'"),
+        ({"sync_comm": 1}, TypeError, "sync_comm must be True or False"),
+        ({"buffer_max_size": 1.5}, TypeError, "buffer_max_size must be a positive int"),
+        ({"segment_size": 0}, TypeError, "segment_size must be a positive int"),
+        ({"exclude_layer": nn.Linear}, TypeError, "exclude_layer must be a list or tuple"),
+        ({"mixed_precision": torch.bfloat16}, TypeError, "a name 'bf16' or 'fp16'"),
+        ({"init_fn": "normal"}, TypeError, "init_fn must be a callable"),
+    ],
+)
+def test_a_knob_of_the_wrong_type_is_named_before_anything_changes(kwargs, error, match):
+    """No process group is needed to be told: the types are checked first."""
+    model = make_model("awkward")
+    opt = make_optimizer("sgd", model)
+    snapshot = _snapshot(model, opt)
+    with pytest.raises(error, match=re.escape(match)):
+        zerokit.group_sharded_parallel(model, opt, "os", **kwargs)
+    _assert_untouched(model, opt, snapshot)
+    key = next(iter(kwargs))
+    if key in zerokit.ShardingConfig.__dataclass_fields__ and key != "mixed_precision":
+        with pytest.raises(error, match=re.escape(match)):  # the config checks alike
+            zerokit.ShardingConfig(**kwargs)
+
+
+def test_the_optimizer_given_first_is_told_the_order():
+    model = make_model("awkward")
+    opt = make_optimizer("adamw", model)
+    with pytest.raises(TypeError, match=r"the model first, then the optimizer: got \(AdamW, "):
+        zerokit.group_sharded_parallel(opt, model, "os")
+
+
+def _wrap_named_precision(rank, world_size):
+    model = make_model("awkward")
+    opt = make_optimizer("sgd", model)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, 3, mixed_precision="bf16")
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert dtypes == {torch.bfloat16}, dtypes  # the compute copy, as MixedPrecision(bf16)'s
+    want = zerokit.MixedPrecision(param_dtype=torch.bfloat16)
+    assert zerokit.ShardingConfig(mixed_precision="bf16").mixed_precision == want
+
+
+def test_a_precision_name_is_taken_as_toml_and_strategy_take_it():
+    run_distributed(_wrap_named_precision, 1)
+
+
+def test_the_lightning_strategy_takes_the_precision_names_too():
+    pytest.importorskip("lightning")
+    from zerokit.integrations import _lightning_common as common
+
+    assert common.check_options("ZeroKitStrategy", 3, "bf16", {}) == "p_g_os"
+    policy = common.precision_policy("32-true", "bf16", "ZeroKitStrategy")
+    assert policy == zerokit.MixedPrecision(param_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="'bf16' or 'fp16'"):
+        common.check_options("ZeroKitStrategy", 3, "int8", {})
+
+
+def test_the_cli_takes_stage_numbers_as_python_does(capsys):
+    from zerokit import cli
+
+    args = ["plan", "--model", "verify_models:tiny_gpt", "--world", "2", "--seq", "8"]
+    assert cli.main([*args, "--level", "3"]) == 0
+    by_number = capsys.readouterr().out
+    assert cli.main([*args, "--level", "p_g_os"]) == 0
+    assert capsys.readouterr().out == by_number
+    with pytest.raises(SystemExit):
+        cli.main([*args, "--level", "4"])
+    assert "use 'os', 'os_g', 'p_g_os' or the stage numbers 1, 2, 3" in capsys.readouterr().err
+
+
+def test_an_unknown_preset_lists_the_presets(capsys):
+    from zerokit import cli
+
+    code = cli.main(["plan", "--model", "zerokit.models.presets:gpt_7b", "--world", "2",
+                     "--level", "os"])  # fmt: skip
+    assert code == 2
+    assert "no callable 'gpt_7b'; its factories: gpt_1_3b, gpt_6_7b" in capsys.readouterr().err

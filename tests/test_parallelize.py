@@ -250,6 +250,23 @@ def test_sampler_splits_over_dp_only():
     assert sorted(seen[0, 0] + seen[1, 0]) == data  # dp ranks: each index once
 
 
+def test_sampler_under_zerokit_launch_reads_the_strategy(tmp_path, monkeypatch):
+    """``zerokit launch --strategy`` (dp 2 x tp 2): ``sampler(data)`` with no mesh gives each
+    rank what the strategy's mesh gives it; outside a launch it says what to pass."""
+    data = list(range(10))
+    (tmp_path / "s.toml").write_text("dp = 2\ntp = 2\n")
+    monkeypatch.setenv("ZEROKIT_STRATEGY", str(tmp_path / "s.toml"))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for rank in range(4):
+        monkeypatch.setenv("RANK", str(rank))
+        layout = zerokit.Layout(2, 2, rank // 2, rank % 2, None, None)  # init_mesh's order
+        want = list(zerokit.data.sampler(data, layout, seed=3))
+        assert list(zerokit.data.sampler(data, seed=3)) == want, rank
+    monkeypatch.delenv("ZEROKIT_STRATEGY")
+    with pytest.raises(TypeError, match=r"ZEROKIT_STRATEGY.*init_hybrid_parallel"):
+        zerokit.data.sampler(data)
+
+
 LAUNCHED = """
 import os
 import torch, torch.distributed as dist, zerokit

@@ -325,3 +325,30 @@ def _errors(rank, world_size):
 
 def test_bad_layouts_and_splits_get_clear_errors():
     run_distributed(_errors, 2)
+
+
+@pytest.mark.slow
+def test_the_example_prints_a_verdict_its_numbers_bear_out():
+    """examples/gpt_tensor_parallel.py judges its distance from one process against the same
+    tp model without ZeRO on the same ranks; the printed verdict follows from the printed
+    distances."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "gpt_tensor_parallel.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), "--nproc", "4", "--tp", "2", "--steps",
+                           "4"], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = re.search(
+        r"from 1 process: (\S+) \(.*\); the same tp model on the same ranks without ZeRO: (\S+)\n"
+        r"(PASS|FAIL): ",
+        done.stdout,
+    )
+    assert found, done.stdout
+    mine, theirs, verdict = float(found.group(1)), float(found.group(2)), found.group(3)
+    assert verdict == ("PASS" if mine <= max(2e-5, 2 * theirs) else "FAIL")
+    assert verdict == "PASS", done.stdout  # zerokit is as close as the same ranks without it

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from zerokit import cli
-from zerokit.verify import FP32_TOLERANCE, judge
+from zerokit.verify import FP32_TOLERANCE, format_report, judge
 
 
 def _verify(capsys, *args: str) -> tuple[int, str, str]:
@@ -29,7 +29,7 @@ def test_a_model_that_trains_alike_passes_at_3_ranks(capsys):
     rows = _step_rows(out)
     assert [int(r[0]) for r in rows] == [1, 2, 3]
     # every step: one process's loss and the ranks' agree; parameters within 2e-5
-    for _, one, ranks, loss_diff, param_diff, _ in rows:
+    for _, one, ranks, loss_diff, param_diff, *_ in rows:
         assert abs(float(one) - float(ranks)) <= 1e-5 and float(loss_diff) <= 1e-5
         assert float(param_diff) <= FP32_TOLERANCE
     assert f"tolerance {FP32_TOLERANCE:g}" in out and "PASS" in out
@@ -51,6 +51,25 @@ def test_a_rank_dependent_model_fails_naming_the_tensor(capsys, factory, level):
                                            "head.bias"},
              "verify_models:with_dropout": {"0.weight", "0.bias", "2.weight", "2.bias"}}  # fmt: skip
     assert first.group(1) in names[factory] and first.group(2) == "1"
+    # DDP diverges as far: the forward is blamed, with the first batch's losses
+    assert "computes differently on the ranks' slices" in out, out
+
+
+@pytest.mark.parametrize("level", ["os", pytest.param("p_g_os", marks=pytest.mark.slow)])
+def test_hf_gpt2_with_adamw_passes_against_ddps_distance(capsys, level):
+    """An unmodified, dropout-free HF GPT-2 under AdamW: its parameters drift beyond 2e-5 from
+    one process on 2 ranks (AdamW amplifies the last bit), under DDP as under zerokit; the
+    verdict is PASS, both distances printed."""
+    code, out, _ = _verify(
+        capsys, "--model", "verify_models:tiny_hf_gpt2", "--level", level, "--optimizer",
+        "adamw", "--seq", "16", "--steps", "4",
+    )  # fmt: skip
+    assert code == 0, out
+    rows = _step_rows(out)
+    for row in rows:
+        param_diff, ddp_diff, allowed = (float(v) for v in row[4:7])
+        assert param_diff <= max(FP32_TOLERANCE, 2 * ddp_diff) and allowed >= FP32_TOLERANCE
+    assert "DDP on the same ranks" in out and "PASS" in out
 
 
 @pytest.mark.slow
@@ -60,7 +79,7 @@ def test_mixed_precision_judged_against_the_same_policy_on_one_process(capsys):
         "--mixed-precision", "bf16", "--steps", "3",
     )  # fmt: skip
     assert code == 0, out
-    assert "one-process bf16 run's; tolerance 4x" in out
+    assert "one-process bf16 run's; allowed: tolerance 4x or 2x DDP's" in out
     code, out, _ = _verify(
         capsys, "--model", "verify_models:rank_scaled", "--level", "os_g",
         "--mixed-precision", "bf16", "--steps", "2",
@@ -83,7 +102,7 @@ def test_tensor_parallel_trains_as_one_process(capsys, nproc, tp, level):
     assert f"(tp {tp} x dp {nproc // tp})" in out
     rows = _step_rows(out)
     assert [int(r[0]) for r in rows] == [1, 2, 3]
-    for _, one, ranks, loss_diff, param_diff, _ in rows:
+    for _, one, ranks, loss_diff, param_diff, *_ in rows:
         assert abs(float(one) - float(ranks)) <= 1e-5 and float(loss_diff) <= 1e-5
         assert float(param_diff) <= FP32_TOLERANCE
     assert "PASS" in out
@@ -110,7 +129,7 @@ def test_a_pipeline_trains_as_one_process(capsys, nproc, pp, level, schedule, pr
     assert f"(pp {pp} x dp {nproc // pp})" in out
     rows = _step_rows(out)
     assert [int(r[0]) for r in rows] == [1, 2, 3]
-    for _, one, ranks, loss_diff, param_diff, _ in rows:
+    for _, one, ranks, loss_diff, param_diff, *_ in rows:
         assert abs(float(one) - float(ranks)) <= 1e-5 and float(loss_diff) <= 1e-5
         if precision is None:  # (mixed precision: a ratio, judged by the verdict)
             assert float(param_diff) <= FP32_TOLERANCE
@@ -149,8 +168,12 @@ def test_usage_errors_exit_2_before_any_rank_starts(capsys, args, message):
     assert code == 2 and message in err, err
 
 
-def _report(precision: str, steps: list[dict], tolerance: float) -> dict:
-    return {"precision": precision, "tolerance": tolerance, "steps": steps}
+def _report(precision: str, steps: list[dict], tolerance: float, **more) -> dict:
+    return {"precision": precision, "tolerance": tolerance, "steps": steps, **more}
+
+
+def _picked(judged: dict) -> dict:
+    return {k: judged[k] for k in ("step", "tensor", "value")}
 
 
 def test_judge_fp32_names_the_first_step_and_its_worst_tensor():
@@ -161,8 +184,8 @@ def test_judge_fp32_names_the_first_step_and_its_worst_tensor():
     ]
     verdict = judge(_report("fp32", steps, 2e-5))
     assert not verdict["passed"]
-    assert verdict["first_beyond"] == {"step": 2, "tensor": "a", "value": 5e-5}
-    assert verdict["worst"] == {"tensor": "b", "value": 9e-4}
+    assert _picked(verdict["first_beyond"]) == {"step": 2, "tensor": "a", "value": 5e-5}
+    assert _picked(verdict["worst"]) == {"step": 3, "tensor": "b", "value": 9e-4}
     assert judge(_report("fp32", steps[:1], 2e-5))["passed"]
 
 
@@ -174,7 +197,61 @@ def test_judge_mixed_precision_is_a_ratio_of_rms_over_all_elements():
     # 5x its one-process distance (per tensor is too noisy to judge)
     within = {"a": entry(10, 11.0, 3.0), "b": entry(10, 25.0, 1.0)}
     verdict = judge(_report("bf16", [{"step": 1, "tensors": within}], 4.0))
-    assert verdict["passed"] and verdict["worst"] == {"tensor": "b", "value": 3.0}
+    assert verdict["passed"] and _picked(verdict["worst"]) == {"step": 1, "tensor": "b", "value": 3.0}
     beyond = {"a": entry(10, 11.0, 3.0), "b": entry(10, 89.0, 1.0)}  # sqrt(100 / 4) = 5
     verdict = judge(_report("bf16", [{"step": 1, "tensors": beyond}], 4.0))
-    assert verdict["first_beyond"] == {"step": 1, "tensor": "b", "value": 5.0}
+    assert _picked(verdict["first_beyond"]) == {"step": 1, "tensor": "b", "value": 5.0}
+
+
+def _fp32_steps(*pairs) -> list[dict]:
+    """Steps of one tensor "w": (zerokit's max |difference|, DDP's)."""
+    return [
+        {"step": i + 1, "tensors": {"w": {"max_abs": zk, "max_abs_ddp": ddp}}}
+        for i, (zk, ddp) in enumerate(pairs)
+    ]
+
+
+def test_judge_passes_within_twice_ddps_distance_beyond_the_tolerance():
+    """AdamW amplifies the last bit: DDP on the same ranks is 4.9e-5 from one process, beyond
+    the absolute 2e-5; zerokit at 5e-5 is within 2x DDP's and passes, at 1.1e-4 it is not."""
+    alike = {"ranks": 4.1834980, "one_process": 4.1834985}  # the forward computes alike
+    steps = _fp32_steps((2.9e-7, 2.9e-7), (4.95e-5, 4.9e-5))
+    verdict = judge(_report("fp32", steps, 2e-5, ddp_factor=2.0, forward=alike))
+    assert verdict["passed"] and verdict["worst"]["bound"] == 2 * 4.9e-5
+    steps = _fp32_steps((2.9e-7, 2.9e-7), (1.1e-4, 4.9e-5))
+    verdict = judge(_report("fp32", steps, 2e-5, ddp_factor=2.0, forward=alike))
+    assert _picked(verdict["first_beyond"]) == {"step": 2, "tensor": "w", "value": 1.1e-4}
+
+
+def test_judge_holds_a_forward_that_differs_on_slices_to_the_tolerance():
+    """Dropout or a rank read moves DDP as far as zerokit: DDP is no yardstick then."""
+    differs = {"ranks": 3.9, "one_process": 4.2}
+    steps = _fp32_steps((3e-3, 3e-3))
+    verdict = judge(_report("fp32", steps, 2e-5, ddp_factor=2.0, forward=differs))
+    assert not verdict["passed"] and not verdict["forward_alike"]
+    assert verdict["first_beyond"]["bound"] == 2e-5
+
+
+def test_judge_mixed_precision_within_twice_ddps_ratio():
+    def entry(sq, sq_one, sq_ddp):
+        return {"numel": 10, "sq": sq, "sq_one_process": sq_one, "sq_ddp": sq_ddp}
+
+    # zerokit sqrt(25 / 1) = 5x the one-process run's, beyond 4x; DDP sqrt(9 / 1) = 3x: 2 x 3
+    steps = [{"step": 1, "tensors": {"w": entry(25.0, 1.0, 9.0)}}]
+    verdict = judge(_report("bf16", steps, 4.0, ddp_factor=2.0))
+    assert verdict["passed"] and verdict["worst"]["ddp"] == 3.0
+
+
+def test_a_divergence_ddp_does_not_share_is_zerokits_not_the_forwards():
+    """The forward computes alike on slices and DDP stays within the tolerance: the FAIL names
+    zerokit's first diverging tensor and does not blame dropout or the rank."""
+    report = {
+        "model": "m", "level": "os_g", "nproc": 2, "backend": "gloo", "batch": 8,
+        "precision": "fp32", "optimizer": "sgd lr 0.01", "tolerance": 2e-5, "ddp_factor": 2.0,
+        "forward": {"ranks": 4.0, "one_process": 4.0},
+        "steps": [{"step": 1, "loss": 4.0, "loss_one_process": 4.0,
+                   "tensors": {"w": {"max_abs": 3e-3, "max_abs_ddp": 1e-7}}}],
+    }  # fmt: skip
+    out = format_report(report, judge(report))
+    assert "FAIL: w diverged first, at step 1" in out and "zerokit diverged where DDP did not" in out
+    assert "dropout" not in out, out

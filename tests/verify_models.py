@@ -127,3 +127,36 @@ def tiny_llama():
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
     )  # fmt: skip
     return _Logits(LlamaForCausalLM(config))
+
+
+def tiny_hf_gpt2():
+    """Hugging Face's GPT2LMHeadModel as it comes (returns a ``CausalLMOutputWithCrossAttentions``),
+    tiny and dropout-free (GPT-2's configs default to dropout 0.1)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def tiny_hf_llama():
+    """Hugging Face's LlamaForCausalLM as it comes (returns a ``CausalLMOutputWithPast``)."""
+    return tiny_llama().lm
+
+
+class _NoLogits(nn.Module):
+    """A token model whose forward returns a dict without logits: outside the contract."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+
+    def forward(self, ids: torch.Tensor) -> dict:
+        return {"hidden": self.embed(ids)}
+
+
+def no_logits():
+    return _NoLogits()

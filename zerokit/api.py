@@ -131,6 +131,7 @@ def group_sharded_parallel(
             rank 0's random state; at 'p_g_os' a rank materialises one unit at a time and
             keeps only its shards (see ``zerokit/meta_init.py``).
     """
+    _check_argument_order(model, optimizer, init_fn)
     pipe = model if isinstance(model, PipelineModule) else None
     if pipe is not None:
         model = pipe.stage  # a rank holds, runs and shards only its own stage
@@ -264,9 +265,11 @@ def group_sharded_parallel(
         state.enable_step_in_backward(optimizers)
     if group.rank() == 0 and (dp_group is None or dp_group.rank() == 0):
         _log_wrap(state, optimizers, named, model)
-    return pipe if pipe is not None else compiled, optimizer if isinstance(
-        optimizer, torch.optim.Optimizer
-    ) else optimizers, scaler
+    return (
+        pipe if pipe is not None else compiled,
+        optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizers,
+        scaler,
+    )
 
 
 def num_params(model: nn.Module) -> int:
@@ -318,6 +321,24 @@ def _log_wrap(state, optimizer, named, model) -> None:
         format_bytes(held.grads),
         format_bytes(held.optimizer),
     )
+
+
+def _check_argument_order(model, optimizer, init_fn) -> None:
+    """The model first, then its optimizer(s): a swapped pair is named as such, not met later
+    as a missing attribute (``_optimizer_list`` checks the optimizers themselves)."""
+    given = model if isinstance(model, (list, tuple)) else [model]
+    if isinstance(optimizer, nn.Module) and all(
+        isinstance(o, torch.optim.Optimizer) for o in given
+    ):
+        raise TypeError(
+            f"group_sharded_parallel takes the model first, then the optimizer: got "
+            f"({type(model).__name__}, {type(optimizer).__name__}); call "
+            "group_sharded_parallel(model, optimizer, level)"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if init_fn is not None and not callable(init_fn):
+        raise TypeError(f"init_fn must be a callable taking a module, got {init_fn!r}")
 
 
 def _sharded_scaler(scaler):

@@ -25,6 +25,8 @@ from .compare_report import (
     write_activations_plot,
     write_plot,
 )
+from .config import LEVEL_ALIASES
+from .mixed_precision import PRECISIONS
 from .plan import PlanConfig
 from .plan_pp import make_plan
 from .plan_report import format_plan
@@ -49,6 +51,19 @@ recompute): estimated (zerokit.memory.estimate_activations) beside measured
 --tp local gloo ranks. It uses --seq, --batch (the micro-batch), --hidden, --heads, --layers,
 --tp, --json and --plot.
 """
+
+
+LEVEL_METAVAR = "{os,os_g,p_g_os,1,2,3}"
+
+
+def _level(text: str) -> str:
+    """A level's name, or its stage number as group_sharded_parallel takes it."""
+    level = LEVEL_ALIASES.get(text, text)
+    if level not in LEVELS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is no level: use 'os', 'os_g', 'p_g_os' or the stage numbers 1, 2, 3"
+        )
+    return level
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     compare.add_argument(
         "--mixed-precision",
-        choices=["bf16", "fp16"],
+        choices=list(PRECISIONS),
         help="compute in bf16/fp16 with fp32 master shards; DDP under torch.autocast "
         "(default: fp32)",
     )
@@ -231,13 +246,16 @@ def _compare(args) -> int:
 
 
 VERIFY_DESCRIPTION = """\
-Train the model on one process on the global batch and on --nproc ranks at --level (each rank
-on its slice), and print per step the loss of both, their difference, and the largest
-parameter difference with its tensor; at the end the largest difference, the worst tensor and
-the tolerance judged by. fp32: max |element difference| <= --tolerance (default 2e-5). Mixed
-precision: the RMS distance of all parameters from exact fp32 training must stay within
---tolerance times (default 4) that of the same policy on one process. Exit 0 within the tolerance, 1
-beyond it (naming the tensor that diverged first), 2 on a usage error.
+Train the model on one process on the global batch, and on --nproc ranks at --level and under
+torch DDP on the same ranks (each rank on its slice), and print per step the loss of both, their
+difference, zerokit's and DDP's parameter distance from one process, the distance allowed and the
+worst tensor. fp32: max |element difference| <= --tolerance (default 2e-5) or <= 2x DDP's (an
+optimizer such as AdamW amplifies the last bit of rounding, DDP's as much). Mixed precision: the
+RMS distance of all parameters from exact fp32 training within --tolerance times (default 4)
+that of the same policy on one process, or 2x DDP's under torch.autocast. A forward that
+computes differently on the ranks' slices (it reads the rank or draws per row: dropout) is
+judged by the tolerance alone and blamed. --tp/--pp: no DDP, the tolerance alone. Exit 0 within,
+1 beyond (naming the tensor that diverged first), 2 on a usage error.
 
 --model pkg.module:factory: as for `zerokit compare` (see `zerokit compare --help`).
 """
@@ -251,7 +269,7 @@ def _add_verify_parser(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verify.add_argument("--model", metavar="PKG.MODULE:FACTORY", help="default: built-in GPT")
-    verify.add_argument("--level", required=True, choices=LEVELS)
+    verify.add_argument("--level", required=True, type=_level, metavar=LEVEL_METAVAR)
     verify.add_argument("--nproc", type=int, default=VerifyConfig.nproc, help="default %(default)s")
     verify.add_argument("--steps", type=int, default=VerifyConfig.steps, help="default %(default)s")
     verify.add_argument(
@@ -281,7 +299,7 @@ def _add_verify_parser(commands) -> None:
     verify.add_argument(
         "--seq", type=int, default=VerifyConfig.seq, help="token models (default %(default)s)"
     )
-    verify.add_argument("--mixed-precision", choices=["bf16", "fp16"], help="default: fp32")
+    verify.add_argument("--mixed-precision", choices=list(PRECISIONS), help="default: fp32")
     verify.add_argument(
         "--optimizer",
         choices=["sgd", "adamw"],
@@ -358,7 +376,7 @@ def _add_plan_parser(commands) -> None:
     )
     plan.add_argument("--model", metavar="PKG.MODULE:FACTORY", help="default: built-in GPT")
     plan.add_argument("--world", type=int, required=True, help="ranks of the job")
-    plan.add_argument("--level", required=True, choices=LEVELS)
+    plan.add_argument("--level", required=True, type=_level, metavar=LEVEL_METAVAR)
     plan.add_argument(
         "--sharding-degree", type=int, help="hybrid sharding: shard over groups of this many"
     )
@@ -389,7 +407,7 @@ def _add_plan_parser(commands) -> None:
     plan.add_argument(
         "--seq", type=int, default=PlanConfig.seq, help="token models (default %(default)s)"
     )
-    plan.add_argument("--mixed-precision", choices=["bf16", "fp16"], help="default: fp32")
+    plan.add_argument("--mixed-precision", choices=list(PRECISIONS), help="default: fp32")
     plan.add_argument("--json", metavar="PATH", help="also write the report as JSON")
 
 

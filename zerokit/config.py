@@ -7,8 +7,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
+
+from .mixed_precision import as_policy
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,11 +18,12 @@ class ShardingConfig:
     the groups, in one place. ``group_sharded_parallel``'s keyword arguments of the same names
     (Paddle's signature) fill one of these; ``load_config`` reads one from a file."""
 
-    level: str | None = None
+    level: str | int | None = None
     """``'os'``, ``'os_g'``, ``'p_g_os'`` (or 1, 2, 3); None: the ``level`` argument, else
     ``$ZEROKIT_LEVEL``."""
     mixed_precision: Any = None
-    """A ``zerokit.MixedPrecision`` policy; None: fp32."""
+    """A ``zerokit.MixedPrecision`` policy, or its name ``"bf16"`` / ``"fp16"`` (held as the
+    policy); None: fp32."""
     offload: bool = False
     """Keep the fp32 master shards and optimizer state in CPU memory and step there (a no-op
     when the model is already on the CPU)."""
@@ -63,6 +65,49 @@ class ShardingConfig:
     ``$ZEROKIT_COLLECTIVE_TIMEOUT``) and a different unit order by the one check after each
     forward. ``$ZEROKIT_DEBUG_AGREEMENT=1`` turns it on without changing code."""
 
+    def __post_init__(self):
+        for name in ("exclude_layer", "wrap"):  # None or a list: held as a tuple
+            value = getattr(self, name)
+            if value is None or isinstance(value, list):
+                object.__setattr__(self, name, tuple(value or ()))
+        check_knobs(self)
+        object.__setattr__(self, "mixed_precision", as_policy(self.mixed_precision))
+
+
+_BOOLS = ("offload", "sync_buffers", "sync_comm", "step_in_backward", "elementwise_optimizer",
+          "whole_parameter_optimizer", "debug_agreement")  # fmt: skip
+_SIZES = ("buffer_max_size", "segment_size")
+
+
+def check_knobs(config: ShardingConfig) -> None:
+    """Every knob of the right type (a wrong one is named with what it takes), before
+    anything is built: ``offload="yes"`` is a mistake, not True."""
+    for name in _BOOLS:
+        value = getattr(config, name)
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    for name in _SIZES:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise TypeError(f"{name} must be a positive int (elements), got {value!r}")
+    level = config.level
+    if level is not None and (isinstance(level, bool) or not isinstance(level, (str, int))):
+        raise TypeError(
+            f"level must be 'os', 'os_g', 'p_g_os', a stage number 1, 2, 3, or None; got {level!r}"
+        )
+    _check_modules("exclude_layer", config.exclude_layer, instances=True)
+    _check_modules("wrap", config.wrap, instances=False)
+
+
+def _check_modules(name: str, items, *, instances: bool) -> None:
+    what = "nn.Module instances or classes" if instances else "nn.Module classes"
+    if isinstance(items, (nn.Module, type, str)) or not hasattr(items, "__iter__"):
+        raise TypeError(f"{name} must be a list or tuple of {what}, got {items!r}")
+    for item in items:
+        is_class = isinstance(item, type) and issubclass(item, nn.Module)
+        if not (is_class or (instances and isinstance(item, nn.Module))):
+            raise TypeError(f"{name} must hold {what}, got {item!r}")
+
 
 #: the knobs ``group_sharded_parallel`` also takes as arguments (Paddle's signature)
 ARGUMENT_KNOBS = (
@@ -78,8 +123,10 @@ def merge_arguments(config: ShardingConfig | None, **arguments) -> ShardingConfi
     defaults = ShardingConfig()
     changes = {}
     for name, value in arguments.items():
-        if name == "exclude_layer":
+        if name == "exclude_layer" and (value is None or isinstance(value, list)):
             value = tuple(value or ())
+        if name == "mixed_precision":
+            value = as_policy(value)
         if value == getattr(defaults, name):
             continue
         held = getattr(config, name)
@@ -141,8 +188,6 @@ def load_config(path: str | os.PathLike) -> ShardingConfig:
     """
     import json
 
-    from .mixed_precision import MixedPrecision
-
     text = Path(path).read_text()
     if str(path).endswith(".toml"):
         try:
@@ -158,10 +203,9 @@ def load_config(path: str | os.PathLike) -> ShardingConfig:
     out = dict(raw)
     if "level" in out:
         out["level"] = resolve_level(out["level"])
-    precision = out.pop("mixed_precision", None)
-    if precision is not None:
-        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-        if precision not in dtypes:
-            raise ValueError(f"{path}: mixed_precision must be 'bf16' or 'fp16', got {precision!r}")
-        out["mixed_precision"] = MixedPrecision(param_dtype=dtypes[precision])
-    return ShardingConfig(**out)
+    if "mixed_precision" in out and not isinstance(out["mixed_precision"], (str, type(None))):
+        raise ValueError(f"{path}: mixed_precision must be 'bf16' or 'fp16'")
+    try:
+        return ShardingConfig(**out)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from e

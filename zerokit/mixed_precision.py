@@ -70,3 +70,28 @@ class MixedPrecision:
                     f"MixedPrecision.{field} must be a floating dtype such as torch.bfloat16, "
                     f"got {value!r}"
                 )
+
+
+#: the precision names every entry point takes: group_sharded_parallel, ShardingConfig,
+#: load_config's files, Strategy, parallelize and the commands' --mixed-precision
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def as_policy(value) -> MixedPrecision | None:
+    """``mixed_precision`` as a policy: None, a ``MixedPrecision``, or a name of
+    ``PRECISIONS`` (compute in that dtype, fp32 master shards).
+
+    >>> as_policy("bf16") == MixedPrecision(param_dtype=torch.bfloat16)
+    True
+    """
+    if value is None or isinstance(value, MixedPrecision):
+        return value
+    names = " or ".join(repr(n) for n in PRECISIONS)
+    if isinstance(value, str):
+        if value not in PRECISIONS:
+            raise ValueError(f"mixed_precision must be {names} (or None), got {value!r}")
+        return MixedPrecision(param_dtype=PRECISIONS[value])
+    raise TypeError(
+        f"mixed_precision must be a zerokit.MixedPrecision policy, a name {names}, or None; got "
+        f"{type(value).__name__} {value!r}"
+    )

@@ -14,12 +14,10 @@ from torch import nn
 
 from .api import group_sharded_parallel
 from .layout import Layout, as_layout, init_mesh
-from .mixed_precision import MixedPrecision
+from .mixed_precision import as_policy
 from .plans import BUILT_IN
 from .strategy import Strategy
 from .tensor_parallel.apply_plan import apply_plan, no_such_module, resolve_plan
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parallelize(
@@ -85,7 +83,7 @@ def parallelize(
         local = resolve_plan(stage, plan, layout.tp_degree, partial=layout.pp_degree > 1)
         apply_plan(stage, local, layout)  # a split finds its tied copies by name: still found
     carried = [_carry_over(opt, stage, names) for opt, names in zip(optimizers, group_of)]
-    mp = MixedPrecision(param_dtype=_DTYPES[mixed_precision]) if mixed_precision else None
+    mp = as_policy(mixed_precision)
     model, carried, _ = group_sharded_parallel(
         model, carried, level, group=layout.shard_group, dp_group=layout.replica_group,
         mixed_precision=mp,

@@ -15,8 +15,9 @@ import json
 import os
 from dataclasses import dataclass, fields
 
+from .mixed_precision import PRECISIONS
+
 ENV = "ZEROKIT_STRATEGY"
-PRECISIONS = (None, "bf16", "fp16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,9 +53,10 @@ class Strategy:
 
         if self.level not in LEVELS:
             raise ValueError(f"Strategy.level must be one of {LEVELS}, got {self.level!r}")
-        if self.mixed_precision not in PRECISIONS:
+        if self.mixed_precision is not None and self.mixed_precision not in PRECISIONS:
             raise ValueError(
-                f"Strategy.mixed_precision must be one of {PRECISIONS}, got {self.mixed_precision!r}"
+                f"Strategy.mixed_precision must be None or one of {tuple(PRECISIONS)}, got "
+                f"{self.mixed_precision!r}"
             )
         if not (self.plan is None or isinstance(self.plan, (str, dict))):
             raise ValueError(f"Strategy.plan must be a name or a dict, got {self.plan!r}")

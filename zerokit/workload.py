@@ -3,13 +3,18 @@ pkg.module:factory``; ``pkg.module`` may live in the current directory). ``facto
 either
 
 - an ``nn.Module`` whose forward maps token ids ``[batch, seq]`` (int64) to logits
-  ``[batch, seq, vocab]``: it trains on a learnable synthetic token stream with next-token
-  cross-entropy (the vocabulary size is read from one probe forward); or
+  ``[batch, seq, vocab]``, a tensor or an output with a ``.logits`` tensor (an unmodified
+  Hugging Face causal LM: ``GPT2LMHeadModel(config)``, ``LlamaForCausalLM(config)``): it trains
+  on a learnable synthetic token stream with next-token cross-entropy (the vocabulary size is
+  read from one probe forward); or
 - a tuple ``(model, make_batch)`` or ``(model, make_batch, loss_fn)`` for any other model:
   ``make_batch(step, batch)`` returns the global batch ``(inputs, targets)`` of that step, two
   tensors with ``batch`` rows, the same on every rank (seed it from ``step``); each rank trains
   on its slice of the rows. ``loss_fn(output, targets)`` defaults to mean squared error for
-  floating-point targets and cross-entropy over the last dimension for integer targets.
+  floating-point targets and cross-entropy over the last dimension for integer targets; the
+  default takes an output's ``.loss`` when the model computed one (a Hugging Face model whose
+  inputs carry ``labels``), else its ``.logits``. A ``loss_fn`` of the factory's own gets the
+  output as the model returns it.
 
 Pipelines (``zerokit plan --pp``, ``zerokit verify --pp``): the factory returns a
 ``zerokit.models.gpt.GPT`` (the built-in one, a preset, any ``GPTConfig``), split into stages
@@ -67,8 +72,21 @@ def load_factory(spec: str | None) -> Callable:
         raise ValueError(f"--model: cannot import {module_name!r}: {e}") from e
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise ValueError(f"--model: {module_name!r} has no callable {attr!r}")
+        listed = ", ".join(factories_of(module)) or "none"
+        raise ValueError(
+            f"--model: {module_name!r} has no callable {attr!r}; its factories: {listed}"
+        )
     return factory
+
+
+def factories_of(module) -> list[str]:
+    """The public functions a module defines itself (``zerokit.models.presets``: the presets)."""
+    return sorted(
+        name
+        for name, value in vars(module).items()
+        if inspect.isfunction(value) and not name.startswith("_")
+        and value.__module__ == module.__name__
+    )  # fmt: skip
 
 
 def default_model(layout=None) -> nn.Module:
@@ -121,8 +139,32 @@ def tp_workload(factory: Callable, layout, plain: Workload) -> Workload:
     return as_workload(made, 0)
 
 
-def default_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over the last dimension for integer targets, else mean squared error."""
+CONTRACT = (
+    "a factory returns an nn.Module mapping token ids [batch, seq] to logits [batch, seq, vocab] "
+    "(a tensor, or an output with .logits such as a Hugging Face CausalLMOutput), or a tuple "
+    "(model, make_batch) or (model, make_batch, loss_fn) for any other model (see "
+    "zerokit.workload)"
+)
+
+
+def output_tensor(output) -> torch.Tensor:
+    """What a forward returned, as the tensor the default loss reads: the tensor itself, or a
+    Hugging Face output's ``.logits``."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise ValueError(f"--model: forward returned {type(output).__name__}; {CONTRACT}")
+
+
+def default_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    """The model's own ``.loss`` when its output has one (labels were passed); else
+    cross-entropy over the last dimension for integer targets, mean squared error for float."""
+    own = getattr(output, "loss", None)
+    if isinstance(own, torch.Tensor):
+        return own
+    output = output_tensor(output)
     if targets.is_floating_point():
         return F.mse_loss(output.float(), targets.float())
     return F.cross_entropy(output.float().reshape(-1, output.shape[-1]), targets.reshape(-1))
@@ -153,10 +195,7 @@ def as_workload(made, seq: int) -> Workload:
         and isinstance(made[0], nn.Module)
         and all(callable(f) for f in made[1:])
     ):
-        raise ValueError(
-            f"--model factory returned {type(made).__name__}, not a torch.nn.Module or a tuple "
-            "(nn.Module, make_batch) or (nn.Module, make_batch, loss_fn)"
-        )
+        raise ValueError(f"--model factory returned {type(made).__name__}; {CONTRACT}")
     return Workload(made[0], made[1], made[2] if len(made) == 3 else default_loss)
 
 
@@ -165,15 +204,16 @@ def probe_vocab(model: nn.Module, seq: int) -> int:
     try:
         with torch.no_grad():
             device = next((p.device for p in model.parameters()), None)
-            logits = model(torch.zeros(1, seq, dtype=torch.long, device=device))
+            output = model(torch.zeros(1, seq, dtype=torch.long, device=device))
     except Exception as e:
         raise ValueError(
             f"--model: forward of token ids [1, {seq}] failed: {e} (a model that takes other "
             "inputs: return (model, make_batch) from the factory)"
         ) from e
+    logits = getattr(output, "logits", output)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or logits.shape[:2] != (1, seq):
-        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ValueError(f"--model: forward must return logits [1, {seq}, vocab], got {shape}")
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(output).__name__
+        raise ValueError(f"--model: forward of token ids [1, {seq}] returned {shape}; {CONTRACT}")
     return logits.shape[-1]
 
 

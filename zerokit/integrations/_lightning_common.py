@@ -12,7 +12,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from ..api import LEVELS
 from ..checkpoint.reading import CheckpointReader
 from ..config import resolve_level
-from ..mixed_precision import MixedPrecision
+from ..mixed_precision import MixedPrecision, as_policy
 from ..scaler import ShardedGradScaler
 
 PRECISIONS = {"32-true": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
@@ -48,8 +48,7 @@ def check_options(
     level = resolve_level(level)
     if level not in LEVELS:
         raise ValueError(f"unknown level {level!r}; valid levels: {LEVELS} or 1, 2, 3")
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise TypeError("mixed_precision must be a zerokit.MixedPrecision policy (or None)")
+    as_policy(mixed_precision)  # a policy, a name as group_sharded_parallel takes, or None
     return level
 
 
@@ -73,6 +72,7 @@ def precision_policy(precision: str, mixed_precision: MixedPrecision | None, who
     """The ``MixedPrecision`` a precision name means (no autocast: zerokit casts at module
     boundaries, keeps fp32 master shards, returns the loss in fp32), or the strategy's own."""
     dtype = PRECISIONS[precision]
+    mixed_precision = as_policy(mixed_precision)  # a name ("bf16") as its policy
     if dtype is None:
         return mixed_precision
     if mixed_precision is not None:
