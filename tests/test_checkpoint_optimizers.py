@@ -117,6 +117,34 @@ def test_a_list_loads_only_into_the_same_optimizers_in_the_same_order(tmp_path):
     run_distributed(_refusals, 2, str(tmp_path / "ckpt"))
 
 
+def _save_for_lightning(rank, world, path):
+    model, opts = _wrapped("muon", "p_g_os", seed=0)
+    _train(model, opts, global_batches(1, batch=BATCH), rank, world)
+    zerokit.checkpoint.save(path, model, opts, extra={"lightning/epoch": 3})
+
+
+def test_offline_tools_read_a_list_as_lightning_stores_several_optimizers(tmp_path):
+    """``zerokit ckpt inspect`` names each optimizer; the Lightning file holds one
+    ``optimizer_states`` entry per optimizer, each numbering its own parameters from 0."""
+    from zerokit.checkpoint.lightning_file import consolidate_lightning
+
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save_for_lightning, 2, path)
+    report, ok = zerokit.checkpoint.describe(path)
+    assert ok and "optimizer 0: Muon" in report and "optimizer 1: AdamW" in report, report
+    (out,) = consolidate_lightning(path, tmp_path / "out.ckpt")
+    states = torch.load(out, weights_only=False)["optimizer_states"]
+    torch.manual_seed(0)
+    muon, adamw = make_optimizers("muon", MatrixNet())
+    for saved, opt in zip(states, (muon, adamw)):
+        numbered = [n for g in saved["param_groups"] for n in g["params"]]
+        assert numbered == list(range(sum(len(g["params"]) for g in opt.param_groups)))
+    assert {k for s in states[0]["state"].values() for k in s} == {"momentum_buffer"}
+    assert {"exp_avg", "exp_avg_sq", "step"} <= {k for s in states[1]["state"].values() for k in s}
+    shapes = [tuple(states[0]["state"][i]["momentum_buffer"].shape) for i in range(4)]
+    assert shapes == [(73, 24), (24, 73)] * 2, shapes
+
+
 def _one_optimizer_both_ways(rank, world, path):
     """A checkpoint of one optimizer keeps the format of one (a dict: what checkpoints saved
     before lists hold, version 2 included) and loads into a list of one, and back."""

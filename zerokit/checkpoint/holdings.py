@@ -4,7 +4,9 @@ Save and load see every level (and a bare model) the same way: a set of global t
 parameter, persistent buffer and per-element optimizer state, with its full shape and dtype
 and, for a tensor-parallel one, its split) and, for each, the flat ranges of its tp-local
 tensor that this rank holds (``Chunk``: a 1-D view of where the values live). Optimizer
-scalars (Adam's ``step``) and hyperparameters are kept per parameter name.
+scalars (Adam's ``step``) and hyperparameters are kept per parameter name. ``optimizer`` may
+be a list (each optimizer over its own parameters); an optimizer's state is per element, held
+whole in a shape of its own, or block-quantized (``_collect_state``).
 
 A ``PipelineModule`` is seen through its stage, under the names of the whole model
 (``PipelineModule.checkpoint_names``: ``layers.<i>.*``, ``shared.<key>.*``): different stages
