@@ -178,16 +178,17 @@ def test_one_optimizer_keeps_its_format_and_loads_into_a_list_of_one(tmp_path):
 LOWBIT_NET = {"dim": 64, "hidden": 128}  # 64 x 128 = 8192 values: quantized (>= 4096)
 
 
-def _adamw8bit(model):
-    from torchao.optim import AdamW8bit
+def _lowbit(cls: str, model):
+    import torchao.optim
 
-    return AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-6)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return getattr(torchao.optim, cls)(params, lr=1e-2, eps=1e-6)
 
 
-def _lowbit_wrapped(level: str, seed: int):
+def _lowbit_wrapped(cls: str, level: str, seed: int):
     torch.manual_seed(seed)
     model = MatrixNet(**LOWBIT_NET)
-    return zerokit.group_sharded_parallel(model, _adamw8bit(model), level, **OPTIONS[level])[:2]
+    return zerokit.group_sharded_parallel(model, _lowbit(cls, model), level, **OPTIONS[level])[:2]
 
 
 def _pieces_state(model, opt) -> dict:
@@ -198,15 +199,15 @@ def _pieces_state(model, opt) -> dict:
         for piece, view in zip(bucket.pieces, bucket.param_pieces):
             state = {}
             for key, value in opt.state[view].items():
-                if hasattr(value, "codes"):
-                    value = (value.codes.clone(), value.scale.clone())
+                if hasattr(value, "codes"):  # the codes' bytes (fp8 codes too) and scales
+                    value = (value.codes.reshape(-1).view(torch.uint8).clone(), value.scale.clone())
                 state[key] = value.clone() if isinstance(value, torch.Tensor) else value
             out[(names[id(bucket.params[piece.slot])], piece.start)] = state
     return out
 
 
-def _lowbit_save(rank, world, path, batches):
-    model, opt = _lowbit_wrapped("os", seed=0)
+def _lowbit_save(rank, world, cls, path, batches):
+    model, opt = _lowbit_wrapped(cls, "os", seed=0)
     _train(model, [opt], batches, rank, world)
     zerokit.checkpoint.save(path, model, opt)
     torch.save(_pieces_state(model, opt), f"{path}.rank{rank}.pt")
@@ -219,18 +220,15 @@ def _whole_states(path: str, world: int) -> dict:
         for (name, start), state in torch.load(f"{path}.rank{r}.pt").items():
             for key, value in state.items():
                 if isinstance(value, tuple):
-                    codes, scale = value
-                    block = codes.numel() // scale.numel()
-                    whole.setdefault((name, key), {})[start] = (codes, scale, block)
-    return {
-        nk: (torch.cat([c for _, (c, _, _) in sorted(parts.items())]),
-             torch.cat([s for _, (_, s, _) in sorted(parts.items())]))
+                    whole.setdefault((name, key), {})[start] = value
+    return {  # the pieces of a parameter, in order, are all of it
+        nk: tuple(torch.cat([part[i] for _, part in sorted(parts.items())]) for i in (0, 1))
         for nk, parts in whole.items()
-    }  # fmt: skip
+    }
 
 
-def _lowbit_load(rank, world, path, saved_world, batch, want):
-    model, opt = _lowbit_wrapped("p_g_os", seed=1)
+def _lowbit_load(rank, world, cls, path, saved_world, batch, want):
+    model, opt = _lowbit_wrapped(cls, "p_g_os", seed=1)
     zerokit.checkpoint.load(path, model, opt)
     whole = _whole_states(path, saved_world)
     checked = 0
@@ -239,8 +237,10 @@ def _lowbit_load(rank, world, path, saved_world, batch, want):
             if isinstance(value, tuple):
                 codes, scale = whole[(name, key)]
                 n, blocks = value[0].numel(), value[1].numel()
-                block = n // blocks
-                assert torch.equal(value[0], codes[start : start + n]), f"{name} {key} codes"
+                per_code = 2 if cls == "AdamW4bit" else 1  # 4-bit: two values to a byte
+                block = n * per_code // blocks
+                at = start // per_code
+                assert torch.equal(value[0], codes[at : at + n]), f"{name} {key} codes"
                 assert torch.equal(value[1], scale[start // block : start // block + blocks])
                 checked += 1
     assert checked > 0, "no quantized state was loaded"
@@ -250,16 +250,20 @@ def _lowbit_load(rank, world, path, saved_world, batch, want):
         torch.testing.assert_close(got[name], value, atol=ATOL, rtol=0)
 
 
-def test_adamw8bit_states_reload_exactly_at_another_world_size(tmp_path):
+@pytest.mark.parametrize("cls", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
+def test_lowbit_states_reload_exactly_at_another_world_size(cls, tmp_path):
+    """Codes and scales saved at world 2 ('os') are, at world 3 ('p_g_os'), each piece's slice
+    of the saved ones bit for bit; one more step equals one process resumed from the same
+    checkpoint (its update reads the fp32 states before they are quantized again)."""
     pytest.importorskip("torchao")
     path = str(tmp_path / "ckpt")
     batches = global_batches(3, batch=BATCH)
-    run_distributed(_lowbit_save, 2, path, batches[:2])
+    run_distributed(_lowbit_save, 2, cls, path, batches[:2])
     # one process resumes from the same checkpoint (a bare model: the whole codes and scales)
     torch.manual_seed(2)
     ref = MatrixNet(**LOWBIT_NET)
-    ref_opt = _adamw8bit(ref)
+    ref_opt = _lowbit(cls, ref)
     zerokit.checkpoint.load(path, ref, ref_opt)
     assert any(hasattr(v, "codes") for s in ref_opt.state.values() for v in s.values())
     _train(ref, [ref_opt], batches[2:], 0, 1)
-    run_distributed(_lowbit_load, 3, path, 2, batches[2], ref.state_dict())
+    run_distributed(_lowbit_load, 3, cls, path, 2, batches[2], ref.state_dict())
