@@ -267,3 +267,29 @@ def test_lowbit_states_reload_exactly_at_another_world_size(cls, tmp_path):
     assert any(hasattr(v, "codes") for s in ref_opt.state.values() for v in s.values())
     _train(ref, [ref_opt], batches[2:], 0, 1)
     run_distributed(_lowbit_load, 3, cls, path, 2, batches[2], ref.state_dict())
+
+
+def test_lowbit_state_loads_only_with_the_blocks_it_was_saved_in(tmp_path):
+    """One process: a bare AdamW8bit's state reloads bit for bit; with another block_size
+    (blocks of 128 would cut the saved scales wrongly) the load is refused, changing nothing."""
+    from torchao.optim import AdamW8bit
+
+    path = str(tmp_path / "ckpt")
+    torch.manual_seed(0)
+    model = MatrixNet(**LOWBIT_NET)
+    opt = _lowbit("AdamW8bit", model)
+    _train(model, [opt], global_batches(1, batch=BATCH), 0, 1)
+    zerokit.checkpoint.save(path, model, opt)
+    same = AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-6)
+    zerokit.checkpoint.load(path, model, same)
+    for p, state in opt.state.items():
+        for key, value in state.items():
+            got = same.state[p][key]
+            if hasattr(value, "codes"):
+                assert torch.equal(got.codes, value.codes) and torch.equal(got.scale, value.scale)
+            else:
+                assert torch.equal(got, value), key
+    other = AdamW8bit([p for p in model.parameters() if p.requires_grad], block_size=128)
+    with pytest.raises(CheckpointError, match=r"blocks of 256.*same optimizer class and block"):
+        zerokit.checkpoint.load(path, model, other)
+    assert not other.state
