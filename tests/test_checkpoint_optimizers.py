@@ -271,7 +271,8 @@ def test_lowbit_states_reload_exactly_at_another_world_size(cls, tmp_path):
 
 def test_lowbit_state_loads_only_with_the_blocks_it_was_saved_in(tmp_path):
     """One process: a bare AdamW8bit's state reloads bit for bit; with another block_size
-    (blocks of 128 would cut the saved scales wrongly) the load is refused, changing nothing."""
+    (blocks of 128 would cut the saved scales wrongly) the load is refused, changing nothing;
+    the Lightning file refuses it (Lightning would need pickled torchao tensors)."""
     from torchao.optim import AdamW8bit
 
     path = str(tmp_path / "ckpt")
@@ -279,7 +280,11 @@ def test_lowbit_state_loads_only_with_the_blocks_it_was_saved_in(tmp_path):
     model = MatrixNet(**LOWBIT_NET)
     opt = _lowbit("AdamW8bit", model)
     _train(model, [opt], global_batches(1, batch=BATCH), 0, 1)
-    zerokit.checkpoint.save(path, model, opt)
+    zerokit.checkpoint.save(path, model, opt, extra={"lightning/epoch": 0})
+    from zerokit.checkpoint.lightning_file import consolidate_lightning
+
+    with pytest.raises(CheckpointError, match=r"block-quantized .* resume from the checkpoint"):
+        consolidate_lightning(path, tmp_path / "out.ckpt")  # would pickle torchao tensors
     same = AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-6)
     zerokit.checkpoint.load(path, model, same)
     for p, state in opt.state.items():
