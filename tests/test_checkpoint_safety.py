@@ -105,7 +105,7 @@ CASES = {
     "header mismatch": r"'0\.weight@0' is F32 \[12\], the index says float16",
     "overlap": r"0\.weight: pieces overlap at element 2",
     "gap": r"0\.weight: elements 0\.\.1 are in no piece",
-    "version": r"format version 99; this zerokit reads version 2",
+    "version": r"format version 99; this zerokit reads versions 2 and 3",
     "escaping tensor": r"tensor name '\.\./\.\./etc/passwd' would escape",
     "escaping file": r"file name '\.\./evil\.safetensors' would escape",
 }

@@ -262,12 +262,25 @@ def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
     optim = index["optimizer"]
     if optim:
         state = [e for n, e in index["tensors"].items() if n not in model]
-        keys = sorted({k for ks in optim["state_tensors"].values() for k in ks})
-        keys += sorted({k for ks in optim["scalar_state"].values() for k in ks})
+        entries = optim if isinstance(optim, list) else [optim]
+        for k, entry in enumerate(entries):
+            keys = sorted(
+                {
+                    k
+                    for part in ("state_tensors", "quantized_state")
+                    for ks in entry.get(part, {}).values()
+                    for k in ks
+                }
+            )
+            keys += sorted({k for ks in entry["scalar_state"].values() for k in ks})
+            quantized = " (block-quantized)" if entry.get("quantized_state") else ""
+            lines.append(
+                f"optimizer{f' {k}' if len(entries) > 1 else ''}: {entry['class']}, "
+                f"{len(entry['param_groups'])} param group(s), "
+                f"state {', '.join(keys) or 'none yet'}{quantized}"
+            )
         lines.append(
-            f"optimizer: {optim['class']}, {len(optim['param_groups'])} param group(s), "
-            f"state {', '.join(keys) or 'none yet'} ({len(state)} tensors, "
-            f"{format_bytes(sum(map(_nbytes, state)))})"
+            f"optimizer state: {len(state)} tensors, {format_bytes(sum(map(_nbytes, state)))}"
         )
     extra = index.get("extra", {})
     if extra:

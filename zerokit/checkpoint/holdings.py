@@ -4,7 +4,9 @@ Save and load see every level (and a bare model) the same way: a set of global t
 parameter, persistent buffer and per-element optimizer state, with its full shape and dtype
 and, for a tensor-parallel one, its split) and, for each, the flat ranges of its tp-local
 tensor that this rank holds (``Chunk``: a 1-D view of where the values live). Optimizer
-scalars (Adam's ``step``) and hyperparameters are kept per parameter name.
+scalars (Adam's ``step``) and hyperparameters are kept per parameter name. ``optimizer`` may
+be a list (each optimizer over its own parameters); an optimizer's state is per element, held
+whole in a shape of its own, or block-quantized (``_collect_state``).
 
 A ``PipelineModule`` is seen through its stage, under the names of the whole model
 (``PipelineModule.checkpoint_names``: ``layers.<i>.*``, ``shared.<key>.*``): different stages
@@ -13,6 +15,8 @@ hold different tensors, and a shared layer held by several stages is written by 
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +29,7 @@ from ..core.state import state_of
 from ..tensor_parallel.gather_batch import distributed_params
 from ..tensor_parallel.layers import tensor_parallel_params
 from ..tensor_parallel.topology import TPSplit
+from .fields import CheckpointError
 
 OPTIM_PREFIX = "optim"  # optimizer state of parameter P under key K: "optim.K.P"
 
@@ -61,9 +66,15 @@ class Holdings:
     groups: list[dict] = field(default_factory=list)  # hyperparameters + parameter names
     state_names: dict[str, dict[str, str]] = field(default_factory=dict)
     """param name -> {optimizer state key -> its tensor's name}"""
-    optimizer_class: str | None = None
-    optimizer_chunks: list[tuple[Chunk, torch.Tensor]] = field(default_factory=list)
-    """(parameter chunk, the tensor the optimizer keys its state by), in group order."""
+    optimizer_class: str | list[str] | None = None
+    """The optimizer's class; for a list of optimizers, each one's, in order."""
+    group_optimizer: list[int] = field(default_factory=list)
+    """Which optimizer of the list each entry of ``groups`` belongs to."""
+    quantized: dict[str, dict[str, dict]] = field(default_factory=dict)
+    """param name -> {state key -> how its block-quantized state is stored}"""
+    optimizer_chunks: list[tuple[Chunk, torch.Tensor, int]] = field(default_factory=list)
+    """(parameter chunk, the tensor the optimizer keys its state by, which optimizer of the
+    list), in group order."""
     layout: dict = field(default_factory=dict)  # world size, level, dp/tp(/pp) degrees
     pipeline: dict | None = None
     """For a ``PipelineModule``: {"stage": this rank's stage, "stages": n, "bounds": [...]}."""
@@ -101,7 +112,23 @@ def holder_of(model: nn.Module) -> nn.Module:
     return pipe.stage if pipe is not None else model
 
 
-def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdings:
+def optimizers_of(optimizer) -> list[torch.optim.Optimizer]:
+    """``save``/``load``'s ``optimizer`` argument as a list: none, one, or the list given."""
+    if optimizer is None:
+        return []
+    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for o in given:
+        if not isinstance(o, torch.optim.Optimizer):
+            raise CheckpointError(
+                f"optimizer must be an optimizer or a list of them, got {type(o).__name__}"
+            )
+    return given
+
+
+def collect(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+) -> Holdings:
     """This rank's holdings. Cheap: views only, nothing copied or gathered."""
     pipe = _pipeline_of(model)
     checkpoint_names = pipe.checkpoint_names() if pipe is not None else {}
@@ -186,7 +213,9 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Holdin
                 # the fp32 master under mixed precision, whatever the compute copy's dtype
                 meta = meta_of(p, bucket.layout.slots[piece.slot].shape, bucket.layout.dtype)
                 h.metas[name] = meta
-                chunk = Chunk(name, piece.start, view, is_primary(name, meta, whole=False))
+                # 1-D, also where the piece is shaped like its parameter (owned whole: Muon)
+                flat = view.view(-1)
+                chunk = Chunk(name, piece.start, flat, is_primary(name, meta, whole=False))
                 h.chunks.append(chunk)
                 owner[id(view)] = chunk
             for i, p in enumerate(bucket.params):  # a rank may hold no piece of a parameter
@@ -260,30 +289,110 @@ def _rank_local(model: nn.Module, split_of: dict, pipelined: bool) -> dict:
 def _collect_optimizer(
     h: Holdings, optimizer, owner: dict[int, Chunk], names: dict[int, str]
 ) -> None:
-    h.optimizer_class = type(optimizer).__name__.removeprefix("Sharded")
-    given = optimizer_params_of(optimizer)  # whole parameters; a sharded group holds pieces
-    for whole, group in zip(given, optimizer.param_groups):
-        if any(id(p) not in names for p in whole):
-            raise ValueError("the optimizer holds a tensor that is not a parameter of the model")
-        params = [names[id(p)] for p in whole]
-        for key_tensor in group["params"]:
-            chunk = owner[id(key_tensor)]
-            h.optimizer_chunks.append((chunk, key_tensor))
-            for key, value in optimizer.state.get(key_tensor, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:  # per element
-                    state_name = f"{OPTIM_PREFIX}.{key}.{chunk.name}"
-                    h.state_names.setdefault(chunk.name, {})[key] = state_name
-                    meta = h.metas[chunk.name]
-                    h.metas[state_name] = TensorMeta(
-                        meta.shape, value.dtype, meta.split, meta.tp_rank
+    """Each optimizer's groups and state, in the order given (a list keeps its order)."""
+    optimizers = optimizers_of(optimizer)
+    classes = [type(o).__name__.removeprefix("Sharded") for o in optimizers]
+    h.optimizer_class = classes if isinstance(optimizer, (list, tuple)) else classes[0]
+    stepped_by: dict[str, int] = {}  # param name -> the optimizer stepping it
+    for k, opt in enumerate(optimizers):
+        given = optimizer_params_of(opt)  # whole parameters; a sharded group holds pieces
+        for whole, group in zip(given, opt.param_groups):
+            if any(id(p) not in names for p in whole):
+                raise ValueError(
+                    "the optimizer holds a tensor that is not a parameter of the model"
+                )
+            params = [names[id(p)] for p in whole]
+            for name in params:
+                if stepped_by.setdefault(name, k) != k:
+                    raise CheckpointError(
+                        f"{name} is in optimizers {stepped_by[name]} and {k} of the list: each "
+                        "parameter must be stepped by one optimizer"
                     )
-                    h.chunks.append(
-                        Chunk(state_name, chunk.start, value.detach().view(-1), chunk.primary)
-                    )
-                else:  # a scalar (Adam's step), kept in the index
-                    dtype = value.dtype if isinstance(value, torch.Tensor) else None
-                    h.scalars.setdefault(chunk.name, {})[key] = {
-                        "value": value.item() if dtype is not None else value,
-                        "tensor_dtype": str(dtype).removeprefix("torch.") if dtype else None,
-                    }
-        h.groups.append({"hyperparameters": _hyperparameters(group), "params": params})
+            for key_tensor in group["params"]:
+                chunk = owner[id(key_tensor)]
+                h.optimizer_chunks.append((chunk, key_tensor, k))
+                for key, value in opt.state.get(key_tensor, {}).items():
+                    _collect_state(h, chunk, key_tensor, key, value)
+            h.groups.append({"hyperparameters": _hyperparameters(group), "params": params})
+            h.group_optimizer.append(k)
+
+
+def holds_all_of(chunk: Chunk, key_tensor: torch.Tensor, meta: TensorMeta) -> bool:
+    """Does this rank hold all of the parameter (a bare model, or owned whole)?"""
+    return chunk.start == 0 and key_tensor.numel() == math.prod(meta.local_shape())
+
+
+def _collect_state(h: Holdings, chunk: Chunk, key_tensor: torch.Tensor, key: str, value) -> None:
+    """One state entry of one parameter piece. Three kinds of tensor: per element (shaped like
+    the piece: sliced by its range), held whole by the parameter's owner in a shape of its own
+    (Adafactor's ``row_var``/``col_var``), and block-quantized (torchao: its codes and scales)."""
+    meta = h.metas[chunk.name]
+    state_name = f"{OPTIM_PREFIX}.{key}.{chunk.name}"
+    if is_quantized(value):
+        _collect_quantized(h, chunk, key_tensor, key, value)
+    elif isinstance(value, torch.Tensor) and value.dim() > 0:
+        if tuple(value.shape) == tuple(key_tensor.shape):  # per element
+            state_meta = TensorMeta(meta.shape, value.dtype, meta.split, meta.tp_rank)
+            start = chunk.start
+        elif holds_all_of(chunk, key_tensor, meta) and meta.split is None:
+            state_meta, start = TensorMeta(tuple(value.shape), value.dtype, None, 0), 0
+        else:
+            raise CheckpointError(
+                f"optimizer state {key!r} of {chunk.name} has shape {list(value.shape)}, not "
+                f"its piece's {list(key_tensor.shape)}, and this rank holds only part of the "
+                "parameter: an optimizer with such state must be stepped on whole parameters "
+                "(ShardingConfig(whole_parameter_optimizer=True))"
+            )
+        h.state_names.setdefault(chunk.name, {})[key] = state_name
+        h.metas[state_name] = state_meta
+        h.chunks.append(Chunk(state_name, start, value.detach().reshape(-1), chunk.primary))
+    else:  # a scalar (Adam's step), kept in the index
+        dtype = value.dtype if isinstance(value, torch.Tensor) else None
+        h.scalars.setdefault(chunk.name, {})[key] = {
+            "value": value.item() if dtype is not None else value,
+            "tensor_dtype": str(dtype).removeprefix("torch.") if dtype else None,
+        }
+
+
+def is_quantized(value) -> bool:
+    """A block-quantized state tensor (torchao's ``OptimState8bit``, ``OptimState4bit``,
+    ``OptimStateFp8``): ``codes`` and one ``scale`` per block of ``block_size`` elements."""
+    return isinstance(value, torch.Tensor) and all(
+        hasattr(value, a) for a in ("codes", "scale", "block_size")
+    )
+
+
+def quantized_names(key: str, param: str) -> dict[str, str]:
+    return {part: f"{OPTIM_PREFIX}.{key}:{part}.{param}" for part in ("codes", "scale")}
+
+
+def _collect_quantized(h: Holdings, chunk: Chunk, key_tensor, key: str, value) -> None:
+    """Note: saved exactly, as its codes (their bytes) and scales: a piece starts on a block
+    (``core/layout.place_owners``), so its codes and scales are slices of the ones one process
+    holds for the whole parameter, and a load at any world size cuts them again."""
+    meta = h.metas[chunk.name]
+    block = value.block_size
+    codes = value.codes.detach().reshape(-1)
+    if meta.split is not None or codes.element_size() != 1 or chunk.start % block:
+        raise CheckpointError(
+            f"optimizer state {key!r} of {chunk.name} is block-quantized "
+            f"({type(value).__name__}) on a tensor-parallel split or off its blocks: "
+            "zerokit.checkpoint cannot save it"
+        )
+    per_code = key_tensor.numel() // codes.numel()  # elements per code: 1, or 2 (4-bit)
+    numel = math.prod(meta.shape)
+    names = quantized_names(key, chunk.name)
+    h.metas[names["codes"]] = TensorMeta((numel // per_code,), torch.uint8, None, 0)
+    h.chunks.append(
+        Chunk(names["codes"], chunk.start // per_code, codes.view(torch.uint8), chunk.primary)
+    )
+    scale = value.scale.detach().reshape(-1)
+    h.metas[names["scale"]] = TensorMeta((numel // block,), scale.dtype, None, 0)
+    h.chunks.append(Chunk(names["scale"], chunk.start // block, scale, chunk.primary))
+    signed = getattr(value, "signed", None)
+    h.quantized.setdefault(chunk.name, {})[key] = {
+        "class": type(value).__name__,
+        "block_size": block,
+        "signed": signed if isinstance(signed, bool) else None,
+        **names,
+    }

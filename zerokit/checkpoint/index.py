@@ -33,7 +33,10 @@ from .fields import (  # noqa: F401  (re-exported: the index's error and names)
 )
 
 FORMAT = "zerokit-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+# Version 3 adds a list of optimizers, optimizer state held whole in a shape of its own, and
+# block-quantized state; a version 2 checkpoint is a version 3 one without them.
+READABLE_VERSIONS = (2, 3)
 INDEX_NAME = "index.json"
 MAX_INDEX_BYTES = 1 << 30
 _SAFE_FILE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}\.safetensors$")
@@ -92,10 +95,11 @@ def parse_index(raw: bytes, where: str) -> dict:
         raise CheckpointError(f"{where}: unreadable index: {e}") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise CheckpointError(f"{where}: not a zerokit checkpoint index")
-    if index.get("format_version") != FORMAT_VERSION:
+    if index.get("format_version") not in READABLE_VERSIONS:
         raise CheckpointError(
             f"{where}: format version {index.get('format_version')!r}; this zerokit reads "
-            f"version {FORMAT_VERSION} (use the zerokit that wrote it, or a newer one)"
+            f"versions {' and '.join(map(str, READABLE_VERSIONS))} (use the zerokit that wrote it, "
+            "or a newer one)"
         )
     if index.get("checksum") != hashlib.sha256(_canonical(index)).hexdigest():
         raise CheckpointError(
@@ -169,7 +173,7 @@ def validate(index: dict) -> None:
         )
         _need(alias not in tensors, f"alias {alias!r} is also a saved tensor")
     if index.get("optimizer") is not None:
-        _check_optimizer(_dict(index["optimizer"], "optimizer"), tensors, index["aliases"])
+        _check_optimizer(index["optimizer"], tensors, index["aliases"])
 
     validate_extra(_dict(index.get("extra", {}), "extra"), files, used)
 
@@ -257,46 +261,95 @@ def check_hyperparameter(what: str, value) -> None:
     """A saved hyperparameter: JSON scalars, lists of finite numbers or of strings."""
     if value is None or isinstance(value, (bool, str)):
         return
-    if isinstance(value, list):  # betas; param_names
+    if isinstance(value, list):  # betas; param_names; Adafactor's eps (None: from the dtype)
         _need(
-            all(is_finite_number(v) for v in value) or all(isinstance(v, str) for v in value),
+            all(v is None or is_finite_number(v) for v in value)
+            or all(isinstance(v, str) for v in value),
             f"{what} must hold finite numbers or strings, got {value!r:.200}",
         )
         return
     _need(is_finite_number(value), f"{what} must be a finite number, got {value!r}")
 
 
-def _check_optimizer(optimizer: dict, tensors: dict, aliases: dict) -> None:
-    _keys(optimizer, "optimizer", {"class", "param_groups", "scalar_state", "state_tensors"})
-    _need(isinstance(optimizer["class"], str), "optimizer.class must be a string")
+def _check_optimizer(optimizer, tensors: dict, aliases: dict) -> None:
+    """One optimizer's entry, or a list of them (each parameter in one optimizer only)."""
+    entries = _list(optimizer, "optimizer") if isinstance(optimizer, list) else [optimizer]
+    seen: set[str] = set()
+    for k, entry in enumerate(entries):
+        what = "optimizer" if entries[0] is optimizer else f"optimizer[{k}]"
+        params = _check_one_optimizer(_dict(entry, what), what, tensors, aliases)
+        _need(not params & seen, f"{what}: {sorted(params & seen)[:3]} in two optimizers")
+        seen |= params
+
+
+def _check_one_optimizer(optimizer: dict, what_opt: str, tensors: dict, aliases: dict) -> set:
+    _keys(
+        optimizer,
+        what_opt,
+        {"class", "param_groups", "scalar_state", "state_tensors"},
+        frozenset({"quantized_state"}),
+    )
+    _need(isinstance(optimizer["class"], str), f"{what_opt}.class must be a string")
     model = {n for n in tensors if not n.startswith("optim.")} | set(aliases)
-    for i, group in enumerate(_list(optimizer["param_groups"], "optimizer.param_groups")):
-        what = f"optimizer param group {i}"
+    params: set[str] = set()
+    for i, group in enumerate(_list(optimizer["param_groups"], f"{what_opt}.param_groups")):
+        what = f"{what_opt} param group {i}"
         _keys(_dict(group, what), what, {"hyperparameters", "params"})
         for key, value in _dict(group["hyperparameters"], what).items():
             check_hyperparameter(f"{what}: {key}", value)
         for param in _list(group["params"], f"{what}: params"):
             _need(param in model, f"{what}: {param!r} is not a saved model tensor")
-    for param, scalars in _dict(optimizer["scalar_state"], "optimizer.scalar_state").items():
-        _need(param in model, f"optimizer.scalar_state: {param!r} is not a saved model tensor")
+            params.add(param)
+    for param, scalars in _dict(optimizer["scalar_state"], f"{what_opt}.scalar_state").items():
+        _need(param in model, f"{what_opt}.scalar_state: {param!r} is not a saved model tensor")
         for key, scalar in _dict(scalars, f"optimizer state of {param}").items():
             what = f"optimizer state {key!r} of {param}"
             _keys(_dict(scalar, what), what, {"value", "tensor_dtype"})
             _need(is_finite_number(scalar["value"]), f"{what} must be a finite number")
             if scalar["tensor_dtype"] is not None:
                 dtype_from_name(scalar["tensor_dtype"], what)
-    for param, names in _dict(optimizer["state_tensors"], "optimizer.state_tensors").items():
+    for param, names in _dict(optimizer["state_tensors"], f"{what_opt}.state_tensors").items():
         _need(
             param in tensors and not param.startswith("optim."),
-            f"optimizer.state_tensors: {param!r} is not a saved model tensor",
+            f"{what_opt}.state_tensors: {param!r} is not a saved model tensor",
         )
         for key, name in _dict(names, f"optimizer state of {param}").items():
             _need(
                 name == f"optim.{key}.{param}" and name in tensors,
                 f"optimizer state {key!r} of {param} points to {name!r}",
             )
+            # per element: shaped and split like its parameter; else held whole, unsplit
+            per_element = tensors[name]["shape"] == tensors[param]["shape"]
             _need(
-                tensors[name]["shape"] == tensors[param]["shape"]
-                and tensors[name]["tp"] == tensors[param]["tp"],
-                f"{name}: its shape or split differs from {param}'s",
+                tensors[name]["tp"] == tensors[param]["tp"]
+                if per_element
+                else tensors[name]["tp"] is None and tensors[param]["tp"] is None,
+                f"{name}: its split differs from {param}'s",
             )
+    quantized = _dict(optimizer.get("quantized_state", {}), f"{what_opt}.quantized_state")
+    for param, states in quantized.items():
+        _need(param in params, f"{what_opt}.quantized_state: {param!r} is not in its groups")
+        for key, described in _dict(states, f"quantized state of {param}").items():
+            _check_quantized(f"quantized state {key!r} of {param}", key, param, described, tensors)
+    return params
+
+
+def _check_quantized(what: str, key: str, param: str, described: dict, tensors: dict) -> None:
+    _keys(_dict(described, what), what, {"class", "block_size", "signed", "codes", "scale"})
+    _need(isinstance(described["class"], str), f"{what}: class must be a string")
+    _need(described["signed"] in (None, True, False), f"{what}: signed must be a boolean")
+    block = _int(described["block_size"], f"{what}: block_size", 1)
+    numel = math.prod(tensors[param]["shape"]) if param in tensors else -1
+    for part in ("codes", "scale"):
+        name = described[part]
+        _need(
+            name == f"optim.{key}:{part}.{param}" and name in tensors,
+            f"{what}: {part} points to {name!r}",
+        )
+        entry = tensors[name]
+        _need(len(entry["shape"]) == 1 and entry["tp"] is None, f"{name}: not 1-D and unsplit")
+    _need(
+        tensors[described["scale"]]["shape"][0] * block == numel,
+        f"{what}: its scales do not cover {param} in blocks of {block}",
+    )
+    _need(tensors[described["codes"]]["dtype"] == "uint8", f"{what}: codes must be uint8")

@@ -45,8 +45,10 @@ def consolidate_lightning(checkpoint: str | os.PathLike, output: str | os.PathLi
         reader.verify_all()
         state: dict[str, Any] = {k[len(EXTRA_PREFIX) :]: _read_extra(reader, k) for k in keys}
         state["state_dict"] = _model_state(reader)
-        if reader.index["optimizer"] is not None:  # not a weights-only save
-            state["optimizer_states"] = [_optimizer_state(reader)]
+        saved = reader.index["optimizer"]
+        if saved is not None:  # not a weights-only save; several optimizers: one state each
+            entries = saved if isinstance(saved, list) else [saved]
+            state["optimizer_states"] = [_optimizer_state(reader, e) for e in entries]
     partial = f"{output}.partial-{os.getpid()}"
     try:
         torch.save(state, partial)
@@ -84,10 +86,16 @@ def _model_state(reader: CheckpointReader) -> dict[str, torch.Tensor]:
     return state
 
 
-def _optimizer_state(reader: CheckpointReader) -> dict[str, Any]:
-    """The saved optimizer as ``Optimizer.state_dict()``: parameters numbered 0, 1, ... in the
-    order of their param groups."""
-    saved, aliases = reader.index["optimizer"], reader.index["aliases"]
+def _optimizer_state(reader: CheckpointReader, saved: dict) -> dict[str, Any]:
+    """One saved optimizer as ``Optimizer.state_dict()``: parameters numbered 0, 1, ... in the
+    order of their param groups (each optimizer of a list from 0, as Lightning stores them)."""
+    aliases = reader.index["aliases"]
+    if saved.get("quantized_state"):
+        raise CheckpointError(
+            f"{reader.directory}: its {saved['class']} state is block-quantized (torchao), "
+            "which Lightning's file would hold as pickled torchao tensors: resume from the "
+            "checkpoint directory itself, or consolidate the weights to a .safetensors file"
+        )
     numbers: dict[str, int] = {}
     groups = []
     for group in saved["param_groups"]:

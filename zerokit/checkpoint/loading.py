@@ -6,7 +6,7 @@ agree again first, so a refused checkpoint changes nothing anywhere."""
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,15 @@ from ..core.agreement import alive
 from ..core.state import state_of
 from . import extra as extra_state
 from .dcp_format import is_dcp
-from .holdings import Chunk, Holdings, TensorMeta, collect, holder_of
+from .holdings import (
+    Chunk,
+    Holdings,
+    TensorMeta,
+    collect,
+    holder_of,
+    holds_all_of,
+    optimizers_of,
+)
 from .index import INDEX_NAME, CheckpointError, dtype_from_name, is_finite_number, split_from_json
 from .reading import CheckpointReader, resolve
 from .saving import (
@@ -39,7 +47,7 @@ class _Staged:
     """Everything a load will write, read and checked in advance."""
 
     copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    optimizer_state: list[tuple[torch.Tensor, dict]] = field(default_factory=list)
+    optimizer_state: list[tuple[torch.Tensor, dict, int]] = field(default_factory=list)
     hyperparameters: list[dict] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -47,14 +55,15 @@ class _Staged:
 def load(
     path: str | os.PathLike,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     strict: bool = True,
     *,
     extra: MutableMapping[str, Any] | None = None,
     timeout: float | None = None,
 ) -> None:
     """Load a checkpoint written by ``save`` at any world size and level into ``model`` (and
-    ``optimizer``), wrapped at any level or bare. Collective: every rank calls it.
+    ``optimizer``: one, or the list of optimizers saved, in the same order), wrapped at any
+    level or bare. Collective: every rank calls it.
 
     ``path`` may also be a torch.distributed.checkpoint (DCP) directory, as FSDP2 and
     torchtitan save one (``dcp.save({"model": msd, "optimizer": osd, ...})`` with
@@ -211,11 +220,11 @@ def _check_hyperparameter(i: int, key: str, value, current) -> None:
     elif isinstance(current, (tuple, list)):
         ok = isinstance(value, list) and len(value) == len(current)
         ok = ok and all(
-            isinstance(v, str) if isinstance(c, str) else is_finite_number(v)
+            isinstance(v, str) if isinstance(c, str) else v is None or is_finite_number(v)
             for v, c in zip(value, current)
         )
         if key == "betas":
-            ok = ok and all(0 <= v < 1 for v in value)
+            ok = ok and all(is_finite_number(v) and 0 <= v < 1 for v in value)
     else:
         ok = type(value) is type(current)
     if not ok:
@@ -225,49 +234,122 @@ def _check_hyperparameter(i: int, key: str, value, current) -> None:
         )
 
 
-def _stage_optimizer(
-    index: dict, reader: CheckpointReader, h: Holdings, optimizer, staged: _Staged, world
-) -> None:
+def _saved_optimizers(index: dict, h: Holdings) -> list[dict]:
+    """The checkpoint's optimizers, checked against those given: as many, of the same
+    classes, in the same order (a checkpoint of one optimizer is a list of one)."""
     saved = index.get("optimizer")
     if saved is None:
         raise CheckpointError("the checkpoint holds no optimizer state; pass optimizer=None")
-    if saved["class"] != h.optimizer_class:
+    entries = saved if isinstance(saved, list) else [saved]
+    held = h.optimizer_class if isinstance(h.optimizer_class, list) else [h.optimizer_class]
+    if [e["class"] for e in entries] != held:
+        if len(entries) == 1 and len(held) == 1:
+            raise CheckpointError(
+                f"the checkpoint holds {entries[0]['class']} state, the optimizer is {held[0]}"
+            )
         raise CheckpointError(
-            f"the checkpoint holds {saved['class']} state, the optimizer is {h.optimizer_class}"
+            f"the checkpoint holds the state of {len(entries)} optimizer(s) "
+            f"{[e['class'] for e in entries]}, given {len(held)}: {held}; pass the optimizers "
+            "it was saved with, in the same order"
         )
-    groups = saved["param_groups"]
+    return entries
+
+
+def _stage_optimizer(
+    index: dict, reader: CheckpointReader, h: Holdings, optimizer, staged: _Staged, world
+) -> None:
+    entries = _saved_optimizers(index, h)
+    optimizers = optimizers_of(optimizer)
+    groups = [(k, g) for k, e in enumerate(entries) for g in e["param_groups"]]
     held = [g["params"] for g in h.groups] if world is None else world["groups"]
-    if [set(g["params"]) for g in groups] != [set(params) for params in held]:
+    if [(k, set(g["params"])) for k, g in groups] != [
+        (k, set(params)) for k, params in zip(h.group_optimizer, held)
+    ]:
         raise CheckpointError(
             "the optimizer's param groups hold other parameters than the saved ones"
         )
-    for i, (group, current) in enumerate(zip(groups, optimizer.param_groups)):
+    current_groups = [g for o in optimizers for g in o.param_groups]
+    for i, ((_, group), current) in enumerate(zip(groups, current_groups)):
         for key, value in group["hyperparameters"].items():
             if key in current:  # a key this optimizer does not know cannot change it
                 _check_hyperparameter(i, key, value, current[key])
-    for chunk, key_tensor in h.optimizer_chunks:
+    merged: dict[str, dict] = {"state_tensors": {}, "scalar_state": {}, "quantized_state": {}}
+    for entry in entries:  # each parameter is in one optimizer: its state is keyed by name
+        for part, values in merged.items():
+            values.update(entry.get(part, {}))
+    for chunk, key_tensor, k in h.optimizer_chunks:
         state = {}
-        for key, tensor_name in saved["state_tensors"].get(chunk.name, {}).items():
-            meta = h.metas[chunk.name]
-            state_meta = TensorMeta(
-                meta.shape,
-                dtype_from_name(index["tensors"][tensor_name]["dtype"], tensor_name),
-                meta.split,
-                meta.tp_rank,
+        for key, tensor_name in merged["state_tensors"].get(chunk.name, {}).items():
+            state[key] = _read_state(reader, tensor_name, h.metas[chunk.name], chunk, key_tensor)
+        for key, described in merged["quantized_state"].get(chunk.name, {}).items():
+            state[key] = _read_quantized(
+                reader, described, h.metas[chunk.name], chunk, key_tensor, optimizers[k]
             )
-            data = _read(reader, tensor_name, state_meta, chunk)
-            state[key] = data.to(key_tensor.device).view(key_tensor.shape)
-        for key, scalar in saved["scalar_state"].get(chunk.name, {}).items():
+        for key, scalar in merged["scalar_state"].get(chunk.name, {}).items():
             value = scalar["value"]
             if scalar["tensor_dtype"] is not None:
                 dtype = dtype_from_name(scalar["tensor_dtype"], f"{chunk.name} {key}")
                 value = torch.tensor(value, dtype=dtype)
             state[key] = value
-        staged.optimizer_state.append((key_tensor, state))
+        staged.optimizer_state.append((key_tensor, state, k))
     staged.hyperparameters = [
         {k: v for k, v in g["hyperparameters"].items() if k in current}
-        for g, current in zip(groups, optimizer.param_groups)
+        for (_, g), current in zip(groups, current_groups)
     ]
+
+
+def _read_state(
+    reader: CheckpointReader, name: str, meta: TensorMeta, chunk: Chunk, key_tensor
+) -> torch.Tensor:
+    """A state tensor of one piece: per element (shaped like the parameter), this piece's
+    range; held whole (a shape of its own, Adafactor's ``row_var``), all of it, which only a
+    rank that now holds all of the parameter (its owner) can take."""
+    entry = reader.index["tensors"][name]
+    dtype = dtype_from_name(entry["dtype"], name)
+    if tuple(entry["shape"]) == meta.shape:
+        data = _read(reader, name, TensorMeta(meta.shape, dtype, meta.split, meta.tp_rank), chunk)
+        return data.to(key_tensor.device).view(key_tensor.shape)
+    if not holds_all_of(chunk, key_tensor, meta) or meta.split is not None:
+        raise CheckpointError(
+            f"{name} (shape {entry['shape']}) was held whole by {chunk.name}'s owner, and this "
+            "rank holds only part of the parameter: load it with an optimizer zerokit steps on "
+            "whole parameters (Muon, Adafactor, ShardingConfig(whole_parameter_optimizer=True))"
+        )
+    return reader.read_full(name).to(key_tensor.device)
+
+
+def _read_quantized(
+    reader: CheckpointReader, described: dict, meta: TensorMeta, chunk: Chunk, key_tensor, opt
+) -> torch.Tensor:
+    """A block-quantized state of one piece, exactly as saved: the optimizer makes the state
+    as it would at its first step (``_new_buffer``: the same class, blocks and qmap), and its
+    codes and scales are this piece's slices of the saved ones (a piece starts on a block)."""
+    block, what = described["block_size"], f"{chunk.name}'s quantized state"
+    signed = True if described["signed"] is None else described["signed"]
+    made = opt._new_buffer(key_tensor, signed) if hasattr(opt, "_new_buffer") else None
+    same = made is not None and type(made).__name__ == described["class"]
+    if not same or made.block_size != block or chunk.start % block or meta.split is not None:
+        raise CheckpointError(
+            f"{what} was saved as {described['class']} in blocks of {block}; the optimizer "
+            f"makes {type(made).__name__} here (block_size {getattr(made, 'block_size', '-')}): "
+            "load it with the same optimizer class and block_size"
+        )
+    per_code = key_tensor.numel() // made.codes.numel()
+    tensors = reader.index["tensors"]
+    parts = {}
+    for part, start, target in (
+        ("codes", chunk.start // per_code, made.codes),
+        ("scale", chunk.start // block, made.scale),
+    ):
+        name = described[part]
+        size = tensors[name]["shape"][0]
+        dtype = torch.uint8 if part == "codes" else target.dtype
+        if start + target.numel() > size or tensors[name]["dtype"] != str(dtype)[6:]:
+            raise CheckpointError(f"{name}: {tensors[name]} does not hold {what} as made here")
+        parts[part] = reader.read_part(name, 0, start, target.numel())
+    made.codes.copy_(parts["codes"].view(made.codes.dtype).view(made.codes.shape))
+    made.scale.copy_(parts["scale"].view(made.scale.shape))
+    return made
 
 
 def _stage_extra(reader: CheckpointReader, extra) -> dict[str, Any]:
@@ -312,11 +394,14 @@ def _apply(staged: _Staged, model: nn.Module, optimizer) -> None:
         for target, data in staged.copies:
             target.copy_(data)
     if optimizer is not None:
-        optimizer.state.clear()
-        for key_tensor, state in staged.optimizer_state:
+        optimizers = optimizers_of(optimizer)
+        for opt in optimizers:
+            opt.state.clear()
+        for key_tensor, state, k in staged.optimizer_state:
             if state:
-                optimizer.state[key_tensor] = state
-        for group, hyper in zip(optimizer.param_groups, staged.hyperparameters):
+                optimizers[k].state[key_tensor] = state
+        groups = [g for opt in optimizers for g in opt.param_groups]
+        for group, hyper in zip(groups, staged.hyperparameters):
             for key, value in hyper.items():
                 current = group.get(key)
                 if isinstance(current, torch.Tensor):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,9 +149,9 @@ def optimizer_fingerprint(h: Holdings) -> bytes:
     """The optimizer's class, groups and hyperparameters (a pipeline stage's own parameters:
     those of all stages are checked by ``world_view``)."""
     if h.pipeline is None:
-        desc = [h.optimizer_class, h.groups]
+        desc = [h.optimizer_class, h.group_optimizer, h.groups]
     else:
-        desc = [h.optimizer_class, [g["hyperparameters"] for g in h.groups]]
+        desc = [h.optimizer_class, h.group_optimizer, [g["hyperparameters"] for g in h.groups]]
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest().encode()
 
 
@@ -237,11 +237,13 @@ def _build_index(
             entry["parts"].setdefault(part, []).append(
                 {k: piece[k] for k in ("key", "start", "numel")} | {"file": shard["file"]["name"]}
             )
-    scalars, state_names = {}, {}
+    scalars, state_names, quantized = {}, {}, {}
     for shard in shards:
         scalars.update(shard["scalars"])
         for param, keys in shard["state_names"].items():
             state_names.setdefault(param, {}).update(keys)
+        for param, keys in shard["quantized"].items():
+            quantized.setdefault(param, {}).update(keys)
     extra = {
         key: {
             "per_rank": per_rank[key],
@@ -256,16 +258,7 @@ def _build_index(
         "files": files,
         "tensors": tensors,
         "aliases": h.aliases,
-        "optimizer": None
-        if h.optimizer_class is None
-        else {
-            "class": h.optimizer_class,
-            "param_groups": h.groups
-            if world is None
-            else [g | {"params": p} for g, p in zip(h.groups, world["groups"])],
-            "scalar_state": scalars,
-            "state_tensors": state_names,
-        },
+        "optimizer": _optimizer_index(h, world, scalars, state_names, quantized),
         "extra": extra,
     }
     if h.model_config:  # written only when there is one: older readers know no such key
@@ -273,6 +266,32 @@ def _build_index(
     for name, entry in tensors.items():
         check_tensor_entry(name, entry, files)  # every element once: no gaps, no overlaps
     return index
+
+
+def _optimizer_index(h: Holdings, world, scalars: dict, state_names: dict, quantized: dict):
+    """The index's ``optimizer``: one entry per optimizer, each with its own groups and the
+    state of its parameters; a list when a list was given (one optimizer: the entry itself)."""
+    if h.optimizer_class is None:
+        return None
+    groups = h.groups
+    if world is not None:
+        groups = [g | {"params": p} for g, p in zip(h.groups, world["groups"])]
+    listed = isinstance(h.optimizer_class, list)
+    entries = []
+    for k, cls in enumerate(h.optimizer_class if listed else [h.optimizer_class]):
+        mine = [g for g, owner in zip(groups, h.group_optimizer) if owner == k]
+        params = {p for g in mine for p in g["params"]}
+        entry = {
+            "class": cls,
+            "param_groups": mine,
+            "scalar_state": {p: v for p, v in scalars.items() if p in params},
+            "state_tensors": {p: v for p, v in state_names.items() if p in params},
+        }
+        held = {p: v for p, v in quantized.items() if p in params}
+        if held:
+            entry["quantized_state"] = held
+        entries.append(entry)
+    return entries if listed else entries[0]
 
 
 def _local_checks(h: Holdings, extra: Mapping[str, Any] | None) -> dict:
@@ -305,7 +324,7 @@ class ZerokitWriter:
         mine = {k for k in extras if per_rank[k] or _rank() == 0}
         shard = _write_shard(tmp, h, extras, mine)
         shard["scalars"], shard["tensors"] = h.scalars, _describe(h)
-        shard["state_names"] = h.state_names
+        shard["state_names"], shard["quantized"] = h.state_names, h.quantized
         shard["tp_rank"] = next((m.tp_rank for m in h.metas.values() if m.split), 0)
         return shard
 
@@ -330,14 +349,14 @@ def writer_for(format: str):
 def save(
     path: str | os.PathLike,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     *,
     extra: Mapping[str, Any] | None = None,
     timeout: float | None = None,
     format: str = "zerokit",
 ) -> None:
-    """Save ``model`` (and ``optimizer``, and ``extra`` state) to the directory ``path``,
-    atomically.
+    """Save ``model`` (and ``optimizer``, one or a list of them, and ``extra`` state) to the
+    directory ``path``, atomically.
 
     Collective: every rank calls it, with the same path; each writes only what it holds (its
     shards). Works at every level, on a bare model, and with tensor-parallel layers. All ranks
