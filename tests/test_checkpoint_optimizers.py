@@ -57,10 +57,10 @@ def _wrapped(kind: str, level: str, seed: int, **net):
     )[:2]
 
 
-def _save_phase(rank, world, kind, level, path, batches):
+def _save_phase(rank, world, kind, level, path, batches, format="zerokit"):
     model, opts = _wrapped(kind, level, seed=0)
     _train(model, opts, batches, rank, world)
-    zerokit.checkpoint.save(path, model, opts)
+    zerokit.checkpoint.save(path, model, opts, format=format)
 
 
 def _load_phase(rank, world, kind, level, path, batches, want):
@@ -94,6 +94,18 @@ def test_resumed_at_another_world_and_level_trains_as_one_process(
     (level, world), (level2, world2) = saved_at, loaded_at
     run_distributed(_save_phase, world, kind, level, path, batches[:3])
     run_distributed(_load_phase, world2, kind, level2, path, batches[3:], want)
+
+
+@pytest.mark.parametrize("kind", ["muon", "adafactor"])
+def test_a_dcp_checkpoint_of_these_optimizers_resumes_as_one_process(kind, tmp_path, muon_in_fp32):
+    """The same in torch's DCP format: a list of optimizers (their param groups in order, as
+    ``get_state_dict(model, optimizers=...)`` lists them), Adafactor's row and column
+    statistics read whole by each parameter's new owner."""
+    batches = global_batches(6, batch=BATCH)
+    want = _one_process(kind, batches)
+    path = str(tmp_path / "dcp")
+    run_distributed(_save_phase, 2, kind, "p_g_os", path, batches[:3], "dcp")
+    run_distributed(_load_phase, 3, kind, "os_g", path, batches[3:], want)
 
 
 # -- refusals -------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from ..core.agreement import alive
 from .dcp_format import MODEL, OPTIMIZER, boxes, load_value, path_of, plain, read_metadata
-from .holdings import Holdings, TensorMeta, collect
+from .holdings import Holdings, TensorMeta, collect, optimizers_of
 from .index import CheckpointError
 from .loading import _apply, _apply_extra, _check_hyperparameter, _Staged
 from .pretrained import _runs
@@ -233,7 +233,7 @@ def _ask_optimizer(src: _Source, h: Holdings, reads: _Reads):
             "(no 'optimizer' entry); pass optimizer=None"
         )
     items, per_chunk = src.metadata.state_dict_metadata, []
-    for chunk, key_tensor in h.optimizer_chunks:
+    for chunk, key_tensor, k in h.optimizer_chunks:
         state = {}
         for skey, key in src.state.get(chunk.name, {}).items():
             md, meta = items[key], h.metas[chunk.name]
@@ -245,27 +245,30 @@ def _ask_optimizer(src: _Source, h: Holdings, reads: _Reads):
                     key, dataclasses.replace(meta, dtype=md.properties.dtype), chunk.start, data
                 )
                 state[skey] = ("tensor", data.view(key_tensor.shape))
-            elif len(md.size) == 0:
+            elif len(md.size) == 0 or chunk.tensor.numel() == math.prod(meta.shape):
+                # a scalar, or state in its own shape (Adafactor's row_var) of a parameter this
+                # rank holds whole (the owner layout): read whole
                 state[skey] = ("tensor", reads.whole(key))
             else:
                 raise CheckpointError(
                     f"{key}: shape {list(md.size)}, neither {chunk.name}'s "
-                    f"{list(meta.shape)} nor a scalar"
+                    f"{list(meta.shape)} nor a scalar, and this rank holds part of it"
                 )
-        per_chunk.append((key_tensor, state))
+        per_chunk.append((key_tensor, state, k))
     groups = {i: {hk: reads.value(k) for hk, k in g.items()} for i, g in src.groups.items()}
 
     def finish(staged: _Staged, optimizer) -> None:
-        for key_tensor, state in per_chunk:
+        for key_tensor, state, k in per_chunk:
             staged.optimizer_state.append(
                 (
                     key_tensor,
                     {
-                        k: reads.values[ref]
+                        key: reads.values[ref]
                         if kind == "value"
                         else ref.clone().to(key_tensor.device)
-                        for k, (kind, ref) in state.items()
+                        for key, (kind, ref) in state.items()
                     },
+                    k,
                 )
             )
         values = [{hk: reads.values[k] for hk, k in groups[i].items()} for i in sorted(groups)]
@@ -275,15 +278,17 @@ def _ask_optimizer(src: _Source, h: Holdings, reads: _Reads):
 
 
 def _hyperparameters(groups: list[dict], h: Holdings, optimizer) -> list[dict]:
-    """The saved param groups, checked against the optimizer's: the same parameters in each
-    (by name) and hyperparameters of the kind it holds."""
-    if len(groups) != len(optimizer.param_groups):
+    """The saved param groups, checked against the optimizers': the same parameters in each
+    (by name) and hyperparameters of the kind it holds (several optimizers: their groups in
+    order, as ``get_state_dict(model, optimizers=(...))`` lists them)."""
+    current_groups = [g for opt in optimizers_of(optimizer) for g in opt.param_groups]
+    if len(groups) != len(current_groups):
         raise CheckpointError(
             f"the checkpoint's optimizer has {len(groups)} param groups, "
-            f"the optimizer {len(optimizer.param_groups)}"
+            f"the optimizer {len(current_groups)}"
         )
     out = []
-    for i, (saved, held, current) in enumerate(zip(groups, h.groups, optimizer.param_groups)):
+    for i, (saved, held, current) in enumerate(zip(groups, h.groups, current_groups)):
         params = {h.aliases.get(plain(p), plain(p)) for p in saved.get("params", [])}
         if params != set(held["params"]):
             only = sorted(params ^ set(held["params"]))
