@@ -193,3 +193,32 @@ def _checks(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_stage3_gathers_frees_and_matches_single_process(world_size):
     run_distributed(_checks, world_size)
+
+
+def _held_modules(rank, world_size):
+    """A submodule the user still holds (``model.blocks[0]``, a backbone) is sharded in place
+    at 'p_g_os': its own ``state_dict()`` gathers what one process holds, as the model's does
+    (fp32 masters under mixed precision), never stage 3's empty parameters."""
+    batches = global_batches(2, batch=2 * world_size)
+    for mp in (None, zerokit.MixedPrecision(param_dtype=torch.bfloat16)):
+        ref, ref_opt, model, opt = _pair(lambda: GPT(CFG), mixed_precision=mp)
+        train_reference(ref, ref_opt, batches)
+        train_sharded(model, opt, batches, rank, world_size)
+        full = model.state_dict()  # collective
+        tol = ATOL if mp is None else 0.05  # bf16 compute: the masters drift a little
+        for name, ref_value in ref.state_dict().items():
+            torch.testing.assert_close(full[name], ref_value, atol=tol, rtol=0)
+        for prefix, module in model.named_modules():
+            if prefix == "":
+                continue
+            got = module.state_dict()  # collective: every rank calls it
+            want = {k[len(prefix) + 1 :]: v for k, v in full.items() if k.startswith(prefix + ".")}
+            assert got.keys() == want.keys(), prefix
+            for name, value in want.items():
+                assert torch.equal(got[name], value), f"{prefix}.{name}: {got[name].shape}"
+        # nothing stays gathered: the units are freed again after each call
+        assert state_of(model).groups[1].gathered_numel() == 0
+
+
+def test_a_held_submodule_state_dict_is_full():
+    run_distributed(_held_modules, 2)

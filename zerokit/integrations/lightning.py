@@ -63,6 +63,7 @@ from ..checkpoint.reading import CheckpointReader
 from ..clip import clip_grad_norm_
 from ..config import ShardingConfig
 from ..core.module import broadcast_module_state
+from ..core.state import state_of
 from ..mixed_precision import MixedPrecision
 from . import _lightning_common as common
 from .fabric import ZeroKitFabricStrategy
@@ -269,6 +270,9 @@ class ZeroKitStrategy(DDPStrategy):
             **self._sharding,
         )
         plugin.model, plugin.scaler = root, scaler
+        # the user's module holds the root's parameters under its names: its own state_dict()
+        # gathers them as the root's does (at 'p_g_os' they are empty between steps)
+        state_of(root).state_dict_hooks.share(module)
         self.optimizers = [optimizer]  # converted in place: rebuild Lightning's view of it
         self._root = root
         return root
