@@ -20,6 +20,11 @@ nest). ``init_fn`` therefore sees, on a module, the parameters of that module's 
 parameter of a unit already sharded (a parent reaching into a finished child) is an error,
 never a silent no-op. Every rank runs the whole initialisation (random draws are sequential:
 a rank cannot skip to its shard's numbers), paying its compute but not its memory.
+
+Every rank must end with one model whatever ``init_fn`` draws from: each tensor's digest is
+compared across ranks once every rank has finished; a whole tensor (frozen, the root unit's)
+that differs takes rank 0's values, a unit's that differs (each rank kept only its shard of
+its own draw) is refused by name (``_same_on_every_rank``).
 """
 
 from __future__ import annotations
@@ -219,15 +224,18 @@ def _swap_storage(
     into: torch.Tensor | None = None,
 ) -> None:
     """Give ``t`` (a parameter or buffer, kept as the same Python object) new storage on
-    ``device``: empty, ``into`` (a view of the walk's arena), or with ``placeholder`` one
-    element seen at every index (the shape without the memory: the core reads only shapes,
-    dtypes and devices of bucketed params)."""
+    ``device``: zeros (what a tensor ``init_fn`` leaves alone holds: the same on every rank,
+    never another unit's leftovers), ``into`` (a view of the walk's arena, zeroed), on meta,
+    or with ``placeholder`` one element seen at every index (the shape without the memory:
+    the core reads only shapes, dtypes and devices of bucketed params)."""
     if into is not None:
-        data = into
+        data = into.zero_()
     elif placeholder:
         data = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
-    else:
+    elif torch.device(device).type == "meta":
         data = torch.empty(t.shape, dtype=t.dtype, device=device)
+    else:
+        data = torch.zeros(t.shape, dtype=t.dtype, device=device)
     if isinstance(t, nn.Parameter):
         new = type(t)(data, t.requires_grad)
     else:
