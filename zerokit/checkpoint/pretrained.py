@@ -44,8 +44,9 @@ def load_pretrained(
     Returns ``(missing, unexpected)``: the model's names the files lack and the files' names
     the model lacks; with ``strict`` either raises ``CheckpointError``. A tied parameter is
     filled once, from whichever of its names the files hold; if they hold several with
-    different values, ``CheckpointError`` names them (``from_pretrained`` would untie them). A shape mismatch, an unreadable
-    file or a malformed header always raises, on every rank, with the model unchanged.
+    different values, ``CheckpointError`` names them (``from_pretrained`` would untie them).
+    A shape mismatch, an unreadable file or a malformed header always raises, on every rank,
+    with the model unchanged.
     """
     group = world_group()
     sources = None

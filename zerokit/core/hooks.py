@@ -36,8 +36,11 @@ U1..Uk in forward order; R the model itself; "stage 3": only ``ShardedParams`` a
             Ui inputs' gradient  -> state.unit_post_backward (Ui's backward is over)
             end of backward      -> state._end_of_backward (launch the rest, agree which
                                     parameters hold a gradient, publish, free)
-  state_dict / load_state_dict   -> state.params.before_io / after_save / after_load (stage 3:
-                                    every unit gathered around it, then freed)
+  state_dict / load_state_dict   -> StateDictHooks (the model's, a module sharing its
+                                    parameters', a submodule's state_dict; only the outermost
+                                    call acts) -> state.params.before_io / after_save /
+                                    after_load (stage 3: the units gathered around it, then
+                                    freed), the fp32 masters written
 """
 
 from __future__ import annotations
