@@ -296,7 +296,8 @@ class StateDictHooks:
     def __init__(self, state: ShardState, masters: MasterStateDict | None):
         self._ref = weakref.ref(state)  # the model owns the state, which owns these hooks
         self._masters = masters
-        self._saving: nn.Module | None = None
+        self._saving: nn.Module | None = None  # the module whose state_dict() is running
+        self._inside: set[int] = set()  # its modules: their calls are nested in it
 
     def register(self, model: nn.Module) -> None:
         state = self._ref()
@@ -326,18 +327,20 @@ class StateDictHooks:
 
     def _before_save(self, module, prefix, keep_vars) -> None:
         state = self._ref()
-        if state is None or self._saving is not None:
+        if state is None or (id(module) in self._inside and module is not self._saving):
             return  # nested in the outermost call, which gathered
         ids = {id(p) for p in module.parameters()}
         groups = [g for g in state.groups if any(id(p) in ids for p in g.params)]
         state.params.before_io(state, _call(module, "state_dict"), groups)
-        self._saving = module
+        # set once gathered: a call that raised there leaves nothing behind. (One that raised
+        # after, inside torch's recursion, leaves a module that may start a call afresh.)
+        self._saving, self._inside = module, {id(m) for m in module.modules()}
 
     def _after_save(self, module, state_dict, prefix, local_metadata) -> None:
         state = self._ref()
         if state is None or module is not self._saving:
             return
-        self._saving = None
+        self._saving, self._inside = None, set()
         state.params.after_save(state, state_dict)
         if self._masters is not None:
             self._masters.state_dict_hook(module, state_dict, prefix, local_metadata)

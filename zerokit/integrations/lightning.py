@@ -22,7 +22,10 @@ keep the optimizer they were built on). Lightning's options become zerokit's:
   directory, Lightning's own state (epoch, step, loops, callbacks, schedulers, hparams) in its
   ``extra``; ``fit(ckpt_path=path)`` resumes from it, at another level or world size too;
   ``zerokit ckpt consolidate path --lightning one.ckpt`` makes it Lightning's one file, for
-  ``load_from_checkpoint`` on one process (``zerokit/checkpoint/lightning_file.py``).
+  ``load_from_checkpoint`` on one process (``zerokit/checkpoint/lightning_file.py``);
+* the LightningModule's own ``state_dict()`` (in ``on_train_end``, after ``fit``) -> the
+  wrapped root's, gathered at ``'p_g_os'`` (collective, as ``full_state_dict()``), never the
+  empty tensors its parameters are between steps.
 
 Refused, by name, at ``Trainer(...)``: ``sync_batchnorm=True``, precisions other than
 ``32-true``/``16-mixed``/``bf16-mixed`` (``"16-true"``, ``"bf16-true"``, ``"64-true"``, ...), a
