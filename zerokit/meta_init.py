@@ -154,7 +154,7 @@ def _same_on_every_rank(walk: _Walk, device, groups: list[ProcessGroup]) -> str:
     ``[d, -d]``) per group: a whole tensor (frozen parameter, the root unit's, a buffer) that
     differs takes rank 0's values, as one process of rank 0 would have them; a unit's
     parameter of which each rank kept only its shard cannot, and is refused by name."""
-    if not groups:
+    if not groups or not walk.check:  # 'os'/'os_g': the core broadcasts rank 0's model
         return ""
     names, digests = zip(*walk.digests) if walk.digests else ((), ())
     both = torch.tensor([*digests, *(-d for d in digests)], dtype=torch.int64, device=device)
@@ -309,6 +309,7 @@ class _Walk:
         self.sharded: dict[int, nn.Parameter] = {}  # placeholders to make at the end
         self.sharded_names: set[str] = set()  # of which each rank kept only its shard
         self.digests: list[tuple[str, int]] = []  # (name, digest): compared across ranks
+        self.check = bool(plans)  # 'os'/'os_g': the core broadcasts rank 0's whole model
         self.names = {id(p): n for n, p in model.named_parameters()}
         # Note: every shard gets its storage here, before any parameter does. Allocated after
         # each unit's full parameters, the long-lived shards would pin the freed parameters'
@@ -339,7 +340,8 @@ class _Walk:
                 f"init_fn left {len(left)} tensor(s) on meta ({left[:10]}); it must fill "
                 "parameters in place (nn.init.*_, tensor.copy_), not replace them"
             )
-        self.digests += [(n, _digest(p)) for n, p in self.whole()]
+        if self.check:
+            self.digests += [(n, _digest(p)) for n, p in self.whole()]
 
     def whole(self) -> list[tuple[str, torch.Tensor]]:
         """The parameters every rank holds whole until the end of the walk (frozen ones and
