@@ -192,7 +192,10 @@ def _status(field: str) -> int:
 
 
 def _peak_while_wrapping(rank: int, world_size: int, out) -> None:
-    # glibc's default malloc, untuned: its mmap threshold rises to the largest block freed
+    # glibc's default malloc, untuned: its mmap threshold rises to the largest block freed,
+    # as in any process that freed a big tensor before wrapping (this one: 32 MiB)
+    freed = torch.ones(8 * MIB)
+    del freed
     model = _meta(Tower)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = _status("VmRSS")
@@ -211,7 +214,8 @@ def test_p_g_os_wraps_a_meta_model_holding_shards_plus_two_units(world_size):
     unit (the head, 4 MiB: kept to the end) and the unit being initialised (4 MiB, in the
     walk's arena) whose shard is being copied, plus a fixed cost (gloo, the allocator: 8 MiB).
     Eager would hold the whole model (36 MiB) before wrapping even starts. Under glibc's
-    default malloc, untuned: one allocation per unit grew 53.6 / 47.5 MiB at 2 / 3 ranks."""
+    default malloc, untuned, one allocation per unit grew 52.4 / 46.4 MiB at 2 / 3 ranks (the
+    arena: 29.1 / 22.9)."""
     import multiprocessing as mp
 
     out = mp.get_context("fork").SimpleQueue()
