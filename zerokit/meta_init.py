@@ -151,17 +151,18 @@ def materialize(
 def _same_on_every_rank(walk: _Walk, device, groups: list[ProcessGroup]) -> str:
     """Every rank must start from one model, whatever ``init_fn`` draws from (a generator
     seeded by the rank, numpy's). Each tensor's digest, compared by one all-reduce (MAX of
-    ``[d, -d]``) per group: a whole tensor (frozen parameter, the root unit's, a buffer) that
-    differs takes rank 0's values, as one process of rank 0 would have them; a unit's
-    parameter of which each rank kept only its shard cannot, and is refused by name."""
+    ``[d, -d]``) per group: a whole tensor (a frozen parameter, the root unit's) that differs
+    takes rank 0's values, as one process of rank 0 would have them (buffers: the core
+    broadcasts rank 0's); a unit's parameter, of which each rank kept only its shard of its
+    own draw, cannot, and is refused by name."""
     if not groups or not walk.check:  # 'os'/'os_g': the core broadcasts rank 0's model
         return ""
     names, digests = zip(*walk.digests) if walk.digests else ((), ())
     both = torch.tensor([*digests, *(-d for d in digests)], dtype=torch.int64, device=device)
     for g in groups:
         all_reduce_(both, g, op=dist.ReduceOp.MAX)
-    n = len(digests)
-    differ = [names[i] for i in range(n) if int(both[i]) != -int(both[n + i])]
+    n, both = len(digests), both.tolist()  # one read back
+    differ = [names[i] for i in range(n) if both[i] != -both[n + i]]
     sharded = [name for name in differ if name in walk.sharded_names]
     if sharded:
         return (
