@@ -237,8 +237,8 @@ def _read(h: Holdings, sources: _Sources) -> list[tuple[Chunk, torch.Tensor]]:
             continue
         values = _read_chunk(h.metas[chunk.name], chunk, present[0], sources)
         for other in present[1:]:  # this rank's elements of each: the ranks cover them all
-            _same_values(values, _read_chunk(h.metas[chunk.name], chunk, other, sources),
-                         present[0], other)  # fmt: skip
+            again = _read_chunk(h.metas[chunk.name], chunk, other, sources)
+            _same_values(values, again, present[0], other)
         staged.append((chunk, values))
     return staged
 
