@@ -195,3 +195,50 @@ def not_a_module():
 
 def wrong_output():
     return nn.Linear(4, 4)  # forward cannot take token ids
+
+
+class MatrixNet(nn.Module):
+    """For optimizers that read whole parameters: hidden matrices of uneven shapes (73 x 24 and
+    24 x 73) in repeated blocks, an embedding tied to the output head, a frozen layer, a norm
+    and biases (which Muon's users give to AdamW)."""
+
+    def __init__(self, dim: int = 24, hidden: int = 73, blocks: int = 2):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, dim)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, dim))
+            for _ in range(blocks)
+        )
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.requires_grad_(False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)  # [B, T, dim]
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(self.norm(self.frozen(x)))
+
+
+def make_optimizers(kind: str, model: nn.Module) -> list[torch.optim.Optimizer]:
+    """The optimizers people train with today. "muon": Muon for the blocks' matrices beside
+    AdamW for the rest (Muon's documented use); "adafactor": Adafactor for everything;
+    "adamw8bit": torchao's AdamW8bit (block 32 here, so tiny matrices are quantized too)."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if kind == "muon":
+        matrices = [p for n, p in trainable if p.dim() == 2 and n.startswith("blocks.")]
+        rest = [p for n, p in trainable if not (p.dim() == 2 and n.startswith("blocks."))]
+        return [
+            torch.optim.Muon(matrices, lr=0.02, momentum=0.9, weight_decay=0.01),
+            torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.1, eps=1e-6),
+        ]
+    params = [p for _, p in trainable]
+    if kind == "adafactor":
+        return [torch.optim.Adafactor(params, lr=1e-2)]
+    if kind == "adamw8bit":
+        from torchao.optim import AdamW8bit
+
+        return [AdamW8bit(params, lr=1e-2, eps=1e-6, block_size=32)]
+    raise ValueError(kind)

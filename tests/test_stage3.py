@@ -2,16 +2,22 @@
 checkpointing, eval/no_grad, unit policies. Equivalence over many steps is in
 test_equivalence.py and test_training_loop.py; here each check also compares with one process."""
 
+import contextlib
 import copy
+import os
+import sys
+import time
 import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 from dist_helpers import run_distributed
 from models import (
     VOCAB,
     assert_same_params,
     global_batches,
+    local_slice,
     loss_fn,
     train_reference,
     train_sharded,
@@ -21,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 import zerokit
 from zerokit.core.flat_param import Storage
 from zerokit.core.state import state_of
+from zerokit.core.timeouts import CollectiveTimeout
 from zerokit.models.gpt import GPT, Block, GPTConfig
 
 ATOL = 2e-5
@@ -195,30 +202,111 @@ def test_stage3_gathers_frees_and_matches_single_process(world_size):
     run_distributed(_checks, world_size)
 
 
-def _held_modules(rank, world_size):
-    """A submodule the user still holds (``model.blocks[0]``, a backbone) is sharded in place
-    at 'p_g_os': its own ``state_dict()`` gathers what one process holds, as the model's does
-    (fp32 masters under mixed precision), never stage 3's empty parameters."""
-    batches = global_batches(2, batch=2 * world_size)
-    for mp in (None, zerokit.MixedPrecision(param_dtype=torch.bfloat16)):
-        ref, ref_opt, model, opt = _pair(lambda: GPT(CFG), mixed_precision=mp)
-        train_reference(ref, ref_opt, batches)
-        train_sharded(model, opt, batches, rank, world_size)
-        full = model.state_dict()  # collective
-        tol = ATOL if mp is None else 0.05  # bf16 compute: the masters drift a little
-        for name, ref_value in ref.state_dict().items():
-            torch.testing.assert_close(full[name], ref_value, atol=tol, rtol=0)
-        for prefix, module in model.named_modules():
-            if prefix == "":
-                continue
-            got = module.state_dict()  # collective: every rank calls it
-            want = {k[len(prefix) + 1 :]: v for k, v in full.items() if k.startswith(prefix + ".")}
-            assert got.keys() == want.keys(), prefix
-            for name, value in want.items():
-                assert torch.equal(got[name], value), f"{prefix}.{name}: {got[name].shape}"
-        # nothing stays gathered: the units are freed again after each call
-        assert state_of(model).groups[1].gathered_numel() == 0
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "barrier",
+)
 
 
-def test_a_held_submodule_state_dict_is_full():
-    run_distributed(_held_modules, 2)
+@contextlib.contextmanager
+def _recorded_collectives():
+    """Every torch.distributed collective issued inside, as the zerokit function that
+    issued it (the caller's name)."""
+    calls, saved = [], {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def recorder(name, fn):
+        def call(*args, **kwargs):
+            frame = sys._getframe(1)
+            while frame.f_code.co_name.startswith("<"):  # a comprehension inside the caller
+                frame = frame.f_back
+            calls.append((name, frame.f_code.co_name))
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, recorder(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _order_agreed_once(rank, world_size):
+    batches = global_batches(3, batch=2 * world_size)
+    ref, ref_opt, model, opt = _pair(lambda: GPT(CFG))
+    per_forward = []
+    for x, y in batches:
+        xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        with _recorded_collectives() as calls:
+            logits = model(xs)
+        per_forward.append(calls)
+        loss_fn(logits, ys).backward()
+        opt.step()
+        opt.zero_grad()
+    train_reference(ref, ref_opt, batches)
+    assert_same_params(model, ref, ATOL, "order agreed once")
+    # the first forward agrees on the units' order (one all-reduce); later ones, in the same
+    # order, issue nothing but their gathers (broadcasts into the full buffer on gloo)
+    assert ("all_reduce", "all_reduce_") in per_forward[0], per_forward[0]
+    for calls in per_forward[1:]:
+        assert calls and all(f == "start_all_gather_" for _, f in calls), calls
+
+
+class Swapped(torch.nn.Module):
+    """Two blocks of one shape, run in the order ``order`` (set per rank and step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.order = (0, 1)
+
+    def forward(self, x):
+        for i in self.order:
+            x = self.blocks[i](x)
+        return x
+
+
+def _order_changes(rank, world_size, who):
+    """The order changes at the second step on ``who`` ("every" rank, or rank 0 only)."""
+    os.environ["ZEROKIT_COLLECTIVE_TIMEOUT"] = "3"
+    torch.manual_seed(0)
+    model = Swapped()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os")
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    if who == "every" or rank == 0:
+        model.order = (1, 0)
+    if who == "every":  # an order that depends on the input, the same on every rank: agreed
+        with _recorded_collectives() as calls:
+            model(torch.randn(2, 4)).sum().backward()
+        assert ("all_reduce", "all_reduce_") in calls
+        assert state_of(model).agreed_order == state_of(model).prefetch_order
+        return
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout) as caught:  # rank 0 waits in the store, named
+        model(torch.randn(2, 4)).sum().backward()
+    if rank == 0:
+        assert "rank 1 of 2 did not" in str(caught.value) and "agreed before" in str(caught.value)
+    else:  # rank 1 went on to its backward, whose collective names where rank 0 is
+        assert "rank 0 is at call" in str(caught.value) and "another order" in str(caught.value)
+    assert time.monotonic() - start < 30
+    sys.stdout.flush()
+    os._exit(0)  # skip destroy_process_group: the abandoned collective would wait on it
+
+
+def test_a_forward_in_the_agreed_order_issues_no_collective_beyond_gathers():
+    run_distributed(_order_agreed_once, 2)
+
+
+@pytest.mark.parametrize("who", ["every", "rank 0"])
+def test_a_changed_order_is_agreed_or_names_the_ranks_that_kept_the_old_one(who):
+    run_distributed(_order_changes, 2, who)

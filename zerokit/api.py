@@ -34,6 +34,7 @@ from .config import (
 from .core import checks
 from .core.build import CoreOptions, LevelPlan, build
 from .core.compiled import unwrap_compiled
+from .core.optimizer_needs import check_optimizer, needs_of
 from .core.stand_in import is_stand_in
 from .core.state import state_of
 from .core.units import plan_units
@@ -42,7 +43,7 @@ from .meta_init import materialize, on_meta
 from .mixed_precision import MixedPrecision
 from .pipeline.module import PipelineModule
 from .scaler import ShardedGradScaler
-from .tensor_parallel.layers import tp_group_of
+from .tensor_parallel.layers import tensor_parallel_params, tp_group_of
 
 LEVELS = ("os", "os_g", "p_g_os")
 _log = logging.getLogger("zerokit")
@@ -50,7 +51,7 @@ _log = logging.getLogger("zerokit")
 
 def group_sharded_parallel(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     level: str | int | None = None,
     scaler: Any = None,
     group: dist.ProcessGroup | None = None,
@@ -79,8 +80,14 @@ def group_sharded_parallel(
         model: the model to train; its trainable parameters must all be on one device. A
             ``PipelineModule``: the stage this rank holds is sharded (as if ``model.stage``
             were given) and the ``PipelineModule`` is returned.
-        optimizer: an elementwise torch optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...)
-            over parameters of ``model``. Create LR schedulers from it before or after.
+        optimizer: a torch optimizer over parameters of ``model``, or a list of them over
+            disjoint parameters (Muon for the hidden matrices beside AdamW for the rest),
+            returned as a list in the same order. Elementwise ones (SGD, Adam, AdamW, Adagrad,
+            RMSprop, ...) step each rank's shard; whole-parameter ones (``torch.optim.Muon``,
+            ``torch.optim.Adafactor``, or declared with ``ShardingConfig(
+            whole_parameter_optimizer=True)``) step each parameter on the one rank that owns
+            it whole; torchao's low-bit AdamW steps shards aligned to its quantization blocks.
+            Create LR schedulers from them before or after.
         level: ``'os'`` (stage 1), ``'os_g'`` (stage 2) or ``'p_g_os'`` (stage 3), or the
             stage number 1, 2, 3; None reads ``$ZEROKIT_LEVEL``. See the module docstring.
         scaler: a loss scaler for fp16: a ``zerokit.ShardedGradScaler``, or a
@@ -144,7 +151,9 @@ def group_sharded_parallel(
     _check_member(group, "group")
     if dp_group is not None:
         _check_member(dp_group, "dp_group")
-    checks.check_not_wrapped(model, optimizer)
+    optimizers = _optimizer_list(optimizer)
+    for opt in optimizers:
+        checks.check_not_wrapped(model, opt)
     meta = on_meta(model)
     if init_fn is not None and not meta:
         raise ValueError(
@@ -170,12 +179,19 @@ def group_sharded_parallel(
             "step_in_backward": step_in_backward,
             "built on meta": meta,
             "parameters": checks.layout_summary(model),
-            "optimizer": (
-                type(optimizer).__name__,
-                [len(g["params"]) for g in optimizer.param_groups],
-            ),
+            "optimizer": [
+                (type(opt).__name__, [len(g["params"]) for g in opt.param_groups])
+                for opt in optimizers
+            ],
             # the knobs not compared above (those are named on their own when they differ)
-            "config": repr([config.wrap, config.elementwise_optimizer, config.debug_agreement]),
+            "config": repr(
+                [
+                    config.wrap,
+                    config.elementwise_optimizer,
+                    config.whole_parameter_optimizer,
+                    config.debug_agreement,
+                ]
+            ),
         },
         [group] + ([dp_group] if dp_group is not None else []),
     )
@@ -192,13 +208,20 @@ def group_sharded_parallel(
         raise TypeError("mixed_precision must be a zerokit.MixedPrecision policy (or None)")
     mixed_precision = mixed_precision or MixedPrecision()
     config = config or ShardingConfig()
-    checks.check_optimizer(optimizer, config.elementwise_optimizer)
+    for opt in optimizers:
+        check_optimizer(
+            opt,
+            elementwise=config.elementwise_optimizer,
+            whole=config.whole_parameter_optimizer,
+        )
     checks.check_dense_gradients(model)
     if dp_group is not None:
         _check_group_spans_no_tp_pair(model, dp_group)
         _check_orthogonal(group, dp_group)
     named = _trainable_params(model)
-    _check_optimizer_params(model, optimizer)
+    _check_optimizer_params(model, optimizers)
+    needs = needs_of(optimizers, whole_declared=config.whole_parameter_optimizer)
+    _check_whole_not_split(model, needs)
 
     plans = plan_units(
         model,
@@ -218,6 +241,7 @@ def group_sharded_parallel(
         shards = materialize(
             model, plans, shard_params=strategy.shard_params, group=group,
             replica_group=replicas, buffer_max_size=buffer_max_size, init_fn=init_fn,
+            needs=needs,
         )  # fmt: skip
     options = CoreOptions(
         strategy=strategy,
@@ -232,14 +256,17 @@ def group_sharded_parallel(
         replica_group=replicas,
         initial_shards=shards,
         outer=compiled,
+        needs=needs,
     )
-    state = build(model, optimizer, plans, options)
+    state = build(model, optimizers, plans, options)
     state.grad_norm = global_grad_norm
     if step_in_backward:
-        state.enable_step_in_backward(optimizer)
+        state.enable_step_in_backward(optimizers)
     if group.rank() == 0 and (dp_group is None or dp_group.rank() == 0):
-        _log_wrap(state, optimizer, named, model)
-    return pipe if pipe is not None else compiled, optimizer, scaler
+        _log_wrap(state, optimizers, named, model)
+    return pipe if pipe is not None else compiled, optimizer if isinstance(
+        optimizer, torch.optim.Optimizer
+    ) else optimizers, scaler
 
 
 def num_params(model: nn.Module) -> int:
@@ -384,11 +411,53 @@ def _trainable_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return named
 
 
-def _check_optimizer_params(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    model_params = {id(p) for p in model.parameters()}
+def _check_whole_not_split(model: nn.Module, needs) -> None:
+    """A tensor-parallel rank holds a slice of a matrix: Muon on the slice is not Muon on the
+    matrix, which one process steps."""
+    split = tensor_parallel_params(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    sliced = [names[i] for i, need in needs.items() if need.whole and i in split]
+    if sliced:
+        raise ValueError(
+            f"{sliced[0]!r} is a tensor-parallel slice, and its optimizer reads whole "
+            "parameters (Muon, Adafactor): stepping a slice is not stepping the matrix. Give "
+            "tensor-parallel layers to an elementwise optimizer (AdamW), or train with tp = 1"
+        )
+
+
+def _optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
+    """One optimizer, or a list or tuple of them (each over its own parameters)."""
+    given = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+    if isinstance(given, (list, tuple)) and given:
+        wrong = [type(o).__name__ for o in given if not isinstance(o, torch.optim.Optimizer)]
+        if not wrong:
+            return list(given)
+    else:
+        wrong = [type(optimizer).__name__]
+    raise TypeError(
+        f"optimizer must be a torch.optim.Optimizer or a non-empty list of them, got {wrong}: "
+        "call group_sharded_parallel(model, optimizer, level) (or [muon, adamw])"
+    )
+
+
+def _check_optimizer_params(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    names = {id(p): n for n, p in model.named_parameters()}
+    owner: dict[int, int] = {}
+    for k, opt in enumerate(optimizers):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if owner.setdefault(id(p), k) != k:
+                    raise ValueError(
+                        f"parameter {names.get(id(p), tuple(p.shape))!r} is in optimizers "
+                        f"{owner[id(p)]} ({type(optimizers[owner[id(p)]]).__name__}) and {k} "
+                        f"({type(opt).__name__}); each parameter must be stepped by one "
+                        "optimizer: give the optimizers disjoint parameter sets"
+                    )
+    model_params = set(names)
     foreign = [
         (g, tuple(p.shape))
-        for g, group in enumerate(optimizer.param_groups)
+        for opt in optimizers
+        for g, group in enumerate(opt.param_groups)
         for p in group["params"]
         if id(p) not in model_params
     ]

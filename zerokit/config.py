@@ -50,6 +50,11 @@ class ShardingConfig:
     Adadelta, Adamax, ASGD, NAdam, RAdam, RMSprop or Rprop) updates each element from that
     element's gradient and state alone, so stepping shards is exact. Unknown optimizers are
     refused otherwise."""
+    whole_parameter_optimizer: bool = False
+    """Declare that an optimizer zerokit does not know reads whole parameters in its update
+    (as Muon and Adafactor, which zerokit knows, do): each parameter it steps is then owned
+    whole by one rank, which steps it on the averaged gradient (the owner layout). A class can
+    say so itself with the attribute ``zerokit_whole_parameter = True``."""
     debug_agreement: bool = False
     """Debug mode for level 'p_g_os': before every gather the ranks check (one blocking
     all-reduce and a host sync) that they gather the same unit, so a module that runs on some

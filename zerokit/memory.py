@@ -230,6 +230,10 @@ def measure(model: nn.Module, optimizer, peak: PeakMemory | None = None) -> Memo
                 continue
             if isinstance(t, DTensor):  # FSDP2: this rank holds the local shard
                 t = t.to_local()
+            if hasattr(t, "__tensor_flatten__"):  # a low-bit state: its codes and scales
+                names, _ = t.__tensor_flatten__()
+                total += count(getattr(t, name) for name in names)
+                continue
             storage = t.untyped_storage()
             # meta storages (``zerokit plan``'s dry run) all have address 0: tell them apart
             key = (storage.data_ptr() or storage._cdata, storage.nbytes())
@@ -238,13 +242,15 @@ def measure(model: nn.Module, optimizer, peak: PeakMemory | None = None) -> Memo
                 total += storage.nbytes()
         return total
 
-    inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its own
+    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    # ZeroRedundancyOptimizer keeps its own inner optimizer
+    inners = [getattr(opt, "optim", opt) for opt in optimizers]
     held = state_of(model).held_tensors() if state_of(model) is not None else {}
     params = count([p.data for p in model.parameters()] + held.get("params", []))
-    opt_params = [p for g in inner.param_groups for p in g["params"]]
+    opt_params = [p for inner in inners for g in inner.param_groups for p in g["params"]]
     zk_grads = held.get("grads", []) + held.get("staging", [])
     grads = count([p.grad for p in model.parameters()] + [p.grad for p in opt_params] + zk_grads)
-    state = count(v for s in inner.state.values() for v in s.values())
+    state = count(v for inner in inners for s in inner.state.values() for v in s.values())
     return MemoryMeasurement(params, grads, state, peak.read() if peak is not None else None)
 
 

@@ -118,6 +118,7 @@ def materialize(
     replica_group: ProcessGroup | None,
     buffer_max_size: int,
     init_fn: InitFn | None,
+    needs: dict | None = None,
 ) -> dict[ShardKey, torch.Tensor] | None:
     """Collective. Give the meta ``model`` its initial values; with ``shard_params`` (level
     ``'p_g_os'``) return this rank's shard of every bucket (keyed by its parameters' ids) and
@@ -129,7 +130,7 @@ def materialize(
     rng = torch.get_rng_state()
     for g in groups:  # every rank draws rank 0's numbers, as if rank 0's model were broadcast
         torch.set_rng_state(broadcast_(torch.get_rng_state().to(device), g).cpu())
-    walk = _Walk(model, plans if shard_params else [], group, buffer_max_size, device)
+    walk = _Walk(model, plans if shard_params else [], group, buffer_max_size, device, needs)
     error = ""
     try:
         walk.run(init_fn or reset_parameters)
@@ -295,12 +296,18 @@ def _digest(t: torch.Tensor) -> int:
     return zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
 
 
+def _shard_size(layout, rank: int) -> int:
+    start, end = layout.shard_range(rank)  # uneven under the owner layout
+    return end - start
+
+
 class _Walk:
     """``nn.Module.apply``'s walk, materialising and sharding unit by unit on the way."""
 
-    def __init__(self, model, plans, group, buffer_max_size, device):
+    def __init__(self, model, plans, group, buffer_max_size, device, needs=None):
         self.model, self.device, self.rank = model, device, group.rank()
-        layouts = dict(plan_groups(plans, group.size(), buffer_max_size)) if plans else {}
+        # the layouts the core will build: the same owners and blocks (core/build.py)
+        layouts = dict(plan_groups(plans, group.size(), buffer_max_size, needs=needs))
         self.units = {id(p.module): (p, layouts[p]) for p in plans if p.module is not model}
         root = [(p, layouts[p]) for p in plans if p.module is model]
         self.root = root[0] if root else None
@@ -317,7 +324,7 @@ class _Walk:
         # heap pages (glibc's default malloc gives back only the top of its heap).
         self.shards: dict[ShardKey, torch.Tensor] = {
             _shard_key(plan, layout): torch.zeros(
-                layout.shard_numel, dtype=layout.dtype, device=device
+                _shard_size(layout, self.rank), dtype=layout.dtype, device=device
             )
             for plan, layouts in [*self.units.values(), *([self.root] if self.root else [])]
             for layout in layouts

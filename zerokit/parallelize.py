@@ -24,7 +24,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def parallelize(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer,
     mesh=None,
     plan: dict[str, str] | str | None = None,
     level: str = "p_g_os",
@@ -38,8 +38,9 @@ def parallelize(
 
     Args:
         model: an ordinary ``nn.Module`` (a Hugging Face model as it is).
-        optimizer: a fresh torch optimizer over ``model``'s parameters. Build LR schedulers
-            from the returned one.
+        optimizer: a fresh torch optimizer over ``model``'s parameters, or a list of them
+            over disjoint parameters (Muon beside AdamW; a list comes back). Build LR
+            schedulers from the returned ones.
         mesh: ``zerokit.init_mesh(dp=, tp=, pp=)`` or a ``DeviceMesh`` with dims named "pp",
             "dp", "tp". None: built from ``strategy``, else from ``$ZEROKIT_STRATEGY`` (set by
             ``zerokit launch --strategy``), else data parallelism over the whole world.
@@ -71,7 +72,8 @@ def parallelize(
             "a plan's 'sequence' style with pp > 1 is not supported yet (a stage boundary would "
             "carry one block of the sequence); drop the 'sequence' entries or use pp = 1"
         )
-    group_of = _groups_by_name(model, optimizer)
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    group_of = [_groups_by_name(model, opt) for opt in optimizers]
     if recompute:  # on the whole model, before any split: its blocks keep the setting
         _enable_recompute(model)
     layout = as_layout(mesh, "parallelize") if mesh is not None else init_mesh(**degrees)
@@ -82,13 +84,13 @@ def parallelize(
     if layout.tp_degree > 1 and plan:
         local = resolve_plan(stage, plan, layout.tp_degree, partial=layout.pp_degree > 1)
         apply_plan(stage, local, layout)  # a split finds its tied copies by name: still found
-    optimizer = _carry_over(optimizer, stage, group_of)
+    carried = [_carry_over(opt, stage, names) for opt, names in zip(optimizers, group_of)]
     mp = MixedPrecision(param_dtype=_DTYPES[mixed_precision]) if mixed_precision else None
-    model, optimizer, _ = group_sharded_parallel(
-        model, optimizer, level, group=layout.shard_group, dp_group=layout.replica_group,
+    model, carried, _ = group_sharded_parallel(
+        model, carried, level, group=layout.shard_group, dp_group=layout.replica_group,
         mixed_precision=mp,
     )  # fmt: skip
-    return model, optimizer
+    return model, carried if isinstance(optimizer, (list, tuple)) else carried[0]
 
 
 def _degrees(mesh, strategy: Strategy | None) -> dict[str, int]:

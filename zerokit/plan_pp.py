@@ -12,7 +12,8 @@ parallelism"), and held to real 2- and 4-rank steps by tests/test_plan.py:
 
 - per forward: the receive of the input (a 10-int64 header, then the tensor) on every stage
   but the first, the units' gathers ('p_g_os': the root unit only if the last backward freed
-  it), the agreement on the units' order, the send of the output on every stage but the last;
+  it), the agreement on the units' order (below 'p_g_os'; stage 3 agrees it once, in the
+  first step), the send of the output on every stage but the last;
 - per backward: the receive of the output's gradient, the gathers of the backward ('p_g_os':
   every unit but a still-gathered root), and, on the stage's last backward unless the stage
   holds a copy of a weight tied across stages, the gradients' reduction; then every group is
@@ -140,7 +141,8 @@ def stage_collectives(
             if not first:
                 transfer("recv", plan.input_bytes, "receive activations")
             gathers("forward")
-            ops.agree_order()
+            if level != "p_g_os":  # stage 3 agrees once, then only when its order changes
+                ops.agree_order()
             if not last:
                 transfer("send", plan.output_bytes, "send activations")
         else:

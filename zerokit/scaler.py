@@ -64,6 +64,7 @@ class ShardedGradScaler:
         self.growth_interval, self.enabled = growth_interval, enabled
         self._good_steps = 0
         self._unscaled: set[int] = set()
+        self._unscaled_models: set[int] = set()  # ids of the ShardStates unscaled since update
         self._overflowed: dict[int, bool] = {}
 
     @classmethod
@@ -103,15 +104,17 @@ class ShardedGradScaler:
             )
         state.check_ready_for_step()
         inv = 1.0 / self.scale_value
-        local = [  # rank-local parameters: in no bucket, their own .grad
-            p.grad
-            for params in optimizer_params_of(optimizer)
-            for p in params
-            if is_distributed(p) and p.grad is not None
-        ]
-        for buffer in [*state.grads_to_scale(), *local]:
+        mine = [p for params in optimizer_params_of(optimizer) for p in params]
+        # rank-local parameters: in no bucket, their own .grad
+        local = [p.grad for p in mine if is_distributed(p) and p.grad is not None]
+        # the model's buffers hold every optimizer's gradients (Muon beside AdamW): they are
+        # unscaled once, by the first optimizer's call; each optimizer checks its own pieces
+        first = id(state) not in self._unscaled_models
+        self._unscaled_models.add(id(state))
+        for buffer in [*(state.grads_to_scale() if first else []), *local]:
             buffer.mul_(inv)
-        grads = [g for _, g in state.owned_grad_pieces()] + local
+        ids = {id(p) for p in mine}
+        grads = [g for p, g in state.owned_grad_pieces() if id(p) in ids] + local
         scope = grad_scope(state.model)
         # every rank of the ZeRO group (its replicas, the tp group, the pipeline) skips; agreed
         # where the group communicates (NCCL: the GPU), even if the shards are offloaded
@@ -144,6 +147,7 @@ class ShardedGradScaler:
                 self._good_steps = 0
         self._unscaled.clear()
         self._overflowed.clear()
+        self._unscaled_models.clear()
 
     def state_dict(self) -> dict:
         return {"scale": self.scale_value, "growth_tracker": self._good_steps}

@@ -34,10 +34,9 @@ from .core.state import ShardState, state_of
 _CALL = "zerokit.unwrap()"
 
 
-def unwrap(
-    model: nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Undo ``group_sharded_parallel`` on ``model`` and ``optimizer``, in place; returns them.
+def unwrap(model: nn.Module, optimizer):
+    """Undo ``group_sharded_parallel`` on ``model`` and ``optimizer`` (or the list of
+    optimizers wrapped with it), in place; returns them.
 
     Collective: every rank of the shard group (and its replicas) calls it, between steps.
     The model may be wrapped again afterwards."""
@@ -48,16 +47,24 @@ def unwrap(
             "zerokit.unwrap: this model is not wrapped by group_sharded_parallel (nothing to "
             "undo); pass the model group_sharded_parallel returned"
         )
-    sharded = getattr(optimizer, "_zerokit", None)
-    if sharded is None or sharded.shard_state is not state:
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for opt in optimizers:
+        sharded = getattr(opt, "_zerokit", None)
+        if sharded is None or sharded.shard_state is not state:
+            raise ValueError(
+                "zerokit.unwrap: this optimizer was not wrapped together with this model; pass "
+                "the optimizer group_sharded_parallel returned with it"
+            )
+    if {id(opt) for opt in optimizers} != state.optimizer_ids:
         raise ValueError(
-            "zerokit.unwrap: this optimizer was not wrapped together with this model; pass "
-            "the optimizer group_sharded_parallel returned with it"
+            f"zerokit.unwrap: the model was wrapped with {len(state.optimizer_ids)} "
+            f"optimizer(s) and {len(optimizers)} were given; pass the list "
+            "group_sharded_parallel returned, so none is left stepping shards"
         )
     if state.in_backward:
         raise RuntimeError("zerokit.unwrap was called inside a backward; call it between steps")
     state.presence.mark(_CALL)
-    full_state = _full_optimizer_state(optimizer, state)
+    full_states = [_full_optimizer_state(opt, state) for opt in optimizers]
     for bucket in state.buckets:
         _give_back_params(bucket)
     for handle in state.hook_handles:
@@ -65,7 +72,8 @@ def unwrap(
     state.hook_handles.clear()
     forget_wrapped(inner.parameters())
     restore_module_(inner)
-    restore_optimizer_(optimizer, full_state)
+    for opt, full_state in zip(optimizers, full_states):
+        restore_optimizer_(opt, full_state)
     return model, optimizer
 
 
@@ -82,7 +90,7 @@ def _all_gather_shard(bucket: FlatParamBucket, shard: torch.Tensor) -> torch.Ten
     """The full flat buffer whose shards are every rank's ``shard`` (shard-size, 1-D)."""
     full = torch.zeros(bucket.layout.padded_numel, dtype=shard.dtype, device=bucket.data.device)
     bucket.shard(full).copy_(shard)
-    start_all_gather_(full, bucket.group).finish()
+    start_all_gather_(full, bucket.group, bucket.ranges).finish()
     return full
 
 
@@ -95,10 +103,11 @@ def _full_optimizer_state(optimizer: torch.optim.Optimizer, state: ShardState) -
     mine = {}  # (bucket, slot) -> {key: ("piece", dtype) | ("value", value)}
     for b, bucket in enumerate(buckets):
         for piece, view in zip(bucket.pieces, bucket.param_pieces):
+            whole = bucket.layout.slots[piece.slot].whole  # its owner holds all of its state
             for key, value in optimizer.state.get(view, {}).items():
                 kind = (
                     ("piece", value.dtype)
-                    if isinstance(value, torch.Tensor) and value.dim() > 0
+                    if isinstance(value, torch.Tensor) and value.dim() > 0 and not whole
                     else ("value", value)
                 )
                 mine.setdefault((b, piece.slot), {})[key] = kind

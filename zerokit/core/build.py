@@ -24,6 +24,7 @@ from .group import ShardGroup
 from .hooks import register_hooks
 from .module import broadcast_module_state, convert_module_
 from .optimizer import shard_optimizer_
+from .optimizer_needs import Need
 from .params import ShardedParams, WholeParams
 from .reduction import AllReduce, ReduceScatter, ReduceScatterThenAllReduce
 from .staging import StagingPool
@@ -49,6 +50,8 @@ class CoreOptions:
     # ids of its parameters (zerokit/meta_init.py); every rank computed them alike
     initial_shards: dict[tuple[int, ...], torch.Tensor] | None = None
     outer: nn.Module | None = None  # what the user passed: a torch.compile wrapper of the model
+    # id(parameter) -> what its optimizer needs of the layout (core/optimizer_needs.py)
+    needs: dict[int, Need] | None = None
 
 
 def _reduce_scatter(group: ProcessGroup, replicas: ProcessGroup | None) -> ReduceScatter:
@@ -100,7 +103,10 @@ class LevelPlan:
 
 
 def build(
-    model: nn.Module, optimizer: torch.optim.Optimizer, plans: list[UnitPlan], opts: CoreOptions
+    model: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    plans: list[UnitPlan],
+    opts: CoreOptions,
 ) -> ShardState:
     """Everything that changes the model and optimizer happens here, after validation."""
     mp, group = opts.mixed_precision, opts.group
@@ -133,7 +139,7 @@ def build(
     device = next((p.device for plan in plans for _, p in plan.params), _CPU)
     staging = StagingPool(device)
     groups, root, units = [], None, []
-    for plan, layouts in plan_groups(plans, group.size(), opts.buffer_max_size):
+    for plan, layouts in plan_groups(plans, group.size(), opts.buffer_max_size, needs=opts.needs):
         buckets = [
             FlatParamBucket(
                 layout,
@@ -190,7 +196,8 @@ def build(
         outer=opts.outer if opts.outer is not None else model,
     )
     state.params.after_wrap(state)  # stage 3: gathers the units kept whole
-    shard_optimizer_(optimizer, state)
+    for optimizer in optimizers:
+        shard_optimizer_(optimizer, state)
     return state
 
 

@@ -12,43 +12,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import agreement
 
-# Optimizers whose update of an element reads only that element's gradient and state (and
-# scalars): stepping a shard gives exactly the unsharded result. LBFGS (line search over the
-# whole flat parameter), SparseAdam (sparse gradients), Adafactor (row and column statistics)
-# and the like need whole parameters and are refused.
-ELEMENTWISE_OPTIMIZERS = tuple(
-    getattr(torch.optim, name)
-    for name in (
-        "SGD",
-        "Adam",
-        "AdamW",
-        "Adagrad",
-        "Adadelta",
-        "Adamax",
-        "ASGD",
-        "NAdam",
-        "RAdam",
-        "RMSprop",
-        "Rprop",
-    )
-)
-
 # Parameters already inside a wrapped model (weak, by identity: a parameter freed with its
 # model leaves; tensors compare elementwise, so a plain WeakSet cannot hold them).
 _WRAPPED_PARAMS = WeakIdKeyDictionary()
-
-
-def check_optimizer(optimizer: torch.optim.Optimizer, elementwise: bool) -> None:
-    if elementwise or isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        return
-    raise ValueError(
-        f"{type(optimizer).__name__} is not a known elementwise optimizer: zerokit steps each "
-        "rank's shard of every parameter separately, which is exact only when an element's "
-        "update reads that element's gradient and state alone (SGD, Adam, AdamW, Adagrad, "
-        "RMSprop, ...). LBFGS, SparseAdam, Adafactor and optimizers that need whole "
-        "parameters cannot be sharded. If yours is elementwise, say so with "
-        "config=zerokit.ShardingConfig(elementwise_optimizer=True)."
-    )
 
 
 def check_not_wrapped(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

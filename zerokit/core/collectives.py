@@ -99,30 +99,51 @@ def start_all_reduce_mean(tensor: torch.Tensor, group: ProcessGroup) -> Pending:
     return Pending([work], lambda: tensor.div_(size), group)
 
 
+Ranges = list[tuple[int, int]] | None  # each rank's [start, end) of a flat buffer; None: equal
+
+
+def _chunks(full: torch.Tensor, size: int, ranges: Ranges) -> list[torch.Tensor]:
+    """Each rank's chunk of the 1-D ``full``: equal, or the owner layout's uneven ranges."""
+    if ranges is None:
+        return list(full.view(size, -1))
+    return [full[start:end] for start, end in ranges]
+
+
 @eager
 def start_reduce_scatter_mean(
-    full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, accumulate: bool
+    full: torch.Tensor,
+    shard: torch.Tensor,
+    group: ProcessGroup,
+    accumulate: bool,
+    ranges: Ranges = None,
 ) -> Pending:
     """Average the 1-D ``full`` across ``group`` and write (or add) this rank's chunk to ``shard``.
 
-    ``full`` holds ``group.size()`` equal chunks; it is the collective's scratch: its contents
-    are undefined once the work is started, and it must stay alive until ``finish()``.
+    ``full`` holds ``group.size()`` equal chunks, or the chunks ``ranges`` gives (uneven: the
+    owner layout); it is the collective's scratch: its contents are undefined once the work is
+    started, and it must stay alive until ``finish()``.
     """
     size = group.size()
-    chunks = full.view(size, -1)
+    chunks = _chunks(full, size, ranges)
     if size == 1:
         works, reduced = [], chunks[0]
     elif _is_gloo(group, full.device):
         # One in-place reduce per owner: each chunk is summed into its owner's copy of it, so no
         # receive buffer exists (an all-to-all would need one of (N-1)/N the bucket's size).
+        # An empty chunk (an owner with nothing in this bucket) is skipped by every rank alike.
         works = [
             dist.reduce(hand(chunks[r]), group_dst=r, group=group, async_op=True)
             for r in range(size)
+            if chunks[r].numel()
         ]
         reduced = chunks[group.rank()]
     else:
         reduced = torch.empty(shard.numel(), dtype=full.dtype, device=full.device)
-        works = [_reduce_scatter(hand(reduced), hand(full), group=group, async_op=True)]
+        if ranges is None:
+            works = [_reduce_scatter(hand(reduced), hand(full), group=group, async_op=True)]
+        else:  # uneven chunks: torch's list form (NCCL runs it as grouped reduces)
+            chunk_list = teardown.hand_all(chunks)
+            works = [dist.reduce_scatter(hand(reduced), chunk_list, group=group, async_op=True)]
 
     def epilogue() -> None:
         if size > 1:
@@ -134,20 +155,26 @@ def start_reduce_scatter_mean(
 
 
 @eager
-def start_all_gather_(full: torch.Tensor, group: ProcessGroup) -> Pending:
-    """Fill the 1-D ``full`` in place from every rank's own chunk of it."""
+def start_all_gather_(full: torch.Tensor, group: ProcessGroup, ranges: Ranges = None) -> Pending:
+    """Fill the 1-D ``full`` in place from every rank's own chunk of it (equal chunks, or the
+    uneven ``ranges`` of the owner layout)."""
     size = group.size()
     if size == 1:
         return Pending([])
-    chunks = full.view(size, -1)
+    chunks = _chunks(full, size, ranges)
     if _is_gloo(group, full.device):
         works = [
             dist.broadcast(hand(chunks[r]), group_src=r, group=group, async_op=True)
             for r in range(size)
+            if chunks[r].numel()
         ]
-    else:
+    elif ranges is None:
         own = chunks[group.rank()]
         works = [_all_gather(hand(full), hand(own), group=group, async_op=True)]
+    else:  # uneven chunks: torch's list form (NCCL runs it as grouped broadcasts)
+        own = chunks[group.rank()]
+        chunk_list = teardown.hand_all(chunks)
+        works = [dist.all_gather(chunk_list, hand(own), group=group, async_op=True)]
     return Pending(works, group=group)
 
 

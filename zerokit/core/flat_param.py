@@ -57,11 +57,13 @@ class FlatParamBucket:
         self.group = group
         self.pieces = layout.pieces(group.rank())
         self.shard_start, self.shard_end = layout.shard_range(group.rank())
+        # every rank's chunk for the collectives: None where the shards are equal
+        self.ranges = None if layout.even else layout.shard_ranges()
         device = master_device or layout.device  # offload: the master shard lives in CPU memory
         if initial_shard is not None:
             # a model built on meta (zerokit/meta_init.py): this rank initialised its shard
             # unit by unit; the full buffer is never filled here, only freed by reshard below
-            assert shard_params and initial_shard.numel() == layout.shard_numel
+            assert shard_params and initial_shard.numel() == self.shard_end - self.shard_start
             self.shard_data = initial_shard.to(device)
             self.data = torch.empty(
                 layout.padded_numel, dtype=compute_dtype or layout.dtype, device=layout.device
@@ -112,11 +114,14 @@ class FlatParamBucket:
         return flat[self.shard_start : self.shard_end]
 
     def piece_views(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        """1-D views of this rank's pieces inside a shard-size buffer."""
+        """Views of this rank's pieces inside a shard-size buffer: 1-D, or shaped like the
+        parameter where its optimizer steps it whole (``Slot.whole``: Muon needs a matrix)."""
         views = []
         for piece in self.pieces:
-            start = self.layout.slots[piece.slot].offset + piece.start - self.shard_start
-            views.append(shard[start : start + piece.numel])
+            slot = self.layout.slots[piece.slot]
+            start = slot.offset + piece.start - self.shard_start
+            view = shard[start : start + piece.numel]
+            views.append(view.view(slot.shape) if slot.whole else view)
         return views
 
     # -- after a step: full parameters from the updated shards ---------------------------------
@@ -128,7 +133,7 @@ class FlatParamBucket:
     def start_gather_updated(self) -> Pending:
         """Full parameters kept ('os', 'os_g'): spread every rank's updated shard to all."""
         self.refresh_compute_shard()
-        return start_all_gather_(self.data, self.group)
+        return start_all_gather_(self.data, self.group, self.ranges)
 
     # -- storage life cycle ('p_g_os') ---------------------------------------------------------
     def start_unshard(self) -> None:
@@ -136,7 +141,7 @@ class FlatParamBucket:
             return
         self.data.untyped_storage().resize_(self._nbytes)
         self.shard(self.data).copy_(self.shard_data)  # the compute dtype: a cast under bf16
-        self._pending = start_all_gather_(self.data, self.group)
+        self._pending = start_all_gather_(self.data, self.group, self.ranges)
         self.storage = Storage.GATHERING
 
     def wait_for_unshard(self) -> None:

@@ -92,6 +92,13 @@ class _Gradients:
         """Every gradient buffer a clip or unscale must scale so all views stay consistent."""
         return [g for g in self.grads if g is not None]
 
+    def zero_slots(self, b: int, slots: set[int]) -> None:
+        """Zero, in place, where parameters ``slots`` of bucket ``b`` hold their gradient."""
+        bucket = self.buckets[b]
+        for piece, view in zip(bucket.pieces, bucket.param_pieces):
+            if piece.slot in slots and view.grad is not None:
+                view.grad.zero_()
+
 
 class FullGradients(_Gradients):
     """Level 'os': every rank keeps each bucket's full averaged gradient."""
@@ -164,7 +171,7 @@ class FullGradients(_Gradients):
         param.grad = slot if self._aliases_param(b) else None
 
     def start_reduce(self, b: int) -> Pending:
-        return self._reduction.start(self._full(b))
+        return self._reduction.start(self._full(b), self.buckets[b].ranges)
 
     def _param_grad(self, b: int, i: int) -> torch.Tensor | None:
         if self._aliases_param(b):  # what one process holds, and what the step reads
@@ -195,6 +202,12 @@ class FullGradients(_Gradients):
         super().zero(set_to_none)
         if set_to_none:
             self._master_grads = [None] * len(self.buckets)
+
+    def zero_slots(self, b: int, slots: set[int]) -> None:
+        super().zero_slots(b, slots)
+        if self.grads[b] is not None:  # the full gradient, which the pieces may not view
+            for i in slots:
+                self.buckets[b].slot_view(self.grads[b], i).zero_()
 
     def buffers(self) -> list[torch.Tensor]:
         return super().buffers() + [g for g in self._master_grads if g is not None]
@@ -274,7 +287,7 @@ class ShardedGradients(_Gradients):
         full, self._staged[b] = self._staged_buffer(b), None
         if self.grads[b] is None:  # in the masters' dtype and device (fp32, offload: the CPU)
             self.grads[b] = torch.zeros_like(self.buckets[b].shard_data)
-        pending = self._reduction.start(full, self.grads[b])
+        pending = self._reduction.start(full, self.grads[b], self.buckets[b].ranges)
         return pending.then(lambda: self._staging.release(full))
 
     def _param_grad(self, b: int, i: int) -> None:

@@ -248,6 +248,22 @@ class ShardGroup:
                     piece_param.grad = None
         self.gradients.zero(set_to_none)
 
+    def zero_grad_of(self, param_ids: set[int], set_to_none: bool) -> None:
+        """Zero the gradients of the parameters in ``param_ids`` only: one optimizer of
+        several zeroes its own; the buffers stay, the others' gradients in them too."""
+        for b, bucket in enumerate(self.buckets):
+            slots = {i for i, p in enumerate(bucket.params) if id(p) in param_ids}
+            if not slots:
+                continue
+            self.gradients.zero_slots(b, slots)
+            if set_to_none:
+                for i in slots:
+                    self.has_grad[b][i] = False
+                    bucket.params[i].grad = None
+                for piece, view in zip(bucket.pieces, bucket.param_pieces):
+                    if piece.slot in slots:
+                        view.grad = None
+
     def grads_to_scale(self) -> list[torch.Tensor]:
         """Every gradient buffer a clip or unscale must scale so all views stay consistent."""
         return self.gradients.buffers()

@@ -5,6 +5,15 @@ that it splits into ``world_size`` equal shards. Every rank owns one contiguous 
 parameter can straddle a shard boundary; the part of a parameter inside a rank's shard is a
 *piece*, and pieces are what the sharded optimizer updates.
 
+An optimizer that needs more than one element at a time changes where the boundaries fall
+(``ParamSpec.whole`` and ``ParamSpec.block``, filled from ``core/optimizer_needs.py``): a
+bucket holding such parameters gets the *owner layout* (``place_owners``), with shards of
+uneven size. Each whole parameter (Muon, Adafactor) lies inside one rank's shard, owners chosen
+by the optimizer's cost, least-loaded rank first across all buckets; the other parameters fill
+around them so the shards are as even as they can be; and every boundary inside a parameter
+with a ``block`` (low-bit states) falls on a multiple of it, counted from the parameter's
+first element. Nothing is padded: the bytes reduced and gathered are the parameters' own.
+
 Everything here is pure: shapes, dtypes and a world size in, frozen dataclasses out.
 """
 
@@ -25,10 +34,19 @@ class ParamSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    whole: bool = False  # its optimizer reads the whole parameter: one rank owns all of it
+    block: int = 1  # a boundary inside it falls on a multiple of this (quantization blocks)
+    cost: float = 0.0  # the optimizer's work on it when whole (balances the owners)
+    optimizer: int = 0  # which of the model's optimizers steps it: buckets never mix two
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def placed(self) -> bool:
+        """Does its optimizer care where shard boundaries fall?"""
+        return self.whole or self.block > 1
 
 
 @dataclass(frozen=True)
@@ -40,6 +58,7 @@ class Slot:
     shape: tuple[int, ...]
     offset: int
     numel: int
+    whole: bool = False  # owned whole by one rank: its piece is shaped like the parameter
 
     @property
     def end(self) -> int:
@@ -65,8 +84,10 @@ class BucketLayout:
 
     dtype: torch.dtype
     device: torch.device
-    slots: tuple[Slot, ...]
+    slots: tuple[Slot, ...]  # in order of offset
     world_size: int
+    # the owner layout: rank r's shard is [bounds[r], bounds[r + 1]); None: equal shards
+    bounds: tuple[int, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -74,17 +95,31 @@ class BucketLayout:
         return self.slots[-1].end
 
     @property
+    def even(self) -> bool:
+        """Do all ranks hold shards of one size (the collectives' fast path)?"""
+        return self.bounds is None
+
+    @property
     def padded_numel(self) -> int:
+        if self.bounds is not None:
+            return self.bounds[-1]
         return -(-self.numel // self.world_size) * self.world_size
 
     @property
     def shard_numel(self) -> int:
-        return self.padded_numel // self.world_size
+        """The largest shard (every shard, when they are even)."""
+        return max(end - start for start, end in self.shard_ranges())
+
+    def shard_ranges(self) -> list[tuple[int, int]]:
+        """Every rank's ``[start, end)``, in rank order."""
+        return [self.shard_range(r) for r in range(self.world_size)]
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of ``rank``'s shard in the flat buffer."""
-        start = rank * self.shard_numel
-        return start, start + self.shard_numel
+        if self.bounds is not None:
+            return self.bounds[rank], self.bounds[rank + 1]
+        size = self.padded_numel // self.world_size
+        return rank * size, (rank + 1) * size
 
     def pieces(self, rank: int) -> tuple[Piece, ...]:
         """The non-empty parts of parameters that lie inside ``rank``'s shard, in order."""
@@ -98,13 +133,20 @@ class BucketLayout:
 
 
 def plan_buckets(
-    params: Sequence[ParamSpec], world_size: int, max_bucket_numel: int
+    params: Sequence[ParamSpec],
+    world_size: int,
+    max_bucket_numel: int,
+    loads: list[float] | None = None,
 ) -> tuple[BucketLayout, ...]:
     """Group parameters into flat buckets, in registration order.
 
     Parameters of one (dtype, device) go into the same bucket until adding the next would pass
     ``max_bucket_numel`` elements; a parameter larger than that gets a bucket of its own.
-    Buckets of different (dtype, device) never mix.
+    Buckets of different (dtype, device) never mix, nor do the parameters of two optimizers
+    (each spreads its own updated buckets after its step). A bucket holding a parameter whose
+    optimizer cares where boundaries fall (``ParamSpec.placed``) gets the owner layout
+    (``place_owners``); ``loads``, each rank's optimizer cost so far, is then added to (pass
+    one list for every bucket of a model, so owners balance over all of them).
 
     >>> f32, cpu = torch.float32, torch.device("cpu")
     >>> specs = [ParamSpec("w", (3, 2), f32, cpu), ParamSpec("b", (3,), f32, cpu)]
@@ -116,19 +158,22 @@ def plan_buckets(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if max_bucket_numel < 1:
         raise ValueError(f"buffer_max_size must be >= 1 element, got {max_bucket_numel}")
-    open_slots: dict[tuple[torch.dtype, torch.device], list[Slot]] = {}
+    open_slots: dict[tuple[torch.dtype, torch.device, int], list[Slot]] = {}
     closed: list[tuple[int, BucketLayout]] = []  # (first param index, layout): keeps order
 
-    def close(key: tuple[torch.dtype, torch.device]) -> None:
+    loads = loads if loads is not None else [0.0] * world_size
+
+    def close(key: tuple[torch.dtype, torch.device, int]) -> None:
         slots = open_slots.pop(key)
-        closed.append(
-            (slots[0].param_index, BucketLayout(key[0], key[1], tuple(slots), world_size))
-        )
+        layout = BucketLayout(key[0], key[1], tuple(slots), world_size)
+        if any(params[s.param_index].placed for s in slots):
+            layout = place_owners([params[s.param_index] for s in slots], layout, loads)
+        closed.append((slots[0].param_index, layout))
 
     for index, spec in enumerate(params):
         if spec.numel == 0:
             continue  # nothing to store, reduce or update
-        key = (spec.dtype, spec.device)
+        key = (spec.dtype, spec.device, spec.optimizer)
         slots = open_slots.get(key)
         if slots and slots[-1].end + spec.numel > max_bucket_numel:
             close(key)
@@ -140,3 +185,84 @@ def plan_buckets(
     for key in list(open_slots):
         close(key)
     return tuple(layout for _, layout in sorted(closed, key=lambda item: item[0]))
+
+
+def place_owners(
+    specs: Sequence[ParamSpec], layout: BucketLayout, loads: list[float]
+) -> BucketLayout:
+    """``layout`` re-laid for optimizers that need whole parameters or aligned blocks.
+
+    Owners: whole parameters, costliest first, each to the rank with the least cost so far
+    (``loads``, over every bucket placed before; ties: fewer elements in this bucket, then the
+    lower rank), and ``loads`` is added to. Then each rank's part of the flat buffer is: the
+    rest of a parameter cut at its lower boundary, its whole parameters, then the other
+    parameters in registration order up to its share. The shares even out the elements
+    (water-filling above the whole parameters). A boundary falls at a share's end, moved to a
+    multiple of the parameter's ``block``; never inside a whole parameter.
+    """
+    world = layout.world_size
+    whole = [i for i, spec in enumerate(specs) if spec.whole]
+    owned: list[list[int]] = [[] for _ in range(world)]
+    held = [0] * world  # elements of whole parameters each rank owns in this bucket
+    for i in sorted(whole, key=lambda i: (-specs[i].cost, -specs[i].numel, i)):
+        rank = min(range(world), key=lambda r: (loads[r], held[r], r))
+        owned[rank].append(i)
+        loads[rank] += specs[i].cost
+        held[rank] += specs[i].numel
+    rest = [i for i, spec in enumerate(specs) if not spec.whole]
+    shares = _water_fill(held, sum(specs[i].numel for i in rest))
+    block = {layout.slots[i].param_index: spec.block for i, spec in enumerate(specs)}
+    slots, bounds, end = [], [0], 0
+    fill = iter(rest)
+    for rank in range(world):
+        for i in sorted(owned[rank]):
+            slots.append(_moved(layout.slots[i], end, whole=True))
+            end += specs[i].numel
+        floor = end if owned[rank] else bounds[-1]  # never inside this rank's whole ones
+        target = bounds[-1] + held[rank] + shares[rank]
+        last = rank == world - 1
+        while end < target or last:
+            i = next(fill, None)
+            if i is None:
+                break
+            slots.append(_moved(layout.slots[i], end, whole=False))
+            end += specs[i].numel
+        cut = end if last else min(max(target, floor), end)
+        bounds.append(_aligned(cut, slots[-1] if slots else None, block))
+    return BucketLayout(layout.dtype, layout.device, tuple(slots), world, tuple(bounds))
+
+
+def _moved(slot: Slot, offset: int, whole: bool) -> Slot:
+    return Slot(slot.param_index, slot.name, slot.shape, offset, slot.numel, whole)
+
+
+def _aligned(cut: int, last: Slot | None, block: dict[int, int]) -> int:
+    """``cut`` moved down to a multiple of the block of the parameter it falls inside (only
+    the last one laid can hold it), counted from that parameter's first element."""
+    if last is None or last.whole or not last.offset < cut < last.end:
+        return cut
+    step = block[last.param_index]
+    return last.offset + (cut - last.offset) // step * step
+
+
+def _water_fill(held: list[int], total: int) -> list[int]:
+    """Each rank's share of ``total`` elements so that ``held[r] + share[r]`` are as even as
+    they can be: the ranks holding least are filled to one level first."""
+    world = len(held)
+    shares = [0] * world
+    order = sorted(range(world), key=lambda r: held[r])
+    left = total
+    for k, r in enumerate(order):
+        # raise the k+1 lowest ranks to the next rank's level, or share what is left
+        nxt = held[order[k + 1]] if k + 1 < world else None
+        below = order[: k + 1]
+        room = None if nxt is None else sum(nxt - (held[q] + shares[q]) for q in below)
+        if room is None or room >= left:
+            each, extra = divmod(left, len(below))
+            for j, q in enumerate(sorted(below)):
+                shares[q] += each + (1 if j < extra else 0)
+            return shares
+        for q in below:
+            shares[q] = nxt - held[q]
+        left -= room
+    return shares

@@ -4,7 +4,14 @@
 class becomes a subclass of the original (``ShardedAdamW`` is still an ``AdamW``), each param
 group keeps its dict (so ``lr`` and schedulers keep working) but holds this rank's 1-D pieces
 instead of whole parameters, and existing state is sliced to match. Each piece's update is the
-original elementwise algorithm on that slice, so the result equals the unsharded step.
+original elementwise algorithm on that slice, so the result equals the unsharded step. A
+parameter whose optimizer needs all of it (Muon, Adafactor: ``core/optimizer_needs.py``) is one
+piece, shaped like the parameter, on the one rank that owns it (the owner layout); a low-bit
+optimizer's pieces start on its quantization blocks, and whether a piece's state is quantized
+is decided on the whole parameter (``LowBitPieces``). Several optimizers of one model (Muon for
+the matrices beside AdamW for the rest) are each converted; each steps buckets of its own
+(``core/layout``: a bucket never mixes optimizers), so after its step it spreads its own
+updated shards, and the bytes sent are those one optimizer over all parameters would send.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import weakref
 import torch
 
 from .checks import is_distributed
+from .optimizer_needs import is_low_bit
 from .state import ShardState
 
 
@@ -48,7 +56,7 @@ class ShardedOptimizer:
             for chunk in self._zerokit.chunks:
                 with _stepping_only(self, chunk):
                     super().step()  # type: ignore[misc]
-        state.refresh_params()
+        state.refresh_params(self._zerokit.buckets)  # its own buckets only
         return loss
 
     def step_group(self, group) -> None:
@@ -58,7 +66,7 @@ class ShardedOptimizer:
             super().step()  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._zerokit.shard_state.zero_grad(set_to_none)
+        self._zerokit.shard_state.zero_grad(set_to_none, optimizer=self)
         for param in self._zerokit.local_params:  # rank-local: their own .grad, as torch's
             if param.grad is not None:
                 if set_to_none:
@@ -90,6 +98,23 @@ class ShardedOptimizer:
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "zerokit_layout"})
 
 
+class LowBitPieces:
+    """Mixed in front of a torchao low-bit optimizer (``AdamW8bit``, ``AdamW4bit``,
+    ``AdamWFp8``): torchao quantizes a tensor's state only when it has >= 4096 elements that
+    divide into blocks, and asks the tensor it is given. Asked of a piece, the answer would
+    change with the world size; here it is asked of the whole parameter, as one process asks.
+    The layout already starts every piece on a block (``core/layout.place_owners``)."""
+
+    _zerokit: OptimizerShardState
+
+    def _new_buffer(self, p: torch.Tensor, signed: bool):
+        numel = self._zerokit.whole_numel.get(id(p), p.numel())
+        if numel >= 4096 and numel % self.block_size == 0:
+            assert p.numel() % self.block_size == 0, "a piece does not start on a block"
+            return self._subclass_zeros(p, signed, self.block_size)
+        return torch.zeros_like(p)
+
+
 @contextlib.contextmanager
 def _stepping_only(optimizer, chunk: set[int]):
     """Restrict every param group to the pieces in ``chunk`` for one inner step.
@@ -118,6 +143,17 @@ class OptimizerShardState:
     def __init__(self, shard_state: ShardState, group_params: list[list[torch.Tensor]]):
         self._shard_state = weakref.ref(shard_state)
         self.group_params = group_params  # each param group's whole parameters, as given
+        self.param_ids = {id(p) for params in group_params for p in params}
+        # the buckets this optimizer steps (each bucket holds one optimizer's parameters)
+        self.buckets = [
+            b for b in shard_state.buckets if any(id(p) in self.param_ids for p in b.params)
+        ]
+        # id(piece) -> its whole parameter's element count (LowBitPieces' choice)
+        self.whole_numel = {
+            id(view): bucket.layout.slots[piece.slot].numel
+            for bucket in shard_state.buckets
+            for piece, view in zip(bucket.pieces, bucket.param_pieces)
+        }
         # rank-local (is_distributed) parameters: in no bucket, stepped whole, as given
         self.local_params = [p for params in group_params for p in params if is_distributed(p)]
         # the pieces of each shard group: the optimizer steps one chunk at a time
@@ -169,8 +205,8 @@ def shard_optimizer_(optimizer: torch.optim.Optimizer, shard_state: ShardState):
     for bucket in shard_state.buckets:
         for piece, piece_param in zip(bucket.pieces, bucket.param_pieces):
             param = bucket.params[piece.slot]
-            shape = bucket.layout.slots[piece.slot].shape  # param.shape may be empty (stage 3)
-            piece_of.setdefault(id(param), []).append((piece, piece_param, shape))
+            slot = bucket.layout.slots[piece.slot]  # param.shape may be empty (stage 3)
+            piece_of.setdefault(id(param), []).append((piece, piece_param, slot))
 
     group_params = [list(group["params"]) for group in optimizer.param_groups]
     old_state = optimizer.state
@@ -183,17 +219,19 @@ def shard_optimizer_(optimizer: torch.optim.Optimizer, shard_state: ShardState):
                 if param in old_state:
                     new_state[param] = old_state[param]
                 continue
-            for piece, piece_param, shape in piece_of.get(id(param), []):
+            for piece, piece_param, slot in piece_of.get(id(param), []):
                 pieces.append(piece_param)
                 if param in old_state:
-                    new_state[piece_param] = _slice_state(old_state[param], shape, piece)
+                    new_state[piece_param] = _slice_state(old_state[param], slot, piece)
         group_dict["params"] = pieces
     optimizer.state.clear()
     optimizer.state.update(new_state)
 
     cls = type(optimizer)
-    optimizer.__class__ = type(f"Sharded{cls.__name__}", (ShardedOptimizer, cls), {})
+    mixins = (ShardedOptimizer, LowBitPieces) if is_low_bit(optimizer) else (ShardedOptimizer,)
+    optimizer.__class__ = type(f"Sharded{cls.__name__}", (*mixins, cls), {})
     optimizer._zerokit = OptimizerShardState(shard_state, group_params)
+    shard_state.add_optimizer(optimizer)
     _repoint_scheduler_patch(optimizer)
     return optimizer
 
@@ -207,17 +245,19 @@ def restore_optimizer_(optimizer: torch.optim.Optimizer, state: dict) -> torch.o
         group_dict["params"] = list(params)
     optimizer.state.clear()
     optimizer.state.update(state)
-    optimizer.__class__ = type(optimizer).__bases__[1]  # (ShardedOptimizer, the user's class)
+    optimizer.__class__ = type(optimizer).__bases__[-1]  # (ShardedOptimizer, ..., the user's)
     del optimizer._zerokit
     _repoint_scheduler_patch(optimizer)  # a scheduler's step wrapper: the user's step again
     return optimizer
 
 
-def _slice_state(state: dict, shape: tuple[int, ...], piece) -> dict:
-    """A piece's share of a parameter's optimizer state: per-element tensors are sliced."""
+def _slice_state(state: dict, slot, piece) -> dict:
+    """A piece's share of a parameter's optimizer state: per-element tensors are sliced (a
+    parameter owned whole keeps all of its state, shaped as it was)."""
     out = {}
     for key, value in state.items():
-        if isinstance(value, torch.Tensor) and tuple(value.shape) == shape and value.dim() > 0:
+        sliced = not slot.whole and isinstance(value, torch.Tensor) and value.dim() > 0
+        if sliced and tuple(value.shape) == slot.shape:
             out[key] = value.detach().reshape(-1)[piece.start : piece.end].clone()
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach().clone()

@@ -27,6 +27,13 @@ _NO_GRAD_HINT = (
     ". At level 'p_g_os' every forward gathers the parameters from every rank: run evaluation "
     "(e.g. an estimate_loss() under no_grad) on every rank, and average or print on rank 0"
 )
+_ORDER_CHANGED = "the model's forward, whose units ran in another order than the last step's"
+_ORDER_HINT = (
+    ". The ranks named ran the units in the order agreed before; this one did not. At level "
+    "'p_g_os' every gather is a collective: run the same modules in the same order on every "
+    "rank (a branch that depends on the rank or its data mixes parameters between units), or "
+    "use level 'os' / 'os_g'"
+)
 _COLLECTIVE_STATE_DICT = (
     ". At level 'p_g_os' state_dict() and load_state_dict() gather every unit's parameters: "
     "they are collective, every rank must call them. To save from one rank, call "
@@ -46,9 +53,9 @@ class WholeParams:
     def after_wrap(self, state) -> None:
         pass  # every rank starts from rank 0's parameters already
 
-    def refresh(self, state) -> None:
-        """The shards changed (a step, a load): spread every rank's shard to all."""
-        self.after_group_step(state.buckets)
+    def refresh(self, state, buckets) -> None:
+        """The shards of ``buckets`` changed (a step, a load): spread every rank's to all."""
+        self.after_group_step(buckets)
 
     def after_group_step(self, buckets) -> None:
         for work in [bucket.start_gather_updated() for bucket in buckets]:
@@ -68,6 +75,12 @@ class WholeParams:
 
     def unit_paused(self, group: ShardGroup) -> None:
         pass  # under no_sync(): nothing to free
+
+    def order_check_needed(self, state, groups) -> bool:
+        """Every forward: a rank-dependent order is allowed here (reductions then use the
+        registration order), so a rank whose order did not change cannot know that another's
+        did; every rank checks."""
+        return True
 
     def order_differs(self) -> None:
         pass  # reductions fall back to the registration order; no gather is at stake
@@ -110,14 +123,16 @@ class ShardedParams:
 
     # -- after a step, a load, the wrap --------------------------------------------------------
     def after_wrap(self, state) -> None:
-        self.refresh(state)  # gathers the units kept whole
+        self.refresh(state, state.buckets)  # gathers the units kept whole
 
-    def refresh(self, state) -> None:
-        """Drop stale gathered copies; units kept whole gather again."""
+    def refresh(self, state, buckets) -> None:
+        """Drop stale gathered copies of ``buckets``; units kept whole gather again."""
+        changed = {id(b) for b in buckets}
         for g in state.groups:
-            for bucket in g.buckets:
+            touched = [bucket for bucket in g.buckets if id(bucket) in changed]
+            for bucket in touched:
                 bucket.reshard()
-            if g.keep_whole:
+            if g.keep_whole and touched:
                 g.wait_for_unshard()
 
     def after_group_step(self, buckets) -> None:
@@ -157,6 +172,26 @@ class ShardedParams:
         parameters. Free them, as a synchronised backward does; another call's or graph's
         backward gathers them again (a pipeline keeps several graphs in flight)."""
         group.pause_backward()
+
+    def order_check_needed(self, state, groups) -> bool:
+        """Only when this rank's order differs from the last agreed one (or none was agreed
+        yet): after the first step a forward issues no collective beyond its gathers.
+
+        Note: every rank holds the same agreed order (it is set only from an agreement's
+        result), so every rank whose order did not change skips, and those whose order
+        changed check. If all changed (an order that depends on the input, the same on every
+        rank), all check and agree on the new one. If only some changed, the gathers already
+        differed between the ranks, which this level refuses: the ranks that changed first
+        meet in the store (no collective), so they wait there, named, and raise
+        ``CollectiveTimeout`` naming the ranks that kept the agreed order; those ranks'
+        next collective (their backward's) times out naming this check."""
+        if state.forward_order == state.agreed_order:
+            return False
+        if state.agreed_order is not None:
+            state.presence.mark(_ORDER_CHANGED)
+            for group in groups:
+                meet(_ORDER_CHANGED, group, _ORDER_HINT)
+        return True
 
     def order_differs(self) -> None:
         raise RuntimeError(

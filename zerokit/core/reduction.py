@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 
 from .collectives import (
     Pending,
+    Ranges,
     start_all_gather_,
     start_all_reduce_mean,
     start_reduce_scatter_mean,
@@ -34,15 +35,19 @@ class AllReduce:
     group: ProcessGroup
     replicas: ProcessGroup | None = None
 
-    def start(self, full: torch.Tensor) -> Pending:
+    def start(self, full: torch.Tensor, ranges: Ranges = None) -> Pending:
         pending = start_all_reduce_mean(full, self.group)
         if self.replicas is None or self.replicas.size() == 1:
             return pending
         # Across replicas only this rank's shard travels (P/N bytes, not P), then the shards
         # are gathered inside the group again: the slow link carries what 'os_g' sends.
-        own = full.view(self.group.size(), -1)[self.group.rank()]
+        rank = self.group.rank()
+        if ranges is None:
+            own = full.view(self.group.size(), -1)[rank]
+        else:
+            own = full[ranges[rank][0] : ranges[rank][1]]
         return pending.then(lambda: start_all_reduce_mean(own, self.replicas).finish()).then(
-            lambda: start_all_gather_(full, self.group).finish()
+            lambda: start_all_gather_(full, self.group, ranges).finish()
         )
 
 
@@ -52,9 +57,9 @@ class ReduceScatter:
 
     group: ProcessGroup
 
-    def start(self, full: torch.Tensor, shard: torch.Tensor) -> Pending:
+    def start(self, full: torch.Tensor, shard: torch.Tensor, ranges: Ranges = None) -> Pending:
         # Always accumulate: zero_grad() zeroes the shard, and backwards between steps add up.
-        return start_reduce_scatter_mean(full, shard, self.group, accumulate=True)
+        return start_reduce_scatter_mean(full, shard, self.group, accumulate=True, ranges=ranges)
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,8 @@ class ReduceScatterThenAllReduce(ReduceScatter):
 
     replicas: ProcessGroup | None = None
 
-    def start(self, full: torch.Tensor, shard: torch.Tensor) -> Pending:
-        pending = super().start(full, shard)
+    def start(self, full: torch.Tensor, shard: torch.Tensor, ranges: Ranges = None) -> Pending:
+        pending = super().start(full, shard, ranges)
         if self.replicas is None or self.replicas.size() == 1:
             return pending
         return pending.then(lambda: start_all_reduce_mean(shard, self.replicas).finish())

@@ -8,8 +8,8 @@ Note: every rank must issue the same collectives in the same sequence. Gradients
 order autograd runs, which can differ between ranks when a parameter is used on some ranks
 only, so reductions are launched in an *agreed* order, never in arrival order: the reverse of
 the order units first ran in this step's forward, once every rank has checked (one small
-all-reduce after the forward) that it saw the same order; otherwise the reverse of the
-registration order. A group is launched when it is ready (every parameter has its gradient, or
+all-reduce after the forward; at 'p_g_os' only when a rank's order differs from the last
+agreed one) that it saw the same order; otherwise the reverse of the registration order. A group is launched when it is ready (every parameter has its gradient, or
 its module's backward is over) and every group before it in that order has been launched; at
 the end of backward the rest are launched in order.
 """
@@ -27,7 +27,7 @@ from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 
 from . import checks, presence
-from .collectives import Pending, all_reduce_
+from .collectives import Pending, all_reduce_, communication_device
 from .flat_param import FlatParamBucket, Storage
 from .group import Phase, ShardGroup
 from .params import ShardedParams, WholeParams
@@ -80,14 +80,20 @@ class ShardState:
         self._static_order = list(reversed(range(len(groups))))  # reverse registration
         self.forward_order: list[int] = []  # groups in first-call order, this step
         self.prefetch_order: list[int] = []  # the last complete forward's order
+        self.agreed_order: list[int] | None = None  # the last order every rank ran (the same
+        # on every rank: set only from an agreement's result)
         self._order_agreed = False
         self._launch_order: list[int] = self._static_order
         self._next_launch = 0
         self._in_flight: collections.deque[tuple[ShardGroup, list[Pending]]] = collections.deque()
-        # step_in_backward: the sharded optimizer (weakly: it holds this state weakly too) that
-        # steps each group as soon as its reduction finishes, so that its gradient shard is
+        # step_in_backward: the sharded optimizers (weakly: they hold this state weakly too)
+        # that step each group as soon as its reduction finishes, so that its gradient shard is
         # freed before the next group's is made
-        self._stepper: weakref.ref | None = None
+        self._steppers: list[weakref.ref] | None = None
+        # Several optimizers (Muon beside AdamW): each steps buckets of its own, and the
+        # gradient buffers are freed once every one has zeroed its gradients.
+        self._optimizer_ids: set[int] = set()
+        self._zeroed: set[int] = set()
         self._unsynced = False  # no_sync() gradients are waiting for a synchronised backward
         for g in groups:
             g.owner = weakref.ref(self)
@@ -105,14 +111,24 @@ class ShardState:
 
     @property
     def step_in_backward(self) -> bool:
-        return self._stepper is not None
+        return self._steppers is not None
 
-    def enable_step_in_backward(self, optimizer) -> None:
+    def enable_step_in_backward(self, optimizers) -> None:
         """Step each group's pieces as soon as its reduction finishes, then free its gradient
         shard (levels 'os_g', 'p_g_os'). Gradients never exist for the whole model at once:
         4/N bytes per parameter less at the peak. No global-norm clipping or loss-scaler skip
         can come first, which ``clip_grad_norm_`` and the scaler refuse."""
-        self._stepper = weakref.ref(optimizer)
+        self._steppers = [weakref.ref(optimizer) for optimizer in optimizers]
+
+    def add_optimizer(self, optimizer) -> None:
+        """``optimizer`` steps some of this model's pieces (``core/optimizer.py``)."""
+        self._optimizer_ids.add(id(optimizer))
+
+    @property
+    def optimizer_ids(self) -> set[int]:
+        """The ids of the optimizers wrapped with this model."""
+        return set(self._optimizer_ids)
+
 
     @property
     def buckets(self) -> list[FlatParamBucket]:
@@ -164,8 +180,18 @@ class ShardState:
         call = "torch.nn.utils.clip_grad_norm_()"
         return self.grad_norm(model, norm_type, param_ids, call=call)[0]
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True, optimizer=None) -> None:
+        """Zero the gradients ``optimizer`` steps (every gradient: when it is the model's only
+        optimizer, or the last of them to zero; the buffers are freed then)."""
         self.check_ready_for_step()
+        if optimizer is not None and len(self._optimizer_ids) > 1:
+            self._zeroed.add(id(optimizer))
+            if not self._zeroed >= self._optimizer_ids:
+                ids = optimizer._zerokit.param_ids
+                for g in self.groups:
+                    g.zero_grad_of(ids, set_to_none)
+                return
+        self._zeroed.clear()
         for g in self.groups:
             g.zero_grad(set_to_none)
 
@@ -184,9 +210,10 @@ class ShardState:
         self._launch_order, self._next_launch = self._static_order, 0
         self._end_of_backward()
 
-    def refresh_params(self) -> None:
-        """The shards changed (a step, a load): make the parameters the model sees match."""
-        self.params.refresh(self)
+    def refresh_params(self, buckets: list[FlatParamBucket] | None = None) -> None:
+        """The shards changed (a step, a load): make the parameters the model sees match
+        (only ``buckets``': one optimizer of several stepped its own)."""
+        self.params.refresh(self, self.buckets if buckets is None else buckets)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What zerokit holds for this model, by category (each storage may appear in several
@@ -272,16 +299,35 @@ class ShardState:
             self.forward_order.append(k)
 
     def _agree_on_order(self) -> bool:
-        """Did every rank run the units in the same order? One all-reduce of a digest."""
+        """Did every rank run the units in the same order? One all-reduce of a digest, when
+        the order can have changed (``params.order_check_needed``: at 'p_g_os' only when this
+        rank's order differs from the last agreed one), nothing at one rank."""
+        groups = [g for g in self._data_groups() if g.size() > 1]
+        if not groups:
+            return True
+        if not self.params.order_check_needed(self, groups):
+            return True
         digest = hashlib.sha256(repr(self.forward_order).encode()).digest()
         value = int.from_bytes(digest[:7], "little")  # < 2**56: -value fits an int64 too
-        both = torch.tensor([value, -value], dtype=torch.int64, device=self.communication_device)
-        for group in self._data_groups():
+        device = self.control_device
+        both = torch.tensor([value, -value], dtype=torch.int64, device=device)
+        for group in groups:
             all_reduce_(both, group, op=dist.ReduceOp.MAX)
         agreed = int(both[0]) == -int(both[1])
         if not agreed:
             self.params.order_differs()  # stage 3 refuses; otherwise: the registration order
+        self.agreed_order = list(self.forward_order) if agreed else None
         return agreed
+
+    @property
+    def control_device(self) -> torch.device:
+        """Where the per-step control values (the order digest, the "holds a gradient" flags)
+        are reduced: the CPU when every data group can reduce CPU tensors (gloo, or a
+        ``"cpu:gloo,cuda:nccl"`` group), so reading them back is no device-to-host sync;
+        else the communication device (an NCCL-only group: each read is one)."""
+        if all(communication_device(g).type == "cpu" for g in self._data_groups()):
+            return torch.device("cpu")
+        return self.communication_device
 
     # -- backward ------------------------------------------------------------------------------
     def begin_backward(self) -> None:
@@ -358,7 +404,7 @@ class ShardState:
         group, pending = self._in_flight.popleft()
         for work in pending:
             work.finish()
-        if self._stepper is not None:
+        if self._steppers is not None:
             self._step_group(group)
 
     def _step_group(self, group: ShardGroup) -> None:
@@ -367,27 +413,31 @@ class ShardState:
         spread the updated shard (if full parameters are kept) and free the group's gradient
         shard."""
         group.finish_backward(list(self._agree_contributed([group])))
-        optimizer = self._stepper()
-        if optimizer is None:
+        optimizers = [ref() for ref in self._steppers]
+        if any(optimizer is None for optimizer in optimizers):
             raise RuntimeError(
-                "step_in_backward: the optimizer wrapped with this model no longer exists"
+                "step_in_backward: an optimizer wrapped with this model no longer exists"
             )
-        optimizer.step_group(group)
+        for optimizer in optimizers:
+            optimizer.step_group(group)
         self.params.after_group_step(group.buckets)
         group.release_stepped()
 
     def _agree_contributed(self, groups: list[ShardGroup]):
         """Which parameters of ``groups`` hold a gradient on any rank that splits the batch:
         one MAX all-reduce, one byte each. Each bucket's flags, in order."""
-        contributed = torch.cat([f for g in groups for f in g.contributed])
-        contributed = contributed.to(device=self.communication_device, dtype=torch.uint8)
-        for group in self._data_groups():
-            all_reduce_(contributed, group, op=dist.ReduceOp.MAX)
+        flags = torch.cat([f for g in groups for f in g.contributed])  # host bookkeeping
         sizes = [len(b.params) for g in groups for b in g.buckets]
-        return iter(contributed.cpu().bool().split(sizes))
+        data_groups = [g for g in self._data_groups() if g.size() > 1]
+        if data_groups:  # on the control device: no device-to-host read where gloo can reduce
+            contributed = flags.to(device=self.control_device, dtype=torch.uint8)
+            for group in data_groups:
+                all_reduce_(contributed, group, op=dist.ReduceOp.MAX)
+            flags = contributed.bool() if contributed.is_cpu else contributed.cpu().bool()
+        return iter(flags.split(sizes))
 
     def _end_of_backward(self) -> None:
-        if self.sync_enabled and self._stepper is not None:
+        if self.sync_enabled and self._steppers is not None:
             self._launch_ready(force=True)
             while self._in_flight:
                 self._finish_oldest()  # each steps its group

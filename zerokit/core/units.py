@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from torch import nn
 
 from .checks import is_distributed
 from .layout import BucketLayout, ParamSpec, plan_buckets
+from .optimizer_needs import Need
 
 
 @dataclass(frozen=True)
@@ -159,9 +160,12 @@ def plan_groups(
     world_size: int,
     buffer_max_size: int,
     shape_of: Callable[[nn.Parameter], tuple[int, ...]] | None = None,
+    needs: Mapping[int, Need] | None = None,
 ) -> list[tuple[UnitPlan, tuple[BucketLayout, ...]]]:
     """Each unit's flat buckets: one per dtype, split further at ``buffer_max_size`` elements
-    (``shape_of`` as for ``plan_units``).
+    (``shape_of`` as for ``plan_units``). ``needs``: ``id(parameter)`` -> what its optimizer
+    needs of the layout (``core/optimizer_needs.needs_of``); owners are balanced over all
+    the model's buckets together.
 
     >>> import torch
     >>> from torch import nn
@@ -172,8 +176,20 @@ def plan_groups(
     [('0', [16, 4]), ('1', [10])]
     """
     shape_of = shape_of or _shape
+    needs = needs or {}
+    loads = [0.0] * world_size  # each rank's optimizer cost over the buckets placed so far
     out = []
     for plan in plans:
-        specs = [ParamSpec(n, tuple(shape_of(p)), p.dtype, p.device) for n, p in plan.params]
-        out.append((plan, plan_buckets(specs, world_size, buffer_max_size)))
+        specs = [
+            ParamSpec(n, tuple(shape_of(p)), p.dtype, p.device, **_need(needs, p))
+            for n, p in plan.params
+        ]
+        out.append((plan, plan_buckets(specs, world_size, buffer_max_size, loads)))
     return out
+
+
+def _need(needs: Mapping[int, Need], p: nn.Parameter) -> dict:
+    need = needs.get(id(p))
+    if need is None:
+        return {}
+    return {"whole": need.whole, "block": need.block, "cost": need.cost, "optimizer": need.optimizer}
