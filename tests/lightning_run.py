@@ -13,6 +13,8 @@ Scenarios, each over a global batch of ``GLOBAL_BATCH`` split by ``DistributedSa
   and module resume from the epoch-0 checkpoint and train epoch 1.
 * ``manual``: manual optimization (``manual_backward``, a binding ``clip_gradients``, the
   optimizer's and scheduler's steps called by the module), 2 epochs of 4 steps.
+* ``--own-state-dict`` (alone): the LightningModule's own ``state_dict()`` in
+  ``on_train_end`` and after ``fit``, 2 steps.
 """
 
 from __future__ import annotations
@@ -155,6 +157,23 @@ def run_short(strategy, devices: int, precision: str) -> tuple[dict, list]:
     return params(t, model), sorted({str(d) for d in model.compute_dtypes})
 
 
+class Saving(Net):
+    """Keeps its own ``state_dict()`` at the end of training, as a user's hook does."""
+
+    def on_train_end(self):
+        self.at_end = {k: v.detach().clone() for k, v in self.state_dict().items()}
+
+
+def run_own_state_dict(strategy, devices: int) -> tuple[dict, dict]:
+    """2 steps; the LightningModule's own ``state_dict()`` in ``on_train_end`` and after
+    ``fit`` (collective at 'p_g_os': every rank calls it)."""
+    torch.manual_seed(0)
+    model = Saving(lr=LR)
+    model.data = data(2 * GLOBAL_BATCH)
+    trainer(strategy, devices, max_steps=2).fit(model)
+    return model.at_end, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def main() -> None:
     import zerokit.integrations.lightning  # noqa: F401  (registers the strategy names)
 
@@ -162,8 +181,15 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--levels", default="os,os_g,p_g_os")
+    parser.add_argument("--own-state-dict", action="store_true", help="only run_own_state_dict")
     args = parser.parse_args()
     results: dict = {}
+    if args.own_state_dict:
+        for level in args.levels.split(","):
+            results[level] = run_own_state_dict(f"zerokit_{level}", args.devices)
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            torch.save(results, os.path.join(args.out, "results.pt"))
+        return
     levels = args.levels.split(",")
     for level in levels:
         name = f"zerokit_{level}"

@@ -21,11 +21,11 @@ LEVELS = ("os", "os_g", "p_g_os")
 TOL = 2e-5
 
 
-def launch(tmp_path, devices: int, levels=LEVELS) -> dict:
+def launch(tmp_path, devices: int, levels=LEVELS, *flags: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, os.path.join(HERE, "lightning_run.py"), str(tmp_path)]
-    cmd += ["--devices", str(devices), "--levels", ",".join(levels)]
+    cmd += ["--devices", str(devices), "--levels", ",".join(levels), *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-6000:]
     return torch.load(os.path.join(tmp_path, "results.pt"))
@@ -123,6 +123,16 @@ def test_consolidated_for_one_process(two_ranks, reference, tmp_path):
     t = run.trainer("auto", 1, max_epochs=2)
     t.fit(model, ckpt_path=one)
     assert_close(run.params(t, model), reference["resume"], "resumed on one process")
+
+
+def test_the_modules_own_state_dict_is_full(tmp_path):
+    """At 'p_g_os' the LightningModule's parameters are empty between steps; its own
+    ``state_dict()`` (in ``on_train_end``, after ``fit``) gathers, collectively, what one
+    process's holds, as ``trainer.strategy.full_state_dict()`` does."""
+    at_end, after = launch(tmp_path, 2, ("p_g_os",), "--own-state-dict")["p_g_os"]
+    want_end, want_after = run.run_own_state_dict("auto", 1)
+    assert_close(at_end, want_end, "state_dict() in on_train_end")
+    assert_close(after, want_after, "state_dict() after fit")
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -254,6 +255,58 @@ def test_hugging_face_directory_round_trip(tmp_path, world_size):
         cls(config).save_pretrained(path, max_shard_size="20KB")  # several files and an index
         dirs.append(path)
     run_distributed(_hf_round_trip, world_size, dirs)
+
+
+def _tied_llama():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cls, config = _hf_models()[0]
+    assert config.tie_word_embeddings
+    return cls, config
+
+
+def _tied_files(rank: int, world_size: int, same: str, apart: str) -> None:
+    """A tied model's files holding both tied names: equal, it loads as ``from_pretrained``
+    does; 0.5 apart (``from_pretrained`` unties them), refused naming both, nothing loaded."""
+    cls, config = _tied_llama()
+    ref = cls.from_pretrained(same)
+    with zerokit.empty_init():
+        model = cls(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "p_g_os")
+    assert load_pretrained(model, same) == ([], [])
+    x = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(1))
+    model.eval(), ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, ref(x).logits, atol=1e-6, rtol=0)
+    before = model.state_dict()
+    names = r"'model.embed_tokens.weight' and 'lm_head.weight' are one tied parameter"
+    with pytest.raises(CheckpointError, match=names + r".*0.5 apart.*nothing was loaded"):
+        load_pretrained(model, apart)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items()), "a refused load changed it"
+
+
+def test_tied_names_with_different_values_in_the_files(tmp_path):
+    from safetensors.torch import load_file
+
+    cls, config = _tied_llama()
+    torch.manual_seed(0)
+    same, apart = str(tmp_path / "same"), str(tmp_path / "apart")
+    cls(config).save_pretrained(same)
+    values = load_file(os.path.join(same, "model.safetensors"))
+    assert "lm_head.weight" not in values  # HF saves a tied pair once
+    values["lm_head.weight"] = values["model.embed_tokens.weight"].clone()
+    save_file(values, os.path.join(same, "model.safetensors"), metadata={"format": "pt"})
+    shutil.copytree(same, apart)  # config.json too
+    values["lm_head.weight"] += 0.5
+    save_file(values, os.path.join(apart, "model.safetensors"), metadata={"format": "pt"})
+    # what zerokit refuses to guess: from_pretrained unties the pair and loads each name
+    hf = cls.from_pretrained(apart)
+    assert hf.lm_head.weight is not hf.model.embed_tokens.weight
+    assert torch.equal(hf.lm_head.weight, values["lm_head.weight"])
+    assert torch.equal(hf.model.embed_tokens.weight, values["model.embed_tokens.weight"])
+    run_distributed(_tied_files, 2, same, apart)
 
 
 # -- tensor parallelism: each tp rank reads its slices (rows, or runs of columns) ----------------

@@ -20,11 +20,17 @@ nest). ``init_fn`` therefore sees, on a module, the parameters of that module's 
 parameter of a unit already sharded (a parent reaching into a finished child) is an error,
 never a silent no-op. Every rank runs the whole initialisation (random draws are sequential:
 a rank cannot skip to its shard's numbers), paying its compute but not its memory.
+
+Every rank must end with one model whatever ``init_fn`` draws from: each tensor's digest is
+compared across ranks once every rank has finished; a whole tensor (frozen, the root unit's)
+that differs takes rank 0's values, a unit's that differs (each rank kept only its shard of
+its own draw) is refused by name (``_same_on_every_rank``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Callable, Iterator
 
 import torch
@@ -35,7 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .core import agreement
-from .core.collectives import broadcast_, communication_device
+from .core.checks import is_distributed
+from .core.collectives import all_reduce_, broadcast_, communication_device
 from .core.units import UnitPlan, plan_groups
 
 InitFn = Callable[[nn.Module], None]
@@ -130,6 +137,8 @@ def materialize(
     except Exception as exc:  # reported on every rank below, never a hang in a collective
         error = f"{type(exc).__name__}: {exc}"
     report = _agree_on_failures(error, [group, replica_group])
+    if not report:  # every rank is here: the collectives below pair up
+        report = _same_on_every_rank(walk, device, [g for g in groups if g.size() > 1])
     if report:
         saved.restore()
         torch.set_rng_state(rng)
@@ -138,6 +147,39 @@ def materialize(
             "still on meta"
         )
     return walk.finish() if shard_params else None
+
+
+def _same_on_every_rank(walk: _Walk, device, groups: list[ProcessGroup]) -> str:
+    """Every rank must start from one model, whatever ``init_fn`` draws from (a generator
+    seeded by the rank, numpy's). Each tensor's digest, compared by one all-reduce (MAX of
+    ``[d, -d]``) per group: a whole tensor (a frozen parameter, the root unit's) that differs
+    takes rank 0's values, as one process of rank 0 would have them (buffers: the core
+    broadcasts rank 0's); a unit's parameter, of which each rank kept only its shard of its
+    own draw, cannot, and is refused by name."""
+    if not groups or not walk.check:  # 'os'/'os_g': the core broadcasts rank 0's model
+        return ""
+    names, digests = zip(*walk.digests) if walk.digests else ((), ())
+    both = torch.tensor([*digests, *(-d for d in digests)], dtype=torch.int64, device=device)
+    for g in groups:
+        all_reduce_(both, g, op=dist.ReduceOp.MAX)
+    n, both = len(digests), both.tolist()  # one read back
+    differ = [names[i] for i in range(n) if both[i] != -both[n + i]]
+    sharded = [name for name in differ if name in walk.sharded_names]
+    if sharded:
+        return (
+            f"init_fn gave {len(sharded)} parameter(s) different values on different ranks "
+            f"({sharded[:5]}): it draws from a generator seeded by the rank (a "
+            "torch.Generator, numpy, random). At level 'p_g_os' each rank keeps only its "
+            "shard of them, so rank 0's values cannot be taken: seed that generator the same "
+            "on every rank (zerokit gives torch's global generator rank 0's state), or wrap "
+            "at 'os' / 'os_g', which broadcast rank 0's model"
+        )
+    whole = dict(walk.whole())
+    with torch.no_grad():
+        for name in differ:
+            for g in groups:  # the replicas' rank 0, then the shard group's: global rank 0's
+                broadcast_(whole[name].data, g)
+    return ""
 
 
 def _agree_on_failures(error: str, groups: list[ProcessGroup | None]) -> str:
@@ -176,20 +218,82 @@ class _Snapshot:
                 _swap_storage(tensor, "meta")
 
 
-def _swap_storage(t: torch.Tensor, device: torch.device | str, *, placeholder=False) -> None:
+def _swap_storage(
+    t: torch.Tensor,
+    device: torch.device | str,
+    *,
+    placeholder: bool = False,
+    into: torch.Tensor | None = None,
+) -> None:
     """Give ``t`` (a parameter or buffer, kept as the same Python object) new storage on
-    ``device``: empty, or with ``placeholder`` one element seen at every index (the shape
-    without the memory: the core reads only shapes, dtypes and devices of bucketed params)."""
-    if placeholder:
+    ``device``: zeros (what a tensor ``init_fn`` leaves alone holds: the same on every rank,
+    never another unit's leftovers), ``into`` (a view of the walk's arena, zeroed), on meta,
+    or with ``placeholder`` one element seen at every index (the shape without the memory:
+    the core reads only shapes, dtypes and devices of bucketed params)."""
+    if into is not None:
+        data = into.zero_()
+    elif placeholder:
         data = torch.zeros((), dtype=t.dtype, device=device).expand(t.shape)
-    else:
+    elif torch.device(device).type == "meta":
         data = torch.empty(t.shape, dtype=t.dtype, device=device)
+    else:
+        data = torch.zeros(t.shape, dtype=t.dtype, device=device)
     if isinstance(t, nn.Parameter):
         new = type(t)(data, t.requires_grad)
     else:
         new = data.requires_grad_(t.requires_grad)
     new.__dict__.update(t.__dict__)  # swap_tensors swaps __dict__ too: keep t's attributes
     torch.utils.swap_tensors(t, new)
+
+
+_ALIGN = 64  # bytes: every view into the arena starts aligned for any dtype
+
+
+def _nbytes(params) -> int:
+    return sum(-(-p.numel() * p.element_size() // _ALIGN) * _ALIGN for p in params)
+
+
+class _Arena:
+    """One buffer that holds every unit's full parameters while the walk initialises it.
+
+    Note: units are entered and left last in, first out (a unit's module encloses the units
+    inside it), so a unit's parameters are views into the top of a stack and leaving the unit
+    pops them. The buffer is sized once to the deepest nesting (most often the largest unit)
+    and allocated once: no allocation per unit or per parameter, whose freed blocks glibc's
+    default malloc would keep resident (its mmap threshold rises to the largest block freed,
+    and a heap gives back only its top), so the bound holds whatever the allocator."""
+
+    def __init__(self, nbytes: int, device):
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.top = 0
+
+    def take(self, params: list[nn.Parameter]) -> int:
+        """Storage for ``params`` (those still on meta); returns the mark to pop back to."""
+        mark = self.top
+        for p in params:
+            if p.is_meta:
+                n = p.numel() * p.element_size()
+                view = self.buffer[self.top : self.top + n].view(p.dtype).view(p.shape)
+                _swap_storage(p, self.buffer.device, into=view)
+                self.top += _nbytes([p])
+        return mark
+
+    def pop(self, mark: int) -> None:
+        self.top = mark
+
+
+def _arena_bytes(module: nn.Module, units: dict) -> int:
+    """The most the arena holds at once: a unit's parameters plus its deepest nested unit's."""
+    unit = units.get(id(module))
+    own = _nbytes([p for _, p in unit[0].params]) if unit is not None else 0
+    return own + max((_arena_bytes(c, units) for c in module.children()), default=0)
+
+
+def _digest(t: torch.Tensor) -> int:
+    """A CRC-32 of the tensor's bytes: equal values, equal digests; different ones collide
+    with odds of 2**-32 (CRC-32: about 4x faster than blake2b here, near the cost of the
+    ``normal_`` that drew them)."""
+    return zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
 
 
 def _shard_size(layout, rank: int) -> int:
@@ -211,10 +315,13 @@ class _Walk:
         # materialised first and kept to the end: everything but the non-root units' params
         self.first = [p for p in _unique_params(model) if id(p) not in in_units]
         self.sharded: dict[int, nn.Parameter] = {}  # placeholders to make at the end
+        self.sharded_names: set[str] = set()  # of which each rank kept only its shard
+        self.digests: list[tuple[str, int]] = []  # (name, digest): compared across ranks
+        self.check = bool(plans)  # 'os'/'os_g': the core broadcasts rank 0's whole model
+        self.names = {id(p): n for n, p in model.named_parameters()}
         # Note: every shard gets its storage here, before any parameter does. Allocated after
         # each unit's full parameters, the long-lived shards would pin the freed parameters'
-        # heap pages (glibc's default malloc gives back only the top of its heap): a rank
-        # would keep about a unit's worth of freed memory resident per unit.
+        # heap pages (glibc's default malloc gives back only the top of its heap).
         self.shards: dict[ShardKey, torch.Tensor] = {
             _shard_key(plan, layout): torch.zeros(
                 _shard_size(layout, self.rank), dtype=layout.dtype, device=device
@@ -222,6 +329,7 @@ class _Walk:
             for plan, layouts in [*self.units.values(), *([self.root] if self.root else [])]
             for layout in layouts
         }
+        self.arena = _Arena(_arena_bytes(model, self.units), device)
 
     def run(self, init_fn: InitFn) -> None:
         for buf in _unique_buffers(self.model):
@@ -230,7 +338,7 @@ class _Walk:
         self._materialize(self.first)
         self._visit(self.model, init_fn, "")
         if self.root is not None:
-            self._shard(*self.root)
+            self._check_in_place(self.root[0])
         left = [
             n for n, p in self.model.named_parameters() if p.is_meta and id(p) not in self.sharded
         ]
@@ -240,27 +348,35 @@ class _Walk:
                 f"init_fn left {len(left)} tensor(s) on meta ({left[:10]}); it must fill "
                 "parameters in place (nn.init.*_, tensor.copy_), not replace them"
             )
+        if self.check:
+            self.digests += [(n, _digest(p)) for n, p in self.whole()]
+
+    def whole(self) -> list[tuple[str, torch.Tensor]]:
+        """The parameters every rank holds whole until the end of the walk (frozen ones and
+        the root unit's), rank-local ones left out (each rank's own by design). Buffers are
+        the core's: it broadcasts rank 0's."""
+        return [(self.names[id(p)], p) for p in self.first if not is_distributed(p)]
 
     def _visit(self, module: nn.Module, init_fn: InitFn, name: str) -> None:
         unit = self.units.get(id(module))
         if unit is not None:
-            self._materialize([p for _, p in unit[0].params])
+            mark = self.arena.take([p for _, p in unit[0].params])
         for child_name, child in module.named_children():
             self._visit(child, init_fn, f"{name}.{child_name}" if name else child_name)
         with _NoMetaUse(name or "<root>"):
             init_fn(module)
         if unit is not None:
+            self._check_in_place(unit[0])
+            self.digests += [(n, _digest(p)) for n, p in unit[0].params if not is_distributed(p)]
             self._shard(*unit)
+            self.arena.pop(mark)
 
     def _materialize(self, params: list[nn.Parameter]) -> None:
         for p in params:
             if p.is_meta:
                 _swap_storage(p, self.device)
 
-    def _shard(self, plan: UnitPlan, layouts) -> None:
-        """Keep this rank's shard of each of ``plan``'s buckets; the full values go back to
-        meta (so a later use is caught by ``_NoMetaUse``)."""
-        params = [p for _, p in plan.params]
+    def _check_in_place(self, plan: UnitPlan) -> None:
         for name, p in plan.params:
             if self.model.get_parameter(name) is not p or p.is_meta:
                 raise ValueError(
@@ -268,6 +384,11 @@ class _Walk:
                     "parameters in place (nn.init.*_, tensor.copy_), so that the optimizer "
                     "and tied names keep holding them"
                 )
+
+    def _shard(self, plan: UnitPlan, layouts) -> None:
+        """Keep this rank's shard of each of ``plan``'s buckets; the full values go back to
+        meta (so a later use is caught by ``_NoMetaUse``)."""
+        params = [p for _, p in plan.params]
         for layout in layouts:
             start, _ = layout.shard_range(self.rank)
             shard = self.shards[_shard_key(plan, layout)]
@@ -279,11 +400,16 @@ class _Walk:
             for s in layout.slots:
                 p = params[s.param_index]
                 self.sharded[id(p)] = p
+                self.sharded_names.add(self.names[id(p)])
                 _swap_storage(p, "meta")
 
     def finish(self) -> dict[ShardKey, torch.Tensor]:
+        """After every rank agreed: the root unit's shards kept, placeholders made."""
+        if self.root is not None:
+            self._shard(*self.root)
         for p in self.sharded.values():
             _swap_storage(p, self.device, placeholder=True)
+        self.arena = None
         return self.shards
 
 

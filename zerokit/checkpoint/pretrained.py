@@ -43,8 +43,10 @@ def load_pretrained(
 
     Returns ``(missing, unexpected)``: the model's names the files lack and the files' names
     the model lacks; with ``strict`` either raises ``CheckpointError``. A tied parameter is
-    filled once, from whichever of its names the files hold. A shape mismatch, an unreadable
-    file or a malformed header always raises, on every rank, with the model unchanged.
+    filled once, from whichever of its names the files hold; if they hold several with
+    different values, ``CheckpointError`` names them (``from_pretrained`` would untie them).
+    A shape mismatch, an unreadable file or a malformed header always raises, on every rank,
+    with the model unchanged.
     """
     group = world_group()
     sources = None
@@ -222,24 +224,51 @@ def _verdict(reports: list[dict], sources: _Sources, strict: bool) -> tuple[list
 
 
 def _read(h: Holdings, sources: _Sources) -> list[tuple[Chunk, torch.Tensor]]:
-    """Every chunk this rank holds, read from its ranges of the file, in the file's dtype."""
-    found = {}
+    """Every chunk this rank holds, read from its ranges of the file, in the file's dtype. A
+    tied parameter whose names the files all hold is read under each: they must agree."""
+    found: dict[str, list[str]] = {}  # tensor -> its names the files hold
     for name, names in _names_of(h).items():
-        source = next((n for n in names if n in sources.where), None)
-        if source is not None:
-            found[name] = source
+        present = [n for n in names if n in sources.where]
+        if present:
+            found[name] = present
     staged = []
     for chunk in h.chunks:
-        source = found.get(chunk.name)
-        if source is None or not chunk.tensor.numel():
+        present = found.get(chunk.name)
+        if present is None or not chunk.tensor.numel():
             continue
-        meta = h.metas[chunk.name]
-        dtype = _DTYPE_OF[sources.where[source].header[source]["dtype"]]
-        values = torch.empty(chunk.tensor.numel(), dtype=dtype)
-        for full_lo, full_hi, at in _runs(meta, chunk.start, chunk.tensor.numel()):
-            sources.read(source, full_lo, full_hi, values[at : at + full_hi - full_lo])
+        values = _read_chunk(h.metas[chunk.name], chunk, present[0], sources)
+        for other in present[1:]:  # this rank's elements of each: the ranks cover them all
+            again = _read_chunk(h.metas[chunk.name], chunk, other, sources)
+            _same_values(values, again, present[0], other)
         staged.append((chunk, values))
     return staged
+
+
+def _read_chunk(meta: TensorMeta, chunk: Chunk, source: str, sources: _Sources) -> torch.Tensor:
+    dtype = _DTYPE_OF[sources.where[source].header[source]["dtype"]]
+    values = torch.empty(chunk.tensor.numel(), dtype=dtype)
+    for full_lo, full_hi, at in _runs(meta, chunk.start, chunk.tensor.numel()):
+        sources.read(source, full_lo, full_hi, values[at : at + full_hi - full_lo])
+    return values
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str) -> None:
+    """Note: transformers' ``from_pretrained`` unties a tied pair whose files hold different
+    values and loads each name's own (checked with transformers 5.24: the head keeps
+    ``lm_head.weight``); a wrapped model holds the pair as one parameter and cannot untie it,
+    so choosing either value would silently differ from it."""
+    if a.dtype == b.dtype and torch.equal(a, b):
+        return
+    if a.dtype != b.dtype and torch.equal(a.double(), b.double()):
+        return
+    diff = (a.double() - b.double()).abs().max().item()
+    raise CheckpointError(
+        f"load_pretrained: {name_a!r} and {name_b!r} are one tied parameter in the model, but "
+        f"the files hold different values for them (up to {diff:.3g} apart). transformers' "
+        "from_pretrained unties them and loads each, which a wrapped model cannot: build the "
+        "model untied (e.g. tie_word_embeddings=False in its config) before wrapping, or "
+        "remove one of the two from the files; nothing was loaded"
+    )
 
 
 def _runs(meta: TensorMeta, start: int, numel: int) -> Iterator[tuple[int, int, int]]:

@@ -36,8 +36,11 @@ U1..Uk in forward order; R the model itself; "stage 3": only ``ShardedParams`` a
             Ui inputs' gradient  -> state.unit_post_backward (Ui's backward is over)
             end of backward      -> state._end_of_backward (launch the rest, agree which
                                     parameters hold a gradient, publish, free)
-  state_dict / load_state_dict   -> state.params.before_io / after_save / after_load (stage 3:
-                                    every unit gathered around it, then freed)
+  state_dict / load_state_dict   -> StateDictHooks (the model's, a module sharing its
+                                    parameters', a submodule's state_dict; only the outermost
+                                    call acts) -> state.params.before_io / after_save /
+                                    after_load (stage 3: the units gathered around it, then
+                                    freed), the fp32 masters written
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from .grad_placeholder import is_placeholder
 from .group import ShardGroup
 from .master_state import MasterStateDict
 from .module import broadcast_module_state
+from .params import ShardedParams
 from .precision import cast_args, cast_output
 from .state import ShardState
 
@@ -95,16 +99,11 @@ def register_hooks(
     ``outer``: what the user passed (a ``torch.compile`` wrapper around ``model``, or it)."""
     _register_sharding(model, state, units)
     handles = state.hook_handles
+    masters = None
     if any(b.separate_masters for b in state.buckets):
-        # after stage 3's hooks, which gather (state_dict) or copy back (load) the compute copy
         masters = MasterStateDict(model, state.buckets, state.process_group)
-        handles += [
-            # torch tags this hook with an attribute, which a bound method cannot take
-            model.register_state_dict_post_hook(
-                functools.partial(MasterStateDict.state_dict_hook, masters)
-            ),
-            model.register_load_state_dict_pre_hook(masters.load_hook),
-        ]
+    state.state_dict_hooks = StateDictHooks(state, masters)
+    state.state_dict_hooks.register(model)
     if sync_buffers:  # before every forward, rank 0's buffers go to every rank
         handles.append(
             model.register_forward_pre_hook(
@@ -168,17 +167,6 @@ def _register_sharding(
         handles.append(module.register_forward_hook(functools.partial(_unit_post_forward, ref, k)))
     for module in _root_param_holders(model, state):
         handles.append(module.register_forward_pre_hook(functools.partial(_root_unit_used, ref)))
-    # state_dict()/load_state_dict(): stage 3 gathers every unit around them (state.params)
-    handles += [
-        model.register_state_dict_pre_hook(
-            functools.partial(_before_io, ref, "model.state_dict()")
-        ),
-        model.register_state_dict_post_hook(functools.partial(_after_save, ref)),
-        model.register_load_state_dict_pre_hook(
-            functools.partial(_before_io, ref, "model.load_state_dict()")
-        ),
-        model.register_load_state_dict_post_hook(functools.partial(_after_load, ref)),
-    ]
 
 
 @eager
@@ -294,19 +282,88 @@ def _grad_outputs(output) -> list[torch.Tensor]:
     return [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def _before_io(ref, call: str, *args, **kwargs) -> None:
-    state = ref()
-    if state is not None:
-        state.params.before_io(state, call)
+class StateDictHooks:
+    """``state_dict()`` / ``load_state_dict()`` of the wrapped model, of a module sharing its
+    parameters under the same names (``share``: the LightningModule beside Lightning's root),
+    and ``state_dict()`` of any submodule the user holds: full tensors, collectively, never
+    stage 3's empty parameters (``state.params``: every unit or the submodule's units gathered
+    around it, then freed) and, under mixed precision, the fp32 masters (``master_state.py``).
 
+    Note: torch's ``state_dict()`` calls each child's ``state_dict()``, hooks and all. Only the
+    outermost call acts (``_saving``, the module whose call is running); the calls it nests
+    are part of it."""
 
-def _after_save(ref, module, state_dict, prefix, local_metadata) -> None:
-    state = ref()
-    if state is not None:
+    def __init__(self, state: ShardState, masters: MasterStateDict | None):
+        self._ref = weakref.ref(state)  # the model owns the state, which owns these hooks
+        self._masters = masters
+        self._saving: nn.Module | None = None  # the module whose state_dict() is running
+        self._inside: set[int] = set()  # its modules: their calls are nested in it
+
+    def register(self, model: nn.Module) -> None:
+        state = self._ref()
+        self.share(model)
+        if not isinstance(state.params, ShardedParams) and self._masters is None:
+            return  # every rank holds every full parameter: a submodule's are there
+        ids = _bucketed(state)
+        for module in model.modules():
+            if module is not model and any(id(p) in ids for p in module.parameters()):
+                state.hook_handles += [
+                    module.register_state_dict_pre_hook(self._before_save),
+                    module.register_state_dict_post_hook(self._post_hook()),
+                ]
+
+    def share(self, module: nn.Module) -> None:
+        """``module`` holds the wrapped model's parameters under its names: the same hooks."""
+        self._ref().hook_handles += [
+            module.register_state_dict_pre_hook(self._before_save),
+            module.register_state_dict_post_hook(self._post_hook()),
+            module.register_load_state_dict_pre_hook(self._before_load),
+            module.register_load_state_dict_post_hook(self._after_load),
+        ]
+
+    def _post_hook(self):
+        # torch tags a state-dict post hook with an attribute, which a bound method cannot take
+        return functools.partial(StateDictHooks._after_save, self)
+
+    def _before_save(self, module, prefix, keep_vars) -> None:
+        state = self._ref()
+        if state is None or (id(module) in self._inside and module is not self._saving):
+            return  # nested in the outermost call, which gathered
+        ids = {id(p) for p in module.parameters()}
+        groups = [g for g in state.groups if any(id(p) in ids for p in g.params)]
+        state.params.before_io(state, _call(module, "state_dict"), groups)
+        # set once gathered: a call that raised there leaves nothing behind. (One that raised
+        # after, inside torch's recursion, leaves a module that may start a call afresh.)
+        self._saving, self._inside = module, {id(m) for m in module.modules()}
+
+    def _after_save(self, module, state_dict, prefix, local_metadata) -> None:
+        state = self._ref()
+        if state is None or module is not self._saving:
+            return
+        self._saving, self._inside = None, set()
         state.params.after_save(state, state_dict)
+        if self._masters is not None:
+            self._masters.state_dict_hook(module, state_dict, prefix, local_metadata)
+
+    def _before_load(self, module, *args) -> None:
+        state = self._ref()
+        if state is not None:
+            state.params.before_io(state, _call(module, "load_state_dict"))
+            if self._masters is not None:
+                self._masters.load_hook(module, *args)
+
+    def _after_load(self, module, incompatible_keys) -> None:
+        state = self._ref()
+        if state is not None:
+            state.params.after_load(state)
 
 
-def _after_load(ref, module, incompatible_keys) -> None:
-    state = ref()
-    if state is not None:
-        state.params.after_load(state)
+def _bucketed(state: ShardState) -> set[int]:
+    return {id(p) for bucket in state.buckets for p in bucket.params}
+
+
+def _call(module: nn.Module, method: str) -> str:
+    """The call as the user wrote it, for the bounded wait's message."""
+    if hasattr(module, "_zerokit"):
+        return f"model.{method}()"
+    return f"{type(module).__name__}.{method}()"

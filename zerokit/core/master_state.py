@@ -23,20 +23,22 @@ class MasterStateDict:
     def __init__(self, model: nn.Module, buckets: list[FlatParamBucket], group):
         self.buckets = [b for b in buckets if b.separate_masters]
         self.group = group
-        aliases: dict[int, list[str]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        self.names = aliases  # id(parameter) -> every name it has
+        self.names = _names(model)  # id(parameter) -> every name it has
 
     def state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
+        """The fp32 masters of ``module``'s parameters under its names: the model's, a module
+        sharing its parameters (a LightningModule), or a submodule's (only its buckets)."""
+        names = _names(module)
         for bucket in self.buckets:  # [padded] fp32, on the device the group communicates on
+            if not any(id(p) in names for p in bucket.params):
+                continue  # the same on every rank: the module is
             full = torch.empty(
                 bucket.layout.padded_numel, dtype=bucket.shard_data.dtype, device=bucket.data.device
             )
             bucket.shard(full).copy_(bucket.shard_data)
             start_all_gather_(full, self.group, bucket.ranges).finish()
             for i, param in enumerate(bucket.params):
-                for name in self.names[id(param)]:
+                for name in names.get(id(param), ()):
                     state_dict[prefix + name] = bucket.slot_view(full, i)
 
     def load_hook(self, module, state_dict, prefix, *args) -> None:
@@ -54,3 +56,11 @@ class MasterStateDict:
                     )
                     if value is not None and tuple(value.shape) == tuple(slot.shape):
                         master.copy_(value.reshape(-1)[piece.start : piece.end])
+
+
+def _names(module: nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> every name it has in ``module``."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    return aliases

@@ -91,7 +91,7 @@ class WholeParams:
     def backward_done(self) -> None:
         pass
 
-    def before_io(self, state, call: str) -> None:
+    def before_io(self, state, call: str, groups=None) -> None:
         pass  # state_dict() reads the full parameters, which every rank holds
 
     def after_save(self, state, state_dict) -> None:
@@ -223,14 +223,16 @@ class ShardedParams:
             group.unshard()
 
     # -- state_dict / load_state_dict ----------------------------------------------------------
-    def before_io(self, state, call: str) -> None:
-        """Full tensors under the original keys, gathered on demand and freed again."""
+    def before_io(self, state, call: str, groups: list[ShardGroup] | None = None) -> None:
+        """Full tensors under the original keys, gathered on demand and freed again: every
+        unit, or ``groups`` (those holding a submodule's parameters, for its state_dict())."""
+        groups = state.groups if groups is None else groups
         state.presence.mark(call)
         meet(call, state.process_group, _COLLECTIVE_STATE_DICT)
-        self._was_sharded = [g for g in state.groups if g.gathered_numel() == 0]
-        for g in state.groups:
+        self._was_sharded = [g for g in groups if g.gathered_numel() == 0]
+        for g in groups:
             g.unshard()
-        for g in state.groups:
+        for g in groups:
             g.wait_for_unshard()
 
     def after_save(self, state, state_dict) -> None:

@@ -101,6 +101,7 @@ class ShardState:
         # zerokit.clip's, which the core cannot import (it counts tensor-parallel layers)
         self.grad_norm = None
         self.hook_handles: list = []
+        self.state_dict_hooks = None  # hooks.StateDictHooks, set by register_hooks
 
     # -- the public protocol -----------------------------------------------------------------
     @property

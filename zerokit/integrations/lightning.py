@@ -22,7 +22,10 @@ keep the optimizer they were built on). Lightning's options become zerokit's:
   directory, Lightning's own state (epoch, step, loops, callbacks, schedulers, hparams) in its
   ``extra``; ``fit(ckpt_path=path)`` resumes from it, at another level or world size too;
   ``zerokit ckpt consolidate path --lightning one.ckpt`` makes it Lightning's one file, for
-  ``load_from_checkpoint`` on one process (``zerokit/checkpoint/lightning_file.py``).
+  ``load_from_checkpoint`` on one process (``zerokit/checkpoint/lightning_file.py``);
+* the LightningModule's own ``state_dict()`` (in ``on_train_end``, after ``fit``) -> the
+  wrapped root's, gathered at ``'p_g_os'`` (collective, as ``full_state_dict()``), never the
+  empty tensors its parameters are between steps.
 
 Refused, by name, at ``Trainer(...)``: ``sync_batchnorm=True``, precisions other than
 ``32-true``/``16-mixed``/``bf16-mixed`` (``"16-true"``, ``"bf16-true"``, ``"64-true"``, ...), a
@@ -63,6 +66,7 @@ from ..checkpoint.reading import CheckpointReader
 from ..clip import clip_grad_norm_
 from ..config import ShardingConfig
 from ..core.module import broadcast_module_state
+from ..core.state import state_of
 from ..mixed_precision import MixedPrecision
 from . import _lightning_common as common
 from .fabric import ZeroKitFabricStrategy
@@ -269,6 +273,9 @@ class ZeroKitStrategy(DDPStrategy):
             **self._sharding,
         )
         plugin.model, plugin.scaler = root, scaler
+        # the user's module holds the root's parameters under its names: its own state_dict()
+        # gathers them as the root's does (at 'p_g_os' they are empty between steps)
+        state_of(root).state_dict_hooks.share(module)
         self.optimizers = [optimizer]  # converted in place: rebuild Lightning's view of it
         self._root = root
         return root
