@@ -84,6 +84,36 @@ class Manual(Net):
         self.lr_schedulers().step()
 
 
+class TwoOptimizers(Manual):
+    """Muon for the hidden matrices beside AdamW for the rest (Lightning: manual optimization
+    with the optimizers configure_optimizers returned)."""
+
+    def configure_optimizers(self):
+        matrices = [self.net[0].weight, self.net[2].weight]
+        rest = [p for p in self.parameters() if all(p is not m for m in matrices)]
+        return [
+            torch.optim.Muon(matrices, lr=0.02, momentum=0.9),
+            torch.optim.AdamW(rest, lr=self.hparams.lr, weight_decay=0.1),
+        ]
+
+    def training_step(self, batch, batch_idx):
+        opts = self.optimizers()
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self(x), y))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+def _muon_in_fp32() -> None:
+    """Muon's Newton-Schulz in fp32 in every run here: a last-bit difference of a reduced
+    gradient then stays a last-bit difference (tests/test_optimizers.py, muon_in_fp32)."""
+    import torch.optim._muon as muon
+    from test_optimizers import _newton_schulz_fp32
+
+    muon._zeropower_via_newtonschulz = _newton_schulz_fp32
+
+
 def data(n: int) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g))
@@ -149,6 +179,24 @@ def run_manual(strategy, devices: int) -> dict:
     return params(t, model)
 
 
+def run_two_optimizers(strategy, devices: int, ckpt_dir: str) -> tuple[dict, dict]:
+    """2 epochs of 2 steps with Muon and AdamW, a checkpoint each epoch; then a fresh Trainer
+    resumes from epoch 0's. (params unbroken, params resumed)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _muon_in_fp32()
+    results = []
+    for resume in (None, os.path.join(ckpt_dir, "epoch=0-step=4.ckpt")):
+        torch.manual_seed(0 if resume is None else 123)
+        model = TwoOptimizers(lr=LR)
+        model.data = data(2 * GLOBAL_BATCH)
+        keep = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1)
+        t = trainer(strategy, devices, max_epochs=2, callbacks=[keep], enable_checkpointing=True)
+        t.fit(model, ckpt_path=resume)
+        results.append(params(t, model))
+    return results[0], results[1]
+
+
 def run_short(strategy, devices: int, precision: str) -> tuple[dict, list]:
     """2 steps at ``precision``; (params, the dtypes the weights had in training_step)."""
     model = fresh(2)
@@ -204,6 +252,9 @@ def main() -> None:
     )[1]
     results["bf16"] = run_short(other, args.devices, "bf16-mixed")
     results["manual"] = run_manual(other, args.devices)
+    results["two_optimizers"] = run_two_optimizers(
+        other, args.devices, os.path.join(args.out, "ckpt-two")
+    )
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         torch.save(results, os.path.join(args.out, "results.pt"))
     print("lightning_run done", file=sys.stderr)

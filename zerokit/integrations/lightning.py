@@ -255,17 +255,12 @@ class ZeroKitStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _wrap(self, module: LightningModule) -> _Root:
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"ZeroKitStrategy shards one optimizer; configure_optimizers returned "
-                f"{len(self.optimizers)}. Put the parameters in one optimizer's param groups"
-            )
         plugin = self.precision_plugin
         policy = common.precision_policy(plugin.precision, self.mixed_precision, "ZeroKitStrategy")
         root = _Root(module)
-        _, optimizer, scaler = group_sharded_parallel(
+        _, optimizers, scaler = group_sharded_parallel(
             root,
-            self.optimizers[0],
+            list(self.optimizers),  # configure_optimizers' one or several (Muon beside AdamW)
             self.level,
             scaler=plugin.scaler,
             mixed_precision=policy,
@@ -276,7 +271,7 @@ class ZeroKitStrategy(DDPStrategy):
         # the user's module holds the root's parameters under its names: its own state_dict()
         # gathers them as the root's does (at 'p_g_os' they are empty between steps)
         state_of(root).state_dict_hooks.share(module)
-        self.optimizers = [optimizer]  # converted in place: rebuild Lightning's view of it
+        self.optimizers = optimizers  # converted in place: rebuild Lightning's view of them
         self._root = root
         return root
 
@@ -343,7 +338,7 @@ class ZeroKitStrategy(DDPStrategy):
         path = self.broadcast(os.fspath(filepath))
         optimizer = None
         if self._root is not None and "optimizer_states" in checkpoint:  # not weights_only
-            optimizer = self.optimizers[0]
+            optimizer = self._saved_optimizers()
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         zk_checkpoint.save(
             path,
@@ -351,6 +346,10 @@ class ZeroKitStrategy(DDPStrategy):
             optimizer,
             extra={EXTRA_PREFIX + k: v for k, v in rest.items()},
         )
+
+    def _saved_optimizers(self):
+        """What a checkpoint holds: the one optimizer, or the list of them in order."""
+        return self.optimizers[0] if len(self.optimizers) == 1 else list(self.optimizers)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Collective: load the shards into the wrapped model (and optimizer, when fitting) and
@@ -372,7 +371,7 @@ class ZeroKitStrategy(DDPStrategy):
         optimizer = None
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         if self._root is not None and fitting and has_optimizer:
-            optimizer = self.optimizers[0]
+            optimizer = self._saved_optimizers()
         extra: dict[str, Any] = dict.fromkeys(keys)
         zk_checkpoint.load(
             path,
