@@ -107,6 +107,65 @@ def run_level(level: str, resume_level: str, devices: int, ckpt: str) -> dict:
     return record
 
 
+def fresh_two(seed: int = 0) -> tuple[nn.Module, list]:
+    """The model with Muon on its hidden matrices beside AdamW on the rest."""
+    model = fresh(seed)[0]
+    matrices = [model[0].weight, model[2].weight]
+    rest = [p for p in model.parameters() if all(p is not m for m in matrices)]
+    muon = torch.optim.Muon(matrices, lr=0.02, momentum=0.9)
+    return model, [muon, torch.optim.AdamW(rest, lr=0.05, weight_decay=0.1)]
+
+
+def train_two(model, opts, steps, rank: int = 0, world: int = 1, backward=None) -> None:
+    for step in steps:
+        for micro in range(MICRO):
+            loss = loss_of(model, *batch(step, micro, rank, world))
+            (backward or torch.Tensor.backward)(loss)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+
+def two_one_process() -> dict:
+    """The reference for ``run_two``: plain PyTorch on the global batches."""
+    from test_optimizers import newton_schulz_in_fp32  # 2e-5 holds (see there)
+
+    with newton_schulz_in_fp32():
+        model, opts = fresh_two()
+        train_two(model, opts, range(STEPS))
+    return params(model)
+
+
+def run_two(level: str, resume_level: str, devices: int, ckpt: str) -> dict:
+    """Muon beside AdamW: ``fabric.setup(model, muon, adamw)``, saved with both, resumed at
+    another level; (params unbroken, params resumed)."""
+    from test_optimizers import newton_schulz_in_fp32  # 2e-5 holds (see there)
+
+    with newton_schulz_in_fp32():
+        return {
+            "unbroken": _fabric_two(level, devices, ckpt, resume=False),
+            "resumed": _fabric_two(resume_level, devices, ckpt, resume=True),
+        }
+
+
+def _fabric_two(level: str, devices: int, ckpt: str, resume: bool) -> dict:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=devices, strategy=f"zerokit_{level}")
+    fabric.launch()
+    model, opts = fresh_two(seed=123 if resume else 0)
+    model, *opts = fabric.setup(model, *opts)
+    state = {"model": model, "muon": opts[0], "adamw": opts[1]}
+    rank, world = fabric.global_rank, fabric.world_size
+    if resume:
+        fabric.load(ckpt, state)
+    else:
+        train_two(model, opts, range(SAVE_AT), rank, world, fabric.backward)
+        fabric.save(ckpt, state)
+    train_two(model, opts, range(SAVE_AT, STEPS), rank, world, fabric.backward)
+    return params(model)
+
+
 def main() -> None:
     import zerokit.integrations.fabric  # noqa: F401  (registers the strategy names)
 
@@ -118,6 +177,7 @@ def main() -> None:
     for i, level in enumerate(LEVELS):
         ckpt = os.path.join(args.out, f"ckpt-{level}")
         results[level] = run_level(level, LEVELS[(i + 1) % len(LEVELS)], args.devices, ckpt)
+    results["two"] = run_two("p_g_os", "os_g", args.devices, os.path.join(args.out, "ckpt-two"))
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         torch.save(results, os.path.join(args.out, "results.pt"))
     print("fabric_run done", file=sys.stderr)

@@ -105,15 +105,6 @@ class TwoOptimizers(Manual):
             opt.zero_grad()
 
 
-def _muon_in_fp32() -> None:
-    """Muon's Newton-Schulz in fp32 in every run here: a last-bit difference of a reduced
-    gradient then stays a last-bit difference (tests/test_optimizers.py, muon_in_fp32)."""
-    import torch.optim._muon as muon
-    from test_optimizers import _newton_schulz_fp32
-
-    muon._zeropower_via_newtonschulz = _newton_schulz_fp32
-
-
 def data(n: int) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g))
@@ -183,18 +174,25 @@ def run_two_optimizers(strategy, devices: int, ckpt_dir: str) -> tuple[dict, dic
     """2 epochs of 2 steps with Muon and AdamW, a checkpoint each epoch; then a fresh Trainer
     resumes from epoch 0's. (params unbroken, params resumed)."""
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from test_optimizers import newton_schulz_in_fp32  # 2e-5 holds (see there)
 
-    _muon_in_fp32()
     results = []
-    for resume in (None, os.path.join(ckpt_dir, "epoch=0-step=4.ckpt")):
-        torch.manual_seed(0 if resume is None else 123)
-        model = TwoOptimizers(lr=LR)
-        model.data = data(2 * GLOBAL_BATCH)
-        keep = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1)
-        t = trainer(strategy, devices, max_epochs=2, callbacks=[keep], enable_checkpointing=True)
-        t.fit(model, ckpt_path=resume)
-        results.append(params(t, model))
+    with newton_schulz_in_fp32():
+        for resume in (None, os.path.join(ckpt_dir, "epoch=0-step=4.ckpt")):
+            results.append(_fit_two(strategy, devices, ckpt_dir, resume))
     return results[0], results[1]
+
+
+def _fit_two(strategy, devices: int, ckpt_dir: str, resume: str | None) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    torch.manual_seed(0 if resume is None else 123)
+    model = TwoOptimizers(lr=LR)
+    model.data = data(2 * GLOBAL_BATCH)
+    keep = ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1)
+    t = trainer(strategy, devices, max_epochs=2, callbacks=[keep], enable_checkpointing=True)
+    t.fit(model, ckpt_path=resume)
+    return params(t, model)
 
 
 def run_short(strategy, devices: int, precision: str) -> tuple[dict, list]:

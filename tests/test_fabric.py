@@ -52,6 +52,10 @@ def check(results: dict) -> None:
         resumed_at = run.LEVELS[(i + 1) % len(run.LEVELS)]
         assert got["step"] == run.SAVE_AT and got["remainder"] == {}
         assert_close(got["resumed"], want, f"saved at {level}, resumed at {resumed_at}")
+    # Muon beside AdamW: fabric.setup(model, muon, adamw), saved at 'p_g_os', resumed at 'os_g'
+    want = run.two_one_process()
+    assert_close(results["two"]["unbroken"], want, "Muon + AdamW")
+    assert_close(results["two"]["resumed"], want, "Muon + AdamW resumed at 'os_g'")
 
 
 def test_fabric_two_ranks_every_level(tmp_path):

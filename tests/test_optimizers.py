@@ -20,8 +20,8 @@ DDP's RMS distance was seen). So:
 Adafactor has no such amplification: within 2e-5 of one process everywhere.
 """
 
+import contextlib
 import copy
-import math
 import random
 
 import pytest
@@ -53,14 +53,26 @@ def _newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
     return x.T if tall else x
 
 
-@pytest.fixture
-def muon_in_fp32(monkeypatch):
-    """Muon with its Newton-Schulz in fp32: a last-bit difference in a reduced gradient then
-    stays a last-bit difference, so equality with one process is checked at 2e-5 (the ranks
-    are forked from this process, patched)."""
+@contextlib.contextmanager
+def newton_schulz_in_fp32():
+    """Muon with its Newton-Schulz in fp32, inside the block: a last-bit difference in a
+    reduced gradient then stays a last-bit difference, so equality with one process is
+    checked at 2e-5."""
     import torch.optim._muon as muon
 
-    monkeypatch.setattr(muon, "_zeropower_via_newtonschulz", _newton_schulz_fp32)
+    saved = muon._zeropower_via_newtonschulz
+    muon._zeropower_via_newtonschulz = _newton_schulz_fp32
+    try:
+        yield
+    finally:
+        muon._zeropower_via_newtonschulz = saved
+
+
+@pytest.fixture
+def muon_in_fp32():
+    """``newton_schulz_in_fp32`` for a test (the ranks are forked from this process, patched)."""
+    with newton_schulz_in_fp32():
+        yield
 
 
 def _distance(model: torch.nn.Module, ref: torch.nn.Module) -> tuple[float, float]:

@@ -168,23 +168,19 @@ class ZeroKitFabricStrategy(DDPStrategy):
     # -- setup ---------------------------------------------------------------------------
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler=None):
-        """Wrap ``module`` and its one optimizer in place (an LR scheduler keeps working)."""
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"{WHO} shards one optimizer; fabric.setup got {len(optimizers)}. Put the "
-                "parameters in one optimizer's param groups"
-            )
+        """Wrap ``module`` and its optimizers (one, or several over disjoint parameters: Muon
+        beside AdamW) in place (an LR scheduler keeps working)."""
         plugin = self.precision
-        module, optimizer, plugin.scaler = group_sharded_parallel(
+        module, optimizers, plugin.scaler = group_sharded_parallel(
             module,
-            optimizers[0],
+            list(optimizers),
             self.level,
             scaler=plugin.scaler,
             mixed_precision=common.precision_policy(plugin.precision, self.mixed_precision, WHO),
             config=self.config,
             **self._sharding,
         )
-        return module, [optimizer], scheduler
+        return module, optimizers, scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """A model without an optimizer (evaluation): nothing to shard; every rank starts from
@@ -257,16 +253,18 @@ class ZeroKitFabricStrategy(DDPStrategy):
 
 
 def _split(state: dict, call: str) -> tuple[nn.Module, Any, dict]:
-    """(the one model, the optimizer or None, everything else) of a Fabric state dict."""
+    """(the one model, its optimizer, the list of its optimizers in the state's order, or
+    None, and everything else) of a Fabric state dict."""
     models = [v for v in state.values() if isinstance(v, nn.Module)]
     optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
-    if len(models) != 1 or len(optimizers) > 1:
+    if len(models) != 1:
         raise ValueError(
-            f"{WHO}: {call} takes one model and at most one optimizer in its state (a zerokit "
-            f"checkpoint holds one of each); got {len(models)} and {len(optimizers)}"
+            f"{WHO}: {call} takes one model in its state (a zerokit checkpoint holds one "
+            f"model and its optimizers); got {len(models)}"
         )
     rest = {k: v for k, v in state.items() if v is not models[0] and v not in optimizers}
-    return models[0], (optimizers or [None])[0], rest
+    held = None if not optimizers else optimizers[0] if len(optimizers) == 1 else optimizers
+    return models[0], held, rest
 
 
 ZeroKitFabricStrategy.register_strategies(STRATEGY_REGISTRY)
