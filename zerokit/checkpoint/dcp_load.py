@@ -30,7 +30,7 @@ from ..core.agreement import alive
 from .dcp_format import MODEL, OPTIMIZER, boxes, load_value, path_of, plain, read_metadata
 from .holdings import Holdings, TensorMeta, collect, optimizers_of
 from .index import CheckpointError
-from .loading import _apply, _apply_extra, _check_hyperparameter, _Staged
+from .loading import _apply, _apply_extra, _check_hyperparameter, _Staged, what_is_loaded
 from .pretrained import _runs
 from .saving import agree_on, gather_json, model_fingerprint
 
@@ -380,12 +380,13 @@ def load_dcp(directory: str, model, optimizer, strict: bool, extra, group, timeo
         _agreed(gather_json("checkpoint.load", [error, None], group, timeout))
         agree_on(
             "checkpoint.load: what",
-            {
-                "the checkpoint read (sha256 of its .metadata)": src.digest.encode(),
-                "the model's tensors": model_fingerprint(h),
-                "the optimizer": str(h.optimizer_class).encode(),
-                "the extra state asked for": repr(sorted(extra or {})).encode(),
-            },
+            what_is_loaded(
+                "the checkpoint read (sha256 of its .metadata)",
+                src.digest,
+                model_fingerprint(h),
+                h,
+                extra,
+            ),
             group,
             timeout,
         )

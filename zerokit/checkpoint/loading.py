@@ -98,14 +98,13 @@ def load(
             world = world_view(h, "checkpoint.load", group, timeout)
             agree_on(
                 "checkpoint.load: what",
-                {
-                    "the checkpoint read (sha256 of its index)": reader.digest.encode(),
-                    "the model's tensors": model_fingerprint(h)
-                    if world is None
-                    else world["fingerprint"],
-                    "the optimizer": str(h.optimizer_class).encode(),
-                    "the extra state asked for": repr(sorted(extra or {})).encode(),
-                },
+                what_is_loaded(
+                    "the checkpoint read (sha256 of its index)",
+                    reader.digest,
+                    model_fingerprint(h) if world is None else world["fingerprint"],
+                    h,
+                    extra,
+                ),
                 group,
                 timeout,
             )
@@ -387,6 +386,17 @@ def _apply_extra(values: dict[str, Any], extra) -> None:
             extra[key].load_state_dict(value)
         else:
             extra[key] = value
+
+
+def what_is_loaded(read: str, digest: str, fingerprint: bytes, h: Holdings, extra) -> dict:
+    """What every rank must agree on before a load changes anything (zerokit's format and
+    DCP's alike): the checkpoint read, the model's tensors, the optimizers, the extra state."""
+    return {
+        read: digest.encode(),
+        "the model's tensors": fingerprint,
+        "the optimizer": str(h.optimizer_class).encode(),
+        "the extra state asked for": repr(sorted(extra or {})).encode(),
+    }
 
 
 def _apply(staged: _Staged, model: nn.Module, optimizer) -> None:
