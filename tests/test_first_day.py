@@ -320,9 +320,10 @@ def _positional_entries(help_text: str) -> list[str]:
         (["inspect"], {"--tensors"}, ["checkpoint"]),
         (
             ["consolidate"],
-            {"--max-shard-size", "--optimizer", "--lightning"},
+            {"--max-shard-size", "--optimizer", "--lightning", "--no-verify"},
             ["checkpoint", "output"],
         ),
+        (["convert"], {"--to", "--no-optimizer"}, ["source", "output"]),
     ],
 )
 def test_ckpt_help_shows_every_default(command, flags, positionals):

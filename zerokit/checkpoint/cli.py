@@ -74,7 +74,10 @@ def add_parser(commands) -> None:
     )
     convert_cmd.add_argument("source", help="a zerokit checkpoint or a DCP directory")
     convert_cmd.add_argument("output", help="the checkpoint directory to write")
-    convert_cmd.add_argument("--to", required=True, choices=("dcp", "zerokit", "hf"))
+    convert_cmd.add_argument(
+        "--to", required=True, choices=("dcp", "zerokit", "hf"),
+        help="the format to write (default: none, it must be given)",
+    )  # fmt: skip
     convert_cmd.add_argument(
         "--no-optimizer", action="store_true",
         help="leave the optimizer state out (default: converted too)",
