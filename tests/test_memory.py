@@ -88,7 +88,7 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
         (["--model", "no_such_module_zk:factory"], "cannot import 'no_such_module_zk'"),
         (["--model", "models"], "pkg.module:factory"),
         (["--model", "models:NOPE"], "no callable 'NOPE'"),
-        (["--model", "models:not_a_module"], "not a torch.nn.Module"),
+        (["--model", "models:not_a_module"], "a factory returns an nn.Module"),
         (["--model", "models:wrong_output"], "forward of token ids [1, 32] failed"),
         (["--nproc", "0"], "--nproc must be at least 1"),
         (["--batch", "3", "--nproc", "2"], "must divide evenly"),

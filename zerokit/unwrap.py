@@ -90,7 +90,7 @@ def _all_gather_shard(bucket: FlatParamBucket, shard: torch.Tensor) -> torch.Ten
     """The full flat buffer whose shards are every rank's ``shard`` (shard-size, 1-D)."""
     full = torch.zeros(bucket.layout.padded_numel, dtype=shard.dtype, device=bucket.data.device)
     bucket.shard(full).copy_(shard)
-    start_all_gather_(full, bucket.group, bucket.ranges).finish()
+    start_all_gather_(full, bucket.group, ranges=bucket.ranges).finish()
     return full
 
 

@@ -115,6 +115,7 @@ def start_reduce_scatter_mean(
     shard: torch.Tensor,
     group: ProcessGroup,
     accumulate: bool,
+    *,
     ranges: Ranges = None,
 ) -> Pending:
     """Average the 1-D ``full`` across ``group`` and write (or add) this rank's chunk to ``shard``.
@@ -155,7 +156,9 @@ def start_reduce_scatter_mean(
 
 
 @eager
-def start_all_gather_(full: torch.Tensor, group: ProcessGroup, ranges: Ranges = None) -> Pending:
+def start_all_gather_(
+    full: torch.Tensor, group: ProcessGroup, *, ranges: Ranges = None
+) -> Pending:
     """Fill the 1-D ``full`` in place from every rank's own chunk of it (equal chunks, or the
     uneven ``ranges`` of the owner layout)."""
     size = group.size()

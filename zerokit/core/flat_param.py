@@ -133,7 +133,7 @@ class FlatParamBucket:
     def start_gather_updated(self) -> Pending:
         """Full parameters kept ('os', 'os_g'): spread every rank's updated shard to all."""
         self.refresh_compute_shard()
-        return start_all_gather_(self.data, self.group, self.ranges)
+        return start_all_gather_(self.data, self.group, ranges=self.ranges)
 
     # -- storage life cycle ('p_g_os') ---------------------------------------------------------
     def start_unshard(self) -> None:
@@ -141,7 +141,7 @@ class FlatParamBucket:
             return
         self.data.untyped_storage().resize_(self._nbytes)
         self.shard(self.data).copy_(self.shard_data)  # the compute dtype: a cast under bf16
-        self._pending = start_all_gather_(self.data, self.group, self.ranges)
+        self._pending = start_all_gather_(self.data, self.group, ranges=self.ranges)
         self.storage = Storage.GATHERING
 
     def wait_for_unshard(self) -> None:

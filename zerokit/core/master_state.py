@@ -36,7 +36,7 @@ class MasterStateDict:
                 bucket.layout.padded_numel, dtype=bucket.shard_data.dtype, device=bucket.data.device
             )
             bucket.shard(full).copy_(bucket.shard_data)
-            start_all_gather_(full, self.group, bucket.ranges).finish()
+            start_all_gather_(full, self.group, ranges=bucket.ranges).finish()
             for i, param in enumerate(bucket.params):
                 for name in names.get(id(param), ()):
                     state_dict[prefix + name] = bucket.slot_view(full, i)

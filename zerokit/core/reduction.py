@@ -47,7 +47,7 @@ class AllReduce:
         else:
             own = full[ranges[rank][0] : ranges[rank][1]]
         return pending.then(lambda: start_all_reduce_mean(own, self.replicas).finish()).then(
-            lambda: start_all_gather_(full, self.group, ranges).finish()
+            lambda: start_all_gather_(full, self.group, ranges=ranges).finish()
         )
 
 
