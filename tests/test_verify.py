@@ -178,3 +178,15 @@ def test_judge_mixed_precision_is_a_ratio_of_rms_over_all_elements():
     beyond = {"a": entry(10, 11.0, 3.0), "b": entry(10, 89.0, 1.0)}  # sqrt(100 / 4) = 5
     verdict = judge(_report("bf16", [{"step": 1, "tensors": beyond}], 4.0))
     assert verdict["first_beyond"] == {"step": 1, "tensor": "b", "value": 5.0}
+
+
+def test_muon_beside_adamw_trains_as_one_process_at_3_ranks(capsys):
+    """Two optimizers (Muon for the blocks' matrices, each owned whole by one rank; AdamW for
+    the rest), Newton-Schulz in fp32 on both sides (bf16 would amplify a last-bit difference
+    of an averaged gradient to ~lr: ``plan_optimizers.newton_schulz_in_fp32``)."""
+    for level in ("os", "p_g_os"):
+        code, out, _ = _verify(
+            capsys, "--level", level, "--nproc", "3", "--batch", "6", "--optimizer", "muon"
+        )
+        assert code == 0, out
+        assert "muon lr 0.01 (Newton-Schulz in fp32) beside AdamW" in out, out

@@ -285,9 +285,11 @@ def _add_verify_parser(commands) -> None:
     verify.add_argument("--mixed-precision", choices=["bf16", "fp16"], help="default: fp32")
     verify.add_argument(
         "--optimizer",
-        choices=["sgd", "adamw"],
+        choices=["sgd", "adamw", "muon"],
         default=VerifyConfig.optimizer,
-        help="sgd: momentum 0.9; Adam's update hides a gradient's scale (default %(default)s)",
+        help="sgd: momentum 0.9; Adam's update hides a gradient's scale; muon: Muon (--lr) for "
+        "the 2-D matrices of repeated blocks beside AdamW (lr 1e-3) for the rest (default "
+        "%(default)s)",
     )
     verify.add_argument("--lr", type=float, default=VerifyConfig.lr, help="default %(default)s")
     verify.add_argument(

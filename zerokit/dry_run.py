@@ -27,7 +27,7 @@ from .layout import init_hybrid_parallel
 from .memory import measure
 from .mixed_precision import MixedPrecision
 from .plan_optimizers import OPTIMIZERS, as_list, step_flops
-from .scaler import ShardedGradScaler
+from .scaler import ShardedGradScaler, step_and_zero
 from .workload import Workload, as_workload, tp_workload
 
 
@@ -120,21 +120,11 @@ def _play(job: Job, rank: int, factory: Callable) -> RankRun:
         (scaler.scale(loss) if scaler else loss).backward()
         held = measure(model, opt)
         _phase("step")
-        _step_and_zero(as_list(opt), scaler)
+        with _meta_scalars():
+            step_and_zero(opt, scaler)
     calls = [(roles.get(id(g), "model"), c) for g in _recording_groups() for c in g.calls]
     memory = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer}
     return RankRun(rank, memory, calls, step_flops(as_list(opt)))
-
-
-def _step_and_zero(optimizers: list, scaler: ShardedGradScaler | None) -> None:
-    """Each optimizer steps (through ``scaler`` if any), then each zeroes its gradients."""
-    with _meta_scalars():
-        for opt in optimizers:
-            scaler.step(opt) if scaler is not None else opt.step()
-    if scaler is not None:
-        scaler.update()
-    for opt in optimizers:
-        opt.zero_grad(set_to_none=True)
 
 
 def _groups(job: Job, rank: int) -> tuple[dict[int, str], dict, object]:

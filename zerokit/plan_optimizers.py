@@ -37,7 +37,7 @@ def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def muon_and_adamw(model: nn.Module) -> list[torch.optim.Optimizer]:
+def muon_and_adamw(model: nn.Module, lr: float = 0.02) -> list[torch.optim.Optimizer]:
     """Muon for the matrices of repeated blocks, AdamW for the rest (as Muon's docs say)."""
     in_blocks = {
         id(p) for m in model.modules() if isinstance(m, nn.ModuleList) for p in m.parameters()
@@ -50,8 +50,30 @@ def muon_and_adamw(model: nn.Module) -> list[torch.optim.Optimizer]:
             "--optimizer muon: the model has no 2-D matrices inside repeated blocks (the "
             "parameters of an nn.ModuleList), which is what Muon is given here; use adamw"
         )
-    muon = torch.optim.Muon(matrices, lr=0.02, momentum=0.95, weight_decay=0.01)
+    muon = torch.optim.Muon(matrices, lr=lr, momentum=0.95, weight_decay=0.01)
     return [muon, _adamw(rest)] if rest else [muon]
+
+
+def newton_schulz_in_fp32() -> None:
+    """From now on in this process, ``torch.optim.Muon`` orthogonalises in fp32 (the same
+    iterations, the same coefficients) instead of bf16. For ``zerokit verify``'s ranks: in
+    bf16 a last-bit difference in an averaged gradient (N ranks sum in another order than one
+    process) can flip a rounding and move an element by up to ~lr, in DDP as in zerokit
+    (tests/test_optimizers.py measured ~7e-4 after 4 steps); in fp32 it stays a last-bit
+    difference, so a 2e-5 tolerance tells a sharding error from rounding."""
+    import torch.optim._muon as muon
+
+    def fp32(grad, ns_coefficients, ns_steps, eps):
+        a, b, c = ns_coefficients
+        tall = grad.size(0) > grad.size(1)
+        x = grad.float().T if tall else grad.float()
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x.T if tall else x
+
+    muon._zeropower_via_newtonschulz = fp32
 
 
 def adamw8bit(model: nn.Module) -> torch.optim.Optimizer:

@@ -42,6 +42,7 @@ from .launch import local_backend, spawn_local
 from .layout import init_hybrid_parallel
 from .mixed_precision import MixedPrecision
 from .pipeline.schedules import SCHEDULES
+from .plan_optimizers import muon_and_adamw, newton_schulz_in_fp32
 from .scaler import ShardedGradScaler, step_and_zero
 from .tensor_parallel import gather_full_state_dict
 from .verify_pp import PipelineTrainer
@@ -60,6 +61,8 @@ OPTIMIZERS = {
     "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
     "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr),
 }
+# built from the model (``zerokit.plan_optimizers``): Muon for the blocks' matrices, AdamW else
+WHOLE_MODEL_OPTIMIZERS = {"muon": muon_and_adamw}
 LOW = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _RMS_FLOOR = 1e-9  # a one-process run that stayed exact: the distributed one must nearly too
 
@@ -94,8 +97,11 @@ class VerifyConfig:
     """fp32: the largest element difference allowed; mixed precision: the factor over the
     one-process run's distance from exact training. None: 2e-5 / 4."""
     optimizer: str = "sgd"
-    """'sgd' (momentum 0.9) or 'adamw'. SGD by default: Adam's update is nearly blind to a
-    gradient's scale, so a sum where a mean belongs (or a missing part of one) would pass."""
+    """'sgd' (momentum 0.9), 'adamw', or 'muon' (``torch.optim.Muon`` at ``lr`` for the 2-D
+    matrices of repeated blocks beside AdamW for the rest: two optimizers, each matrix owned
+    whole by one rank). SGD by default: Adam's update is nearly blind to a gradient's scale,
+    so a sum where a mean belongs (or a missing part of one) would pass; Muon's, which
+    orthogonalises it, more so."""
     lr: float = 0.01
     """The learning rate."""
 
@@ -130,8 +136,12 @@ def check_config(cfg: VerifyConfig) -> None:
                 else ""
             )
         )
-    if cfg.optimizer not in OPTIMIZERS:
-        raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
+    if cfg.optimizer not in OPTIMIZERS and cfg.optimizer not in WHOLE_MODEL_OPTIMIZERS:
+        raise ValueError(
+            f"--optimizer must be one of {', '.join([*OPTIMIZERS, *WHOLE_MODEL_OPTIMIZERS])}"
+        )
+    if cfg.pp > 1 and cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"--pp: --optimizer must be one of {', '.join(OPTIMIZERS)}")
     if not cfg.lr > 0:
         raise ValueError(f"--lr must be positive, got {cfg.lr}")
     if cfg.tolerance is not None and not cfg.tolerance > 0:
@@ -187,13 +197,16 @@ def run_verify(cfg: VerifyConfig, progress: Callable[[str], None] = print) -> di
         "backend": backend,
         "batch": cfg.batch,
         "precision": cfg.mixed_precision or "fp32",
-        "optimizer": f"{cfg.optimizer} lr {cfg.lr:g}",
+        "optimizer": f"{cfg.optimizer} lr {cfg.lr:g}"
+        + (" (Newton-Schulz in fp32) beside AdamW" if cfg.optimizer == "muon" else ""),
         "tolerance": cfg.judged_tolerance,
         "steps": steps,
     }
 
 
 def _verify_rank(rank: int, world_size: int, cfg: VerifyConfig, out: str) -> None:
+    if cfg.optimizer == "muon":  # this rank process only: compare sharding, not bf16 rounding
+        newton_schulz_in_fp32()
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dp = world_size // cfg.tp // cfg.pp
@@ -250,7 +263,10 @@ class _Trainer:
     """One model and its optimizer: plain (no level) or wrapped at ``level`` over ``group``."""
 
     def __init__(self, model, cfg: VerifyConfig, level=None, low=None, group=None):
-        self.optimizer = OPTIMIZERS[cfg.optimizer](model.parameters(), cfg.lr)
+        if cfg.optimizer in WHOLE_MODEL_OPTIMIZERS:  # a list (Muon beside AdamW)
+            self.optimizer = WHOLE_MODEL_OPTIMIZERS[cfg.optimizer](model, lr=cfg.lr)
+        else:
+            self.optimizer = OPTIMIZERS[cfg.optimizer](model.parameters(), cfg.lr)
         self.scaler = None
         if level is not None:
             scaler = ShardedGradScaler() if low == torch.float16 else None
