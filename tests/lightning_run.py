@@ -13,6 +13,8 @@ Scenarios, each over a global batch of ``GLOBAL_BATCH`` split by ``DistributedSa
   and module resume from the epoch-0 checkpoint and train epoch 1.
 * ``manual``: manual optimization (``manual_backward``, a binding ``clip_gradients``, the
   optimizer's and scheduler's steps called by the module), 2 epochs of 4 steps.
+* ``two_optimizers``: ``configure_optimizers`` returning two (Adafactor for the matrices,
+  AdamW for the rest), 2 epochs of 2 steps.
 """
 
 from __future__ import annotations
@@ -82,6 +84,32 @@ class Manual(Net):
         self.lr_schedulers().step()
 
 
+class TwoOptimizers(Net):
+    """``configure_optimizers`` returning two (manual optimization, as Lightning requires for
+    several): Adafactor, which reads whole parameters (each owned by one rank), for the
+    2-D weights, beside AdamW for the biases and the gain."""
+
+    def __init__(self, lr: float = 0.05):
+        super().__init__(lr)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        matrices = [p for p in self.parameters() if p.dim() == 2]
+        rest = [p for p in self.parameters() if p.dim() != 2]
+        return [
+            torch.optim.Adafactor(matrices, lr=self.hparams.lr),
+            torch.optim.AdamW(rest, lr=self.hparams.lr, weight_decay=0.1),
+        ]
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        for opt in self.optimizers():
+            opt.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(self(x), y))
+        for opt in self.optimizers():
+            opt.step()
+
+
 def data(n: int) -> TensorDataset:
     g = torch.Generator().manual_seed(1)
     return TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 2, generator=g))
@@ -147,6 +175,17 @@ def run_manual(strategy, devices: int) -> dict:
     return params(t, model)
 
 
+def run_two_optimizers(strategy, devices: int) -> dict:
+    """Params after 2 epochs of 2 steps with two optimizers (not checkpointed: zerokit's
+    checkpoint takes one optimizer so far)."""
+    torch.manual_seed(0)
+    model = TwoOptimizers(lr=LR)
+    model.data = data(2 * GLOBAL_BATCH)
+    t = trainer(strategy, devices, max_epochs=2)
+    t.fit(model)
+    return params(t, model)
+
+
 def run_short(strategy, devices: int, precision: str) -> tuple[dict, list]:
     """2 steps at ``precision``; (params, the dtypes the weights had in training_step)."""
     model = fresh(2)
@@ -178,6 +217,7 @@ def main() -> None:
     )[1]
     results["bf16"] = run_short(other, args.devices, "bf16-mixed")
     results["manual"] = run_manual(other, args.devices)
+    results["two_optimizers"] = run_two_optimizers(other, args.devices)
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         torch.save(results, os.path.join(args.out, "results.pt"))
     print("lightning_run done", file=sys.stderr)

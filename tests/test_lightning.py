@@ -41,6 +41,7 @@ def reference(tmp_path_factory):
         "resume": run.run_resume("auto", 1, ckpts)[0],
         "fp32": run.run_short("auto", 1, "32-true")[0],
         "manual": run.run_manual("auto", 1),
+        "two_optimizers": run.run_two_optimizers("auto", 1),
         "epoch0": os.path.join(ckpts, "epoch=0-step=2.ckpt"),  # Lightning's own file
     }
 
@@ -70,6 +71,9 @@ def check(results: dict, reference: dict, levels) -> None:
         assert_close(resumed, reference["resume"], f"{level} resumed from epoch 0")
     assert_close(results["cross"], reference["resume"], f"{levels[0]} resumed at {levels[-1]}")
     assert_close(results["manual"], reference["manual"], f"{levels[-1]} manual optimization")
+    assert_close(
+        results["two_optimizers"], reference["two_optimizers"], f"{levels[-1]} two optimizers"
+    )
 
 
 def test_trainer_two_ranks_every_level(two_ranks, reference):

@@ -251,17 +251,18 @@ class ZeroKitStrategy(DDPStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _wrap(self, module: LightningModule) -> _Root:
-        if len(self.optimizers) != 1:
+        if not self.optimizers:
             raise ValueError(
-                f"ZeroKitStrategy shards one optimizer; configure_optimizers returned "
-                f"{len(self.optimizers)}. Put the parameters in one optimizer's param groups"
+                "ZeroKitStrategy shards an optimizer; configure_optimizers returned none"
             )
         plugin = self.precision_plugin
         policy = common.precision_policy(plugin.precision, self.mixed_precision, "ZeroKitStrategy")
         root = _Root(module)
+        # several (Muon beside AdamW, over disjoint parameters): wrapped together, in order
+        given = self.optimizers[0] if len(self.optimizers) == 1 else list(self.optimizers)
         _, optimizer, scaler = group_sharded_parallel(
             root,
-            self.optimizers[0],
+            given,
             self.level,
             scaler=plugin.scaler,
             mixed_precision=policy,
@@ -269,9 +270,21 @@ class ZeroKitStrategy(DDPStrategy):
             **self._sharding,
         )
         plugin.model, plugin.scaler = root, scaler
-        self.optimizers = [optimizer]  # converted in place: rebuild Lightning's view of it
+        # converted in place: rebuild Lightning's view of them
+        self.optimizers = optimizer if isinstance(optimizer, list) else [optimizer]
         self._root = root
         return root
+
+    def _optimizer_arg(self):
+        """What zerokit.checkpoint takes: the one optimizer (a list of several: issue 31)."""
+        if len(self.optimizers) > 1:
+            raise ValueError(
+                f"ZeroKitStrategy trains the {len(self.optimizers)} optimizers "
+                "configure_optimizers returned, but zerokit.checkpoint saves one optimizer's "
+                "shards so far: fit with enable_checkpointing=False (or one optimizer with "
+                "param groups) to checkpoint"
+            )
+        return self.optimizers[0]
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -336,7 +349,7 @@ class ZeroKitStrategy(DDPStrategy):
         path = self.broadcast(os.fspath(filepath))
         optimizer = None
         if self._root is not None and "optimizer_states" in checkpoint:  # not weights_only
-            optimizer = self.optimizers[0]
+            optimizer = self._optimizer_arg()
         rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         zk_checkpoint.save(
             path,
@@ -365,7 +378,7 @@ class ZeroKitStrategy(DDPStrategy):
         optimizer = None
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         if self._root is not None and fitting and has_optimizer:
-            optimizer = self.optimizers[0]
+            optimizer = self._optimizer_arg()
         extra: dict[str, Any] = dict.fromkeys(keys)
         zk_checkpoint.load(
             path,
