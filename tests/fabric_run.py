@@ -37,6 +37,13 @@ def fresh(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, object]:
     return model, opt, sched
 
 
+def two_optimizers(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """Adafactor (whole parameters: each owned by one rank) for the matrices, AdamW else."""
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    return [torch.optim.Adafactor(matrices, lr=0.05), torch.optim.AdamW(rest, lr=0.05)]
+
+
 def batch(step: int, micro: int, rank: int = 0, world: int = 1):
     """This rank's rows of micro-batch ``micro`` of step ``step`` (the global batch, at 1 rank)."""
     g = torch.Generator().manual_seed(1000 * step + micro)
@@ -49,17 +56,21 @@ def loss_of(model, x, y):
     return nn.functional.mse_loss(model(x), y) / MICRO
 
 
-def train_one_process() -> tuple[dict, list]:
-    """The reference: plain PyTorch on the global batches; (params, the norm of each step)."""
+def train_one_process(two: bool = False) -> tuple[dict, list]:
+    """The reference: plain PyTorch on the global batches; (params, the norm of each step).
+    ``two``: ``two_optimizers`` instead of AdamW and its scheduler."""
     model, opt, sched = fresh()
+    opts = two_optimizers(model) if two else [opt]
     norms = []
     for step in range(STEPS):
         for micro in range(MICRO):
             loss_of(model, *batch(step, micro)).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        if not two:
+            sched.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
@@ -107,6 +118,26 @@ def run_level(level: str, resume_level: str, devices: int, ckpt: str) -> dict:
     return record
 
 
+def run_two_optimizers(devices: int) -> dict:
+    """``fabric.setup(model, adafactor, adamw)`` at 'p_g_os': the params after every step."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=devices, strategy="zerokit_p_g_os")
+    fabric.launch()
+    model, _, _ = fresh()
+    model, *opts = fabric.setup(model, *two_optimizers(model))
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            x, y = batch(step, micro, fabric.global_rank, fabric.world_size)
+            with fabric.no_backward_sync(model, enabled=micro < MICRO - 1):
+                fabric.backward(loss_of(model, x, y))
+        fabric.clip_gradients(model, opts[0], max_norm=CLIP)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return params(model)
+
+
 def main() -> None:
     import zerokit.integrations.fabric  # noqa: F401  (registers the strategy names)
 
@@ -118,6 +149,7 @@ def main() -> None:
     for i, level in enumerate(LEVELS):
         ckpt = os.path.join(args.out, f"ckpt-{level}")
         results[level] = run_level(level, LEVELS[(i + 1) % len(LEVELS)], args.devices, ckpt)
+    results["two_optimizers"] = run_two_optimizers(args.devices)
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         torch.save(results, os.path.join(args.out, "results.pt"))
     print("fabric_run done", file=sys.stderr)

@@ -52,6 +52,8 @@ def check(results: dict) -> None:
         resumed_at = run.LEVELS[(i + 1) % len(run.LEVELS)]
         assert got["step"] == run.SAVE_AT and got["remainder"] == {}
         assert_close(got["resumed"], want, f"saved at {level}, resumed at {resumed_at}")
+    # fabric.setup(model, adafactor, adamw): two optimizers, a binding clip, accumulation
+    assert_close(results["two_optimizers"], run.train_one_process(two=True)[0], "two optimizers")
 
 
 def test_fabric_two_ranks_every_level(tmp_path):

@@ -168,23 +168,21 @@ class ZeroKitFabricStrategy(DDPStrategy):
     # -- setup ---------------------------------------------------------------------------
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list, scheduler=None):
-        """Wrap ``module`` and its one optimizer in place (an LR scheduler keeps working)."""
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"{WHO} shards one optimizer; fabric.setup got {len(optimizers)}. Put the "
-                "parameters in one optimizer's param groups"
-            )
+        """Wrap ``module`` and its optimizers in place (an LR scheduler keeps working); several
+        (Muon beside AdamW, over disjoint parameters) are wrapped together, in order."""
+        if not optimizers:
+            raise ValueError(f"{WHO} shards an optimizer; fabric.setup got none")
         plugin = self.precision
         module, optimizer, plugin.scaler = group_sharded_parallel(
             module,
-            optimizers[0],
+            optimizers[0] if len(optimizers) == 1 else list(optimizers),
             self.level,
             scaler=plugin.scaler,
             mixed_precision=common.precision_policy(plugin.precision, self.mixed_precision, WHO),
             config=self.config,
             **self._sharding,
         )
-        return module, [optimizer], scheduler
+        return module, optimizer if isinstance(optimizer, list) else [optimizer], scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """A model without an optimizer (evaluation): nothing to shard; every rank starts from
