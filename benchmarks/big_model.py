@@ -131,7 +131,8 @@ def run(n_ranks: int, n_layer: int, how: str, path: str) -> list[dict]:
 
 
 # -- --capacity: the largest GPT that builds from meta and trains under a cap --------------------
-CAPACITY_RUNNERS = ("fsdp2", "p_g_os", "p_g_os_sib")
+CAPACITY_RUNNERS = ("fsdp2", "p_g_os", "p_g_os_sib", "p_g_os_adamw8bit", "p_g_os_adamw4bit")
+# "p_g_os_adamw8bit" / "_adamw4bit": 'p_g_os' with torchao's low-bit AdamW (benchmarks/optimizers.py)
 
 
 def build_from_meta(runner: str, model: GPT, bucket_elems: int):
@@ -149,6 +150,11 @@ def build_from_meta(runner: str, model: GPT, bucket_elems: int):
             raise RuntimeError("to_empty untied the embedding and the head")
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if runner in ("p_g_os_adamw8bit", "p_g_os_adamw4bit"):
+        from torchao.optim import AdamW4bit, AdamW8bit
+
+        low_bit = AdamW8bit if runner.endswith("8bit") else AdamW4bit
+        opt = low_bit(model.parameters(), lr=1e-4)
     sib = runner == "p_g_os_sib"
     model, opt, _ = zerokit.group_sharded_parallel(
         model, opt, "p_g_os", buffer_max_size=bucket_elems, step_in_backward=sib

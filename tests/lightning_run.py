@@ -173,7 +173,6 @@ def run_manual(strategy, devices: int) -> dict:
 def run_two_optimizers(strategy, devices: int, ckpt_dir: str) -> tuple[dict, dict]:
     """2 epochs of 2 steps with Muon and AdamW, a checkpoint each epoch; then a fresh Trainer
     resumes from epoch 0's. (params unbroken, params resumed)."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
     from test_optimizers import newton_schulz_in_fp32  # 2e-5 holds (see there)
 
     results = []

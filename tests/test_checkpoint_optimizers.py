@@ -19,7 +19,7 @@ import pytest
 import torch
 from dist_helpers import run_distributed
 from models import MatrixNet, global_batches, local_slice, loss_fn, make_optimizers
-from test_optimizers import _newton_schulz_fp32
+from test_optimizers import newton_schulz_in_fp32
 
 import zerokit
 from zerokit.checkpoint import CheckpointError
@@ -32,12 +32,11 @@ OPTIONS["p_g_os"] = {"segment_size": 10}
 
 
 @pytest.fixture
-def muon_in_fp32(monkeypatch):
-    """Muon's Newton-Schulz in fp32, patched here before the ranks are forked from this
-    process (they inherit it)."""
-    import torch.optim._muon as muon
-
-    monkeypatch.setattr(muon, "_zeropower_via_newtonschulz", _newton_schulz_fp32)
+def muon_in_fp32():
+    """Muon's Newton-Schulz in fp32 while the test runs (its ranks are forked from this
+    process and inherit it)."""
+    with newton_schulz_in_fp32():
+        yield
 
 
 def _train(model, opts, batches, rank: int, world: int) -> None:

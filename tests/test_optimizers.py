@@ -22,6 +22,7 @@ Adafactor has no such amplification: within 2e-5 of one process everywhere.
 
 import contextlib
 import copy
+import itertools
 import random
 
 import pytest
@@ -34,23 +35,11 @@ import zerokit
 from zerokit.core.layout import ParamSpec, plan_buckets
 from zerokit.core.optimizer_needs import muon_cost
 from zerokit.core.state import state_of
+from zerokit.plan_optimizers import newton_schulz_fp32
 
 STEPS = 4
 ATOL = 2e-5
 LEVEL_OPTIONS = {"os": {}, "os_g": {}, "p_g_os": {"segment_size": 10}}
-
-
-def _newton_schulz_fp32(grad, ns_coefficients, ns_steps, eps):
-    """torch's Muon orthogonalisation, step for step, in fp32 instead of bf16."""
-    a, b, c = ns_coefficients
-    x = grad.float()
-    tall = grad.size(0) > grad.size(1)
-    x = x.T if tall else x
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
 
 
 @contextlib.contextmanager
@@ -61,7 +50,7 @@ def newton_schulz_in_fp32():
     import torch.optim._muon as muon
 
     saved = muon._zeropower_via_newtonschulz
-    muon._zeropower_via_newtonschulz = _newton_schulz_fp32
+    muon._zeropower_via_newtonschulz = newton_schulz_fp32
     try:
         yield
     finally:
@@ -184,7 +173,11 @@ def _random_specs(rng: random.Random) -> list[ParamSpec]:
     f32, cpu = torch.float32, torch.device("cpu")
     specs = []
     for k in range(rng.randint(1, 9)):
-        shape = (rng.randint(1, 40), rng.randint(1, 40)) if rng.random() < 0.6 else (rng.randint(1, 90),)
+        shape = (
+            (rng.randint(1, 40), rng.randint(1, 40))
+            if rng.random() < 0.6
+            else (rng.randint(1, 90),)
+        )
         whole = rng.random() < 0.4
         block = 1 if whole else rng.choice([1, 1, 4, 32])
         specs.append(ParamSpec(f"p{k}", shape, f32, cpu, whole, block, muon_cost(shape)))
@@ -203,12 +196,16 @@ def test_owner_layout_holds_every_whole_parameter_on_one_rank_and_blocks_aligned
             assert ranges[0][0] == 0 and ranges[-1][1] == layout.padded_numel
             if placed:  # nothing padded
                 assert layout.padded_numel == layout.numel
-            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), "contiguous shards"
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), "contiguous shards"
             covered = sorted((s.offset, s.end) for s in layout.slots)
-            assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), "no gaps, no overlap"
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(covered)), "no gaps, no overlap"
             for slot in layout.slots:
                 spec = specs[slot.param_index]
-                owners = [r for r in range(world) if any(p.slot == layout.slots.index(slot) for p in layout.pieces(r))]
+                owners = [
+                    r
+                    for r in range(world)
+                    if any(p.slot == layout.slots.index(slot) for p in layout.pieces(r))
+                ]
                 if spec.whole:
                     assert len(owners) == 1 and slot.whole, f"trial {trial}: {spec.name} split"
                 for r in owners:
@@ -224,7 +221,9 @@ def test_owner_layout_balances_muon_over_a_24_layer_gpt_at_world_8():
     loads = [0.0] * 8
     for b in range(24):
         shapes = [(d, d)] * 4 + [(4 * d, d), (d, 4 * d)]
-        specs = [ParamSpec(f"{b}.{i}", s, f32, cpu, True, 1, muon_cost(s)) for i, s in enumerate(shapes)]
+        specs = [
+            ParamSpec(f"{b}.{i}", s, f32, cpu, True, 1, muon_cost(s)) for i, s in enumerate(shapes)
+        ]
         specs += [ParamSpec(f"{b}.ln", (d,), f32, cpu)]
         plan_buckets(specs, 8, 2**23, loads)
     assert max(loads) / (sum(loads) / 8) <= 1.15, loads
@@ -233,7 +232,9 @@ def test_owner_layout_balances_muon_over_a_24_layer_gpt_at_world_8():
 def test_a_parameter_larger_than_a_fair_share_is_owned_whole_and_the_imbalance_shows():
     f32, cpu = torch.float32, torch.device("cpu")
     specs = [ParamSpec("big", (100, 100), f32, cpu, True, 1, muon_cost((100, 100)))]
-    specs += [ParamSpec(f"s{i}", (10, 10), f32, cpu, True, 1, muon_cost((10, 10))) for i in range(3)]
+    specs += [
+        ParamSpec(f"s{i}", (10, 10), f32, cpu, True, 1, muon_cost((10, 10))) for i in range(3)
+    ]
     (layout,) = plan_buckets(specs, 4, 10**6)
     sizes = [end - start for start, end in layout.shard_ranges()]
     assert sorted(sizes) == [100, 100, 100, 10_000], sizes
@@ -275,7 +276,9 @@ def _lowbit_case(rank, world, level, name="AdamW8bit"):
         _step([ddp_opt], None, ())
         loss_fn(model(x), y).backward()
         _step([opt], None, ())
-        _assert_states_match(model, opt, ref, ref_opt, exact=duplicate, what=f"{level} world {world}")
+        _assert_states_match(
+            model, opt, ref, ref_opt, exact=duplicate, what=f"{level} world {world}"
+        )
     (ours, ours_rms), (ddp_max, ddp_rms) = _distance(model, ref), _distance(ddp, ref)
     what = f"{level} world {world}: {ours:.2e} (rms {ours_rms:.2e}) from one process, DDP {ddp_max:.2e} (rms {ddp_rms:.2e})"
     if duplicate:
@@ -302,7 +305,9 @@ def _assert_states_match(model, opt, ref, ref_opt, exact: bool, what: str) -> No
                     codes = b.codes.reshape(-1)[piece.start : piece.end]
                     scale = b.scale[piece.start // block : piece.end // block]
                     if exact:
-                        assert torch.equal(a.codes.reshape(-1), codes), f"{what}: {name}.{key} codes"
+                        assert torch.equal(a.codes.reshape(-1), codes), (
+                            f"{what}: {name}.{key} codes"
+                        )
                         assert torch.equal(a.scale, scale), f"{what}: {name}.{key} scales"
                     else:
                         assert a.scale.shape == scale.shape, f"{what}: {name}.{key} blocks"
@@ -464,7 +469,11 @@ def _mixed(rank, world):
     policy by hand, within the factor 4 of tests/test_mixed_precision.py for two runs rounded
     differently (RMS over every element)."""
     batches = global_batches(STEPS, batch=4 * world)
-    for level, dtype in (("os", torch.bfloat16), ("p_g_os", torch.bfloat16), ("os_g", torch.float16)):
+    for level, dtype in (
+        ("os", torch.bfloat16),
+        ("p_g_os", torch.bfloat16),
+        ("os_g", torch.float16),
+    ):
         policy = zerokit.MixedPrecision(param_dtype=dtype)
         scale = 2.0**10 if dtype is torch.float16 else 1.0
         torch.manual_seed(0)

@@ -197,7 +197,11 @@ def test_judge_mixed_precision_is_a_ratio_of_rms_over_all_elements():
     # 5x its one-process distance (per tensor is too noisy to judge)
     within = {"a": entry(10, 11.0, 3.0), "b": entry(10, 25.0, 1.0)}
     verdict = judge(_report("bf16", [{"step": 1, "tensors": within}], 4.0))
-    assert verdict["passed"] and _picked(verdict["worst"]) == {"step": 1, "tensor": "b", "value": 3.0}
+    assert verdict["passed"] and _picked(verdict["worst"]) == {
+        "step": 1,
+        "tensor": "b",
+        "value": 3.0,
+    }
     beyond = {"a": entry(10, 11.0, 3.0), "b": entry(10, 89.0, 1.0)}  # sqrt(100 / 4) = 5
     verdict = judge(_report("bf16", [{"step": 1, "tensors": beyond}], 4.0))
     assert _picked(verdict["first_beyond"]) == {"step": 1, "tensor": "b", "value": 5.0}
@@ -253,5 +257,19 @@ def test_a_divergence_ddp_does_not_share_is_zerokits_not_the_forwards():
                    "tensors": {"w": {"max_abs": 3e-3, "max_abs_ddp": 1e-7}}}],
     }  # fmt: skip
     out = format_report(report, judge(report))
-    assert "FAIL: w diverged first, at step 1" in out and "zerokit diverged where DDP did not" in out
+    assert (
+        "FAIL: w diverged first, at step 1" in out and "zerokit diverged where DDP did not" in out
+    )
     assert "dropout" not in out, out
+
+
+def test_muon_beside_adamw_trains_as_one_process_at_3_ranks(capsys):
+    """Two optimizers (Muon for the blocks' matrices, each owned whole by one rank; AdamW for
+    the rest), Newton-Schulz in fp32 on both sides (bf16 would amplify a last-bit difference
+    of an averaged gradient to ~lr: ``plan_optimizers.newton_schulz_in_fp32``)."""
+    for level in ("os", "p_g_os"):
+        code, out, _ = _verify(
+            capsys, "--level", level, "--nproc", "3", "--batch", "6", "--optimizer", "muon"
+        )
+        assert code == 0, out
+        assert "muon lr 0.01 (Newton-Schulz in fp32) beside AdamW" in out, out

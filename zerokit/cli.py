@@ -28,6 +28,7 @@ from .compare_report import (
 from .config import LEVEL_ALIASES
 from .mixed_precision import PRECISIONS
 from .plan import PlanConfig
+from .plan_optimizers import OPTIMIZERS as PLAN_OPTIMIZERS
 from .plan_pp import make_plan
 from .plan_report import format_plan
 from .verify import VerifyConfig, format_report, judge, run_verify
@@ -302,9 +303,11 @@ def _add_verify_parser(commands) -> None:
     verify.add_argument("--mixed-precision", choices=list(PRECISIONS), help="default: fp32")
     verify.add_argument(
         "--optimizer",
-        choices=["sgd", "adamw"],
+        choices=["sgd", "adamw", "muon"],
         default=VerifyConfig.optimizer,
-        help="sgd: momentum 0.9; Adam's update hides a gradient's scale (default %(default)s)",
+        help="sgd: momentum 0.9; Adam's update hides a gradient's scale; muon: Muon (--lr) for "
+        "the 2-D matrices of repeated blocks beside AdamW (lr 1e-3) for the rest (default "
+        "%(default)s)",
     )
     verify.add_argument("--lr", type=float, default=VerifyConfig.lr, help="default %(default)s")
     verify.add_argument(
@@ -363,7 +366,12 @@ factory runs under torch.device("meta") (and once under FakeTensorMode for the a
 so a 7B model costs no memory.
 --json PATH: {"params", "world", "level", "ranks": [{"rank", "memory": {"params", "grads",
 "optimizer", "transient", "activations"}, "collectives": [{"op", "group_size", "calls",
-"bytes"}], "bytes_per_step"}]} (bytes per entry summed over its calls).
+"bytes"}], "bytes_per_step", "optimizer_flops"}], "optimizer_flops_imbalance"} (bytes per
+entry summed over its calls).
+--optimizer: the optimizer-step FLOPs of each rank are printed, with the imbalance (max / mean
+over ranks). Muon: 2 x 5 Newton-Schulz iterations x m*n*min(m,n) per m x n matrix a rank owns
+(Muon's parameters are owned whole, balanced by that cost); other optimizers: 10 per element
+of the rank's pieces.
 """
 
 
@@ -408,6 +416,11 @@ def _add_plan_parser(commands) -> None:
         "--seq", type=int, default=PlanConfig.seq, help="token models (default %(default)s)"
     )
     plan.add_argument("--mixed-precision", choices=list(PRECISIONS), help="default: fp32")
+    plan.add_argument(
+        "--optimizer", choices=list(PLAN_OPTIMIZERS), default=PlanConfig.optimizer,
+        help="muon: Muon for the 2-D matrices of repeated blocks (an nn.ModuleList's), AdamW "
+        "for the rest; adafactor; adamw8bit (torchao). Default %(default)s",
+    )  # fmt: skip
     plan.add_argument("--json", metavar="PATH", help="also write the report as JSON")
 
 
@@ -426,6 +439,7 @@ def _plan(args) -> int:
                 batch=args.batch,
                 seq=args.seq,
                 mixed_precision=args.mixed_precision,
+                optimizer=args.optimizer,
             )
         )
     except ValueError as e:

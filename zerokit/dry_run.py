@@ -26,6 +26,7 @@ from .core import stand_in
 from .layout import init_hybrid_parallel
 from .memory import measure
 from .mixed_precision import MixedPrecision
+from .plan_optimizers import OPTIMIZERS, as_list, step_flops
 from .scaler import ShardedGradScaler, step_and_zero
 from .workload import Workload, as_workload, tp_workload
 
@@ -44,20 +45,9 @@ class Job:
     """Rows of this rank's batch."""
     low: torch.dtype | None
     optimizer: str
-    """A key of ``OPTIMIZERS``."""
+    """A key of ``zerokit.plan_optimizers.OPTIMIZERS``."""
     buffer_max_size: int
     segment_size: int
-
-
-# the optimizer each of ``zerokit.memory.STATE_PER_PARAM``'s names stands for
-OPTIMIZERS: dict[str, Callable] = {
-    "adam": lambda params: torch.optim.Adam(params, lr=1e-3),
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
-    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
-    "adagrad": lambda params: torch.optim.Adagrad(params, lr=1e-3),
-    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-3),
-    "none": lambda params: torch.optim.SGD(params, lr=1e-3),
-}
 
 
 @dataclass(frozen=True)
@@ -68,6 +58,8 @@ class RankRun:
     memory: dict[str, int]
     calls: list[tuple[str, stand_in.Call]]
     """(the group's role: "shard", "replicas" or "tp"; the call), in the order issued."""
+    flops: int = 0
+    """The optimizer step's FLOPs on this rank (``zerokit.plan_optimizers.FLOPS_RULE``)."""
 
 
 NO_VALUES = (
@@ -112,7 +104,7 @@ def run_rank(job: Job, rank: int, factory: Callable) -> RankRun:
 def _play(job: Job, rank: int, factory: Callable) -> RankRun:
     roles, kwargs, layout = _groups(job, rank)
     work = _meta_workload(factory, job, layout)
-    opt = OPTIMIZERS[job.optimizer](work.model.parameters())
+    opt = OPTIMIZERS[job.optimizer](work.model)
     model, opt, scaler = group_sharded_parallel(
         work.model, opt, job.level, buffer_max_size=job.buffer_max_size,
         segment_size=job.segment_size, mixed_precision=MixedPrecision(param_dtype=job.low),
@@ -128,10 +120,11 @@ def _play(job: Job, rank: int, factory: Callable) -> RankRun:
         (scaler.scale(loss) if scaler else loss).backward()
         held = measure(model, opt)
         _phase("step")
-        step_and_zero(opt, scaler)
+        with _meta_scalars():
+            step_and_zero(opt, scaler)
     calls = [(roles.get(id(g), "model"), c) for g in _recording_groups() for c in g.calls]
     memory = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer}
-    return RankRun(rank, memory, calls)
+    return RankRun(rank, memory, calls, step_flops(as_list(opt)))
 
 
 def _groups(job: Job, rank: int) -> tuple[dict[int, str], dict, object]:
@@ -177,6 +170,23 @@ def _recording_groups() -> list[stand_in.RecordingGroup]:
 def _phase(phase: str) -> None:
     for g in _recording_groups():
         g.phase = phase
+
+
+@contextlib.contextmanager
+def _meta_scalars() -> Iterator[None]:
+    """Within: ``.item()`` of a meta tensor is 1.0. Some optimizers read scalars in their step
+    (Adafactor: its step count and the parameter's norm, for the step size); on meta there are
+    no values, and the step's shapes, state and collectives do not depend on them."""
+    item = torch.Tensor.item
+
+    def meta_item(t: torch.Tensor):
+        return 1.0 if t.is_meta else item(t)
+
+    torch.Tensor.item = meta_item
+    try:
+        yield
+    finally:
+        torch.Tensor.item = item
 
 
 @contextlib.contextmanager

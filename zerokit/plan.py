@@ -31,11 +31,13 @@ from torch import nn
 from .api import LEVELS
 from .config import ShardingConfig
 from .core.layout import BucketLayout
+from .core.optimizer_needs import needs_of
 from .core.stand_in import Call
 from .core.units import UnitPlan, plan_groups, plan_units
 from .dry_run import NO_VALUES, DryRunError, Job, run_rank
 from .memory import STATE_PER_PARAM
 from .mixed_precision import MixedPrecision
+from .plan_optimizers import FLOPS_RULE, OPTIMIZERS, as_list
 from .plan_tp import recording_tp_collectives, stand_in_layout
 from .workload import accepts_layout, as_workload, load_factory, tp_workload
 
@@ -72,7 +74,9 @@ class PlanConfig:
     mixed_precision: str | None = None
     """'bf16' or 'fp16': compute copies in it, fp32 master shards (fp16: a loss scaler)."""
     optimizer: str = "adamw"
-    """Whose state is counted (as ``zerokit.memory.STATE_PER_PARAM``)."""
+    """Which optimizer the ranks step (``zerokit.plan_optimizers.OPTIMIZERS``: ``adamw``,
+    ``sgd``, ..., ``muon`` (Muon for the blocks' matrices beside AdamW), ``adafactor``,
+    ``adamw8bit``); its state is what ``measure`` counts, its step's FLOPs are reported."""
     buffer_max_size: int = 2**23
     segment_size: int = 2**20
 
@@ -135,8 +139,15 @@ def check_config(cfg: PlanConfig) -> None:
             + (" (the data-parallel ones: --world / --tp)" if cfg.tp > 1 else "")
             + (" (the data-parallel ones of a stage: --world / --pp)" if cfg.pp > 1 else "")
         )
-    if cfg.optimizer not in STATE_PER_PARAM:
-        raise ValueError(f"unknown optimizer {cfg.optimizer!r}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(
+            f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}"
+        )
+    if cfg.pp > 1 and cfg.optimizer not in STATE_PER_PARAM:
+        raise ValueError(
+            f"--pp plans pipelines from zerokit's rules, which know elementwise optimizers only: "
+            f"--optimizer {cfg.optimizer} is planned by the dry run, without --pp"
+        )
 
 
 def make_plan(cfg: PlanConfig) -> dict:
@@ -200,6 +211,7 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
                 "memory": memory,
                 "collectives": aggregate(calls),
                 "bytes_per_step": round(sum(c.sent for c in calls)),
+                "optimizer_flops": run.flops,
             }
         )
     units = per_tp_rank[0][0]
@@ -214,9 +226,18 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
         "units": len(units),
         "transient": transient,
         "paper_bytes_per_step": round(paper),
+        "optimizer": cfg.optimizer,
+        "optimizer_flops_rule": FLOPS_RULE,
+        "optimizer_flops_imbalance": _imbalance([r["optimizer_flops"] for r in ranks]),
         "ranks": ranks,
         "played_ranks": sorted({run.rank for run in played.values()}),
     }, calls_of[id(played[0])]
+
+
+def _imbalance(flops: list[int]) -> float:
+    """max / mean over the ranks (1.0: perfectly even; 1.0 too when nothing is stepped)."""
+    mean = sum(flops) / len(flops)
+    return round(max(flops) / mean, 4) if mean else 1.0
 
 
 def report_head(cfg: PlanConfig, degree: int, batch: int) -> dict:
@@ -241,6 +262,8 @@ def _play_alike_once(job: Job, cfg: PlanConfig, factory, per_tp_rank: dict) -> d
     """Every rank's ``RankRun``, playing ranks the layout says are alike only once: alike
     ranks hold the same tp split and the same amounts by ``rank_memory``. If the one played
     holds other amounts than the layout says, every rank of its kind is played."""
+    if cfg.optimizer not in STATE_PER_PARAM:  # the owner layout: each rank holds its own
+        return {rank: run_rank(job, rank, factory) for rank in range(cfg.world)}
     alike: dict[tuple, list[int]] = {}
     for rank in range(cfg.world):
         t = _tp_class(rank, cfg.tp)
@@ -313,6 +336,8 @@ def _fake_tp_workload(factory, cfg: PlanConfig, tp_rank: int, plain):
 def _units(model: nn.Module, cfg: PlanConfig, policy: MixedPrecision, degree: int):
     """The shard groups ``group_sharded_parallel`` would build, and the frozen bytes."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    # where the optimizer needs shard boundaries (the owner layout), as group_sharded_parallel
+    needs = needs_of(as_list(OPTIMIZERS[cfg.optimizer](model)))
     full_precision = policy.full_precision_modules if policy.param_dtype is not None else ()
     plans = plan_units(
         model,
@@ -322,7 +347,7 @@ def _units(model: nn.Module, cfg: PlanConfig, policy: MixedPrecision, degree: in
         full_precision=full_precision,
     )
     units = []
-    for plan, layouts in plan_groups(plans, degree, cfg.buffer_max_size):
+    for plan, layouts in plan_groups(plans, degree, cfg.buffer_max_size, needs=needs):
         units.append(_unit(plan, layouts, policy, model))
     kept = {id(p) for m in model.modules() if isinstance(m, full_precision) for p in m.parameters()}
     frozen = 0

@@ -92,7 +92,20 @@ def format_plan(report: dict) -> str:
             + (" (Ψ the stage's, N its ranks)" if pp > 1 else "")
             + f": {format_bytes(paper)}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _flops(report))
+
+
+def _flops(report: dict) -> list[str]:
+    """Each rank's optimizer-step FLOPs and the imbalance (absent from pipeline reports)."""
+    if "optimizer_flops_imbalance" not in report:
+        return []
+    flops = [r["optimizer_flops"] for r in report["ranks"]]
+    return [
+        "",
+        f"optimizer step ({report['optimizer']}) FLOPs per rank ({report['optimizer_flops_rule']}):",
+        "  " + "  ".join(f"{r}: {f:.3g}" for r, f in enumerate(flops)),
+        f"  imbalance (max / mean over ranks): {report['optimizer_flops_imbalance']:.3f}",
+    ]
 
 
 def _how(report: dict) -> str:

@@ -37,13 +37,15 @@ def agree_found_inf(grads: list[torch.Tensor], groups, device: torch.device) -> 
 
 def step_and_zero(optimizer, scaler: ShardedGradScaler | None) -> None:
     """One optimizer step as a training loop takes it: through ``scaler`` when there is one
-    (``step`` then ``update``), then ``zero_grad(set_to_none=True)``."""
+    (``step`` then ``update``), then ``zero_grad(set_to_none=True)``. ``optimizer`` may be a
+    list (Muon beside AdamW): each steps, the scaler updates once, each zeroes."""
+    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for opt in optimizers:
+        scaler.step(opt) if scaler is not None else opt.step()
     if scaler is not None:
-        scaler.step(optimizer)
         scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
 
 
 class ShardedGradScaler:

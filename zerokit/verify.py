@@ -51,6 +51,7 @@ from .launch import local_backend, spawn_local
 from .layout import init_hybrid_parallel
 from .mixed_precision import PRECISIONS, MixedPrecision
 from .pipeline.schedules import SCHEDULES
+from .plan_optimizers import muon_and_adamw, newton_schulz_in_fp32
 from .scaler import ShardedGradScaler, step_and_zero
 from .tensor_parallel import gather_full_state_dict
 from .verify_pp import PipelineTrainer
@@ -73,6 +74,8 @@ OPTIMIZERS = {
     "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
     "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr),
 }
+# built from the model (``zerokit.plan_optimizers``): Muon for the blocks' matrices, AdamW else
+WHOLE_MODEL_OPTIMIZERS = {"muon": muon_and_adamw}
 LOW = {None: None, **PRECISIONS}
 _RMS_FLOOR = 1e-9  # a one-process run that stayed exact: the distributed one must nearly too
 
@@ -107,8 +110,11 @@ class VerifyConfig:
     """fp32: the largest element difference allowed; mixed precision: the factor over the
     one-process run's distance from exact training. None: 2e-5 / 4."""
     optimizer: str = "sgd"
-    """'sgd' (momentum 0.9) or 'adamw'. SGD by default: Adam's update is nearly blind to a
-    gradient's scale, so a sum where a mean belongs (or a missing part of one) would pass."""
+    """'sgd' (momentum 0.9), 'adamw', or 'muon' (``torch.optim.Muon`` at ``lr`` for the 2-D
+    matrices of repeated blocks beside AdamW for the rest: two optimizers, each matrix owned
+    whole by one rank). SGD by default: Adam's update is nearly blind to a gradient's scale,
+    so a sum where a mean belongs (or a missing part of one) would pass; Muon's, which
+    orthogonalises it, more so."""
     lr: float = 0.01
     """The learning rate."""
 
@@ -143,8 +149,12 @@ def check_config(cfg: VerifyConfig) -> None:
                 else ""
             )
         )
-    if cfg.optimizer not in OPTIMIZERS:
-        raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}")
+    if cfg.optimizer not in OPTIMIZERS and cfg.optimizer not in WHOLE_MODEL_OPTIMIZERS:
+        raise ValueError(
+            f"--optimizer must be one of {', '.join([*OPTIMIZERS, *WHOLE_MODEL_OPTIMIZERS])}"
+        )
+    if cfg.pp > 1 and cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"--pp: --optimizer must be one of {', '.join(OPTIMIZERS)}")
     if not cfg.lr > 0:
         raise ValueError(f"--lr must be positive, got {cfg.lr}")
     if cfg.tolerance is not None and not cfg.tolerance > 0:
@@ -200,7 +210,8 @@ def run_verify(cfg: VerifyConfig, progress: Callable[[str], None] = print) -> di
         "backend": backend,
         "batch": cfg.batch,
         "precision": cfg.mixed_precision or "fp32",
-        "optimizer": f"{cfg.optimizer} lr {cfg.lr:g}",
+        "optimizer": f"{cfg.optimizer} lr {cfg.lr:g}"
+        + (" (Newton-Schulz in fp32) beside AdamW" if cfg.optimizer == "muon" else ""),
         "tolerance": cfg.judged_tolerance,
         "ddp_factor": DDP_FACTOR,
         "forward": ran["forward"],
@@ -209,6 +220,8 @@ def run_verify(cfg: VerifyConfig, progress: Callable[[str], None] = print) -> di
 
 
 def _verify_rank(rank: int, world_size: int, cfg: VerifyConfig, out: str) -> None:
+    if cfg.optimizer == "muon":  # this rank process only: compare sharding, not bf16 rounding
+        newton_schulz_in_fp32()
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dp = world_size // cfg.tp // cfg.pp
@@ -286,11 +299,18 @@ def _forward_check(plain: Workload, cfg: VerifyConfig, mine: slice, device, rank
     return {"ranks": mine_loss.item() / dist.get_world_size(), "one_process": whole}
 
 
+def _optimizers_for(model, cfg: VerifyConfig):
+    """``--optimizer``'s optimizer over ``model``, or its list (Muon beside AdamW)."""
+    if cfg.optimizer in WHOLE_MODEL_OPTIMIZERS:
+        return WHOLE_MODEL_OPTIMIZERS[cfg.optimizer](model, lr=cfg.lr)
+    return OPTIMIZERS[cfg.optimizer](model.parameters(), cfg.lr)
+
+
 class _Trainer:
     """One model and its optimizer: plain (no level) or wrapped at ``level`` over ``group``."""
 
     def __init__(self, model, cfg: VerifyConfig, level=None, low=None, group=None):
-        self.optimizer = OPTIMIZERS[cfg.optimizer](model.parameters(), cfg.lr)
+        self.optimizer = _optimizers_for(model, cfg)
         self.scaler = None
         if level is not None:
             scaler = ShardedGradScaler() if low == torch.float16 else None
@@ -320,7 +340,7 @@ class _DDPTrainer:
 
     def __init__(self, model, cfg: VerifyConfig, low):
         self.model = model
-        self.optimizer = OPTIMIZERS[cfg.optimizer](model.parameters(), cfg.lr)
+        self.optimizer = _optimizers_for(model, cfg)
         self.low = low
         fp16 = low == torch.float16
         self.scaler = torch.amp.GradScaler(model_device(model).type) if fp16 else None

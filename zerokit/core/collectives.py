@@ -156,9 +156,7 @@ def start_reduce_scatter_mean(
 
 
 @eager
-def start_all_gather_(
-    full: torch.Tensor, group: ProcessGroup, *, ranges: Ranges = None
-) -> Pending:
+def start_all_gather_(full: torch.Tensor, group: ProcessGroup, *, ranges: Ranges = None) -> Pending:
     """Fill the 1-D ``full`` in place from every rank's own chunk of it (equal chunks, or the
     uneven ``ranges`` of the owner layout)."""
     size = group.size()

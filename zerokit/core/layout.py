@@ -252,7 +252,7 @@ def _water_fill(held: list[int], total: int) -> list[int]:
     shares = [0] * world
     order = sorted(range(world), key=lambda r: held[r])
     left = total
-    for k, r in enumerate(order):
+    for k in range(world):
         # raise the k+1 lowest ranks to the next rank's level, or share what is left
         nxt = held[order[k + 1]] if k + 1 < world else None
         below = order[: k + 1]

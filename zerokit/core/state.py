@@ -129,7 +129,6 @@ class ShardState:
         """The ids of the optimizers wrapped with this model."""
         return set(self._optimizer_ids)
 
-
     @property
     def buckets(self) -> list[FlatParamBucket]:
         return [b for g in self.groups for b in g.buckets]

@@ -192,4 +192,9 @@ def _need(needs: Mapping[int, Need], p: nn.Parameter) -> dict:
     need = needs.get(id(p))
     if need is None:
         return {}
-    return {"whole": need.whole, "block": need.block, "cost": need.cost, "optimizer": need.optimizer}
+    return {
+        "whole": need.whole,
+        "block": need.block,
+        "cost": need.cost,
+        "optimizer": need.optimizer,
+    }

@@ -20,6 +20,13 @@ def gpt_1_3b(layout=None) -> GPT:
     return _built(cfg, layout)
 
 
+def gpt_medium(layout=None) -> GPT:
+    """GPT-2 medium's shape (24 layers, d 1024, 16 heads), vocabulary 32000, 1024 positions:
+    335e6 parameters."""
+    cfg = GPTConfig(vocab_size=32000, block_size=1024, n_layer=24, n_head=16, n_embd=1024)
+    return _built(cfg, layout)
+
+
 def _built(cfg: GPTConfig, layout) -> GPT:
     if layout is None:
         return GPT(cfg)
