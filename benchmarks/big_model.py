@@ -132,7 +132,9 @@ def run(n_ranks: int, n_layer: int, how: str, path: str) -> list[dict]:
 
 # -- --capacity: the largest GPT that builds from meta and trains under a cap --------------------
 CAPACITY_RUNNERS = ("fsdp2", "p_g_os", "p_g_os_sib", "p_g_os_adamw8bit", "p_g_os_adamw4bit")
-# "p_g_os_adamw8bit" / "_adamw4bit": 'p_g_os' with torchao's low-bit AdamW (benchmarks/optimizers.py)
+# "p_g_os_adamw8bit" / "_adamw4bit": 'p_g_os' with torchao's low-bit AdamW (benchmarks/optimizers.py);
+# asked for by name only: their first step compiles torchao's update inside each capped rank
+DEFAULT_RUNNERS = ("fsdp2", "p_g_os", "p_g_os_sib")
 
 
 def build_from_meta(runner: str, model: GPT, bucket_elems: int):
@@ -250,7 +252,11 @@ def main() -> None:
     cap.add_argument("--capacity", action="store_true", help="the capacity mode, not the above")
     cap.add_argument("--cap-mib", type=int, default=1024, help="memory limit per rank, MiB")
     cap.add_argument("--nproc", type=int, default=4, help="ranks (each in a cgroup of its own)")
-    cap.add_argument("--runners", default=",".join(CAPACITY_RUNNERS), help="comma-separated")
+    cap.add_argument(
+        "--runners",
+        default=",".join(DEFAULT_RUNNERS),
+        help=f"comma-separated, of {', '.join(CAPACITY_RUNNERS)}",
+    )
     cap.add_argument("--malloc", default="default,mmap", help="glibc default and/or mmap: "
                      "MALLOC_MMAP_THRESHOLD_=131072 (freed memory goes back to the OS)")  # fmt: skip
     cap.add_argument("--min-layers", type=int, default=40, help="smallest n_layer tried")
