@@ -72,11 +72,14 @@ def _distance(model: torch.nn.Module, ref: torch.nn.Module) -> tuple[float, floa
     return flat.abs().max().item(), flat.square().mean().sqrt().item()
 
 
-def _step(optimizers, clip: float | None, params, interleaved: bool = False, t: int = 0) -> None:
+def _step(optimizers, clip: float | None, params, interleaved="", t: int = 0) -> None:
+    """``interleaved``: each optimizer steps and zeroes its own, the second only every other
+    step (its gradients accumulating over two backwards); "reversed": the slow one first."""
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(params, clip)
-    if interleaved:  # each steps and zeroes its own; the second only every other step, its
-        for k, opt in enumerate(optimizers):  # gradients accumulating over two backwards
+    if interleaved:
+        order = list(enumerate(optimizers))
+        for k, opt in reversed(order) if interleaved == "reversed" else order:
             if t % (k + 1) == 0:
                 opt.step()
                 opt.zero_grad()
@@ -88,7 +91,7 @@ def _step(optimizers, clip: float | None, params, interleaved: bool = False, t: 
 
 
 def _run_case(
-    rank, world, kind, level, *, micro=1, clip=None, step_in_backward=False, interleaved=False
+    rank, world, kind, level, *, micro=1, clip=None, step_in_backward=False, interleaved=""
 ):
     """One process, DDP by hand and zerokit on the same global batches; the distances."""
     batches = global_batches(STEPS, batch=4 * world)
@@ -142,7 +145,8 @@ def _every_level(rank, world):
             _equal(rank, world, kind, level)
         # gradient accumulation under no_sync, and a clip that binds (grad norm ~1)
         _equal(rank, world, "muon", level, micro=2, clip=0.05)
-        _equal(rank, world, "muon", level, interleaved=True)
+        _equal(rank, world, "muon", level, interleaved="forward")
+        _equal(rank, world, "muon", level, interleaved="reversed")
     for level in ("os_g", "p_g_os"):  # the optimizer in backward, with accumulation
         for kind in ("muon", "adafactor"):
             _equal(rank, world, kind, level, micro=2, step_in_backward=True)

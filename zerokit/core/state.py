@@ -91,7 +91,8 @@ class ShardState:
         # freed before the next group's is made
         self._steppers: list[weakref.ref] | None = None
         # Several optimizers (Muon beside AdamW): each steps buckets of its own, and the
-        # gradient buffers are freed once every one has zeroed its gradients.
+        # gradient buffers are freed once every one has zeroed its gradients since the last
+        # backward began.
         self._optimizer_ids: set[int] = set()
         self._zeroed: set[int] = set()
         self._unsynced = False  # no_sync() gradients are waiting for a synchronised backward
@@ -334,6 +335,7 @@ class ShardState:
         if self.in_backward:
             return
         self.in_backward = True
+        self._zeroed.clear()  # a zero_grad before this backward is not one of its gradients'
         Variable._execution_engine.queue_callback(self._end_of_backward)
         if self.root_group is not None:  # resharded by an earlier backward of another graph
             self.root_group.wait_for_unshard()
