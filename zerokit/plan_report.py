@@ -99,11 +99,13 @@ def _flops(report: dict) -> list[str]:
     """Each rank's optimizer-step FLOPs and the imbalance (absent from pipeline reports)."""
     if "optimizer_flops_imbalance" not in report:
         return []
-    flops = [r["optimizer_flops"] for r in report["ranks"]]
+    alike: dict[str, list[int]] = {}  # ranks whose figures print alike share an entry
+    for r, rank in enumerate(report["ranks"]):
+        alike.setdefault(f"{rank['optimizer_flops']:.3g}", []).append(r)
     return [
         "",
         f"optimizer step ({report['optimizer']}) FLOPs per rank ({report['optimizer_flops_rule']}):",
-        "  " + "  ".join(f"{r}: {f:.3g}" for r, f in enumerate(flops)),
+        "  " + "  ".join(f"{_span(ranks)}: {value}" for value, ranks in alike.items()),
         f"  imbalance (max / mean over ranks): {report['optimizer_flops_imbalance']:.3f}",
     ]
 
