@@ -87,7 +87,7 @@ def test_the_printout_and_json_carry_each_ranks_flops(capsys, tmp_path):
     for ranks, value in zip(row[0::2], row[1::2]):
         for run in ranks.rstrip(":").split(","):
             lo, _, hi = run.partition("-")
-            printed.update({r: value for r in range(int(lo), int(hi or lo) + 1)})
+            printed.update(dict.fromkeys(range(int(lo), int(hi or lo) + 1), value))
     assert printed == {r: f"{f:.3g}" for r, f in enumerate(flops)}, out
     # AdamW alone: every element stepped once over the ranks, 10 FLOPs each
     assert cli.main([*argv, "--json", str(path)]) == 0
