@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -216,7 +216,7 @@ def place_owners(
     fill = iter(rest)
     for rank in range(world):
         for i in sorted(owned[rank]):
-            slots.append(_moved(layout.slots[i], end, whole=True))
+            slots.append(replace(layout.slots[i], offset=end, whole=True))
             end += specs[i].numel
         floor = end if owned[rank] else bounds[-1]  # never inside this rank's whole ones
         target = bounds[-1] + held[rank] + shares[rank]
@@ -225,15 +225,11 @@ def place_owners(
             i = next(fill, None)
             if i is None:
                 break
-            slots.append(_moved(layout.slots[i], end, whole=False))
+            slots.append(replace(layout.slots[i], offset=end, whole=False))
             end += specs[i].numel
         cut = end if last else min(max(target, floor), end)
         bounds.append(_aligned(cut, slots[-1] if slots else None, block))
     return BucketLayout(layout.dtype, layout.device, tuple(slots), world, tuple(bounds))
-
-
-def _moved(slot: Slot, offset: int, whole: bool) -> Slot:
-    return Slot(slot.param_index, slot.name, slot.shape, offset, slot.numel, whole)
 
 
 def _aligned(cut: int, last: Slot | None, block: dict[int, int]) -> int:

@@ -148,17 +148,18 @@ class OptimizerShardState:
         self.buckets = [
             b for b in shard_state.buckets if any(id(p) in self.param_ids for p in b.params)
         ]
+        mine = {id(b) for b in self.buckets}
         # id(piece) -> its whole parameter's element count (LowBitPieces' choice)
         self.whole_numel = {
             id(view): bucket.layout.slots[piece.slot].numel
-            for bucket in shard_state.buckets
+            for bucket in self.buckets
             for piece, view in zip(bucket.pieces, bucket.param_pieces)
         }
         # rank-local (is_distributed) parameters: in no bucket, stepped whole, as given
         self.local_params = [p for params in group_params for p in params if is_distributed(p)]
-        # the pieces of each shard group: the optimizer steps one chunk at a time
+        # the pieces of each shard group in its buckets: it steps one chunk at a time
         self.chunks = [
-            {id(piece) for bucket in g.buckets for piece in bucket.param_pieces}
+            {id(piece) for b in g.buckets if id(b) in mine for piece in b.param_pieces}
             for g in shard_state.groups
         ] + [{id(p) for p in self.local_params}]
         self.chunks = [c for c in self.chunks if c]

@@ -118,9 +118,7 @@ def needs_of(
     optimizer's are left out: any layout is exact for them)."""
     needs: dict[int, Need] = {}
     for k, optimizer in enumerate(optimizers):
-        muon = type(optimizer).__name__ == "Muon" or isinstance(
-            optimizer, getattr(torch.optim, "Muon", ())
-        )
+        muon = isinstance(optimizer, getattr(torch.optim, "Muon", ()))
         whole = is_whole_parameter(optimizer, whole_declared)
         block = optimizer.block_size if is_low_bit(optimizer) else 1
         for group in optimizer.param_groups:

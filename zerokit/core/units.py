@@ -9,6 +9,7 @@ of it runs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -181,20 +182,13 @@ def plan_groups(
     out = []
     for plan in plans:
         specs = [
-            ParamSpec(n, tuple(shape_of(p)), p.dtype, p.device, **_need(needs, p))
+            ParamSpec(n, tuple(shape_of(p)), p.dtype, p.device, **_need(needs.get(id(p))))
             for n, p in plan.params
         ]
         out.append((plan, plan_buckets(specs, world_size, buffer_max_size, loads)))
     return out
 
 
-def _need(needs: Mapping[int, Need], p: nn.Parameter) -> dict:
-    need = needs.get(id(p))
-    if need is None:
-        return {}
-    return {
-        "whole": need.whole,
-        "block": need.block,
-        "cost": need.cost,
-        "optimizer": need.optimizer,
-    }
+def _need(need: Need | None) -> dict:
+    """A ``Need``'s fields, which ``ParamSpec`` takes by the same names."""
+    return {} if need is None else dataclasses.asdict(need)
