@@ -17,6 +17,7 @@ the end of backward the rest are launched in order.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import weakref
 
@@ -319,12 +320,13 @@ class ShardState:
         self.agreed_order = list(self.forward_order) if agreed else None
         return agreed
 
-    @property
+    @functools.cached_property
     def control_device(self) -> torch.device:
         """Where the per-step control values (the order digest, the "holds a gradient" flags)
         are reduced: the CPU when every data group can reduce CPU tensors (gloo, or a
         ``"cpu:gloo,cuda:nccl"`` group), so reading them back is no device-to-host sync;
-        else the communication device (an NCCL-only group: each read is one)."""
+        else the communication device (an NCCL-only group: each read is one). The groups are
+        fixed at wrap time: decided once, not in every step."""
         if all(communication_device(g).type == "cpu" for g in self._data_groups()):
             return torch.device("cpu")
         return self.communication_device
