@@ -21,6 +21,7 @@ from .activation_memory import (  # noqa: F401
     estimate_activations,
     measure_activations,
 )
+from .core import as_optimizer_list
 from .core.grad_placeholder import is_placeholder
 from .core.state import state_of
 from .core.units import plan_groups, plan_units
@@ -242,7 +243,7 @@ def measure(model: nn.Module, optimizer, peak: PeakMemory | None = None) -> Memo
                 total += storage.nbytes()
         return total
 
-    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    optimizers = as_optimizer_list(optimizer)
     # ZeroRedundancyOptimizer keeps its own inner optimizer
     inners = [getattr(opt, "optim", opt) for opt in optimizers]
     held = state_of(model).held_tensors() if state_of(model) is not None else {}

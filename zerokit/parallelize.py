@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .api import group_sharded_parallel
+from .core import as_optimizer_list
 from .layout import Layout, as_layout, init_mesh
 from .mixed_precision import as_policy
 from .plans import BUILT_IN
@@ -70,7 +71,7 @@ def parallelize(
             "a plan's 'sequence' style with pp > 1 is not supported yet (a stage boundary would "
             "carry one block of the sequence); drop the 'sequence' entries or use pp = 1"
         )
-    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    optimizers = as_optimizer_list(optimizer)
     group_of = [_groups_by_name(model, opt) for opt in optimizers]
     if recompute:  # on the whole model, before any split: its blocks keep the setting
         _enable_recompute(model)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .core.checks import is_distributed
 from .core.collectives import all_reduce_
-from .core.optimizer import optimizer_params_of
+from .core.optimizer import as_optimizer_list, optimizer_params_of
 from .core.state import state_of
 from .grad_scope import grad_scope
 
@@ -39,7 +39,7 @@ def step_and_zero(optimizer, scaler: ShardedGradScaler | None) -> None:
     """One optimizer step as a training loop takes it: through ``scaler`` when there is one
     (``step`` then ``update``), then ``zero_grad(set_to_none=True)``. ``optimizer`` may be a
     list (Muon beside AdamW): each steps, the scaler updates once, each zeroes."""
-    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    optimizers = as_optimizer_list(optimizer)
     for opt in optimizers:
         scaler.step(opt) if scaler is not None else opt.step()
     if scaler is not None:

@@ -28,7 +28,7 @@ from .core.collectives import start_all_gather_
 from .core.compiled import unwrap_compiled
 from .core.flat_param import FlatParamBucket
 from .core.module import restore_module_
-from .core.optimizer import restore_optimizer_
+from .core.optimizer import as_optimizer_list, restore_optimizer_
 from .core.state import ShardState, state_of
 
 _CALL = "zerokit.unwrap()"
@@ -47,7 +47,7 @@ def unwrap(model: nn.Module, optimizer):
             "zerokit.unwrap: this model is not wrapped by group_sharded_parallel (nothing to "
             "undo); pass the model group_sharded_parallel returned"
         )
-    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    optimizers = as_optimizer_list(optimizer)
     for opt in optimizers:
         sharded = getattr(opt, "_zerokit", None)
         if sharded is None or sharded.shard_state is not state:

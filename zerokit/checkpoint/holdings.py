@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core import optimizer_params_of
+from ..core import as_optimizer_list, optimizer_params_of
 from ..core.compiled import plain_name
 from ..core.state import state_of
 from ..tensor_parallel.gather_batch import distributed_params
@@ -116,7 +116,7 @@ def optimizers_of(optimizer) -> list[torch.optim.Optimizer]:
     """``save``/``load``'s ``optimizer`` argument as a list: none, one, or the list given."""
     if optimizer is None:
         return []
-    given = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    given = as_optimizer_list(optimizer)
     for o in given:
         if not isinstance(o, torch.optim.Optimizer):
             raise CheckpointError(

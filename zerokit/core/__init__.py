@@ -4,6 +4,6 @@ Only ``zerokit.api`` builds it; the tools around it (checkpoint, memory, clip, s
 small public protocol of ``ShardState`` (``zerokit.core.state``).
 """
 
-from .optimizer import optimizer_params_of
+from .optimizer import as_optimizer_list, optimizer_params_of
 
-__all__ = ["optimizer_params_of"]
+__all__ = ["as_optimizer_list", "optimizer_params_of"]

@@ -190,6 +190,12 @@ class OptimizerShardState:
         }
 
 
+def as_optimizer_list(optimizer) -> list:
+    """An optimizer argument as a list: one optimizer, or the list or tuple of them a model
+    was wrapped with (Muon beside AdamW). Each caller checks what the items are."""
+    return list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+
+
 def optimizer_params_of(optimizer: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
     """Each param group's whole parameters: for an optimizer sharded by
     ``group_sharded_parallel`` (whose groups hold this rank's 1-D pieces) as they were given,
