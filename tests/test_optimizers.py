@@ -557,8 +557,11 @@ def _llama_through_parallelize(rank, world):
         assert ours <= ATOL, f"Llama, Muon + AdamW, {level}, dp {world}: {ours:.2e}"
     if world == 2:  # Muon on a tensor-parallel slice is not Muon on the matrix: refused
         model, _, plan = build("llama")
+        linear = type(model.model.layers[0].self_attn.q_proj)
         with pytest.raises(ValueError, match="is a tensor-parallel slice, and its optimizer"):
             zerokit.parallelize(model, _muon_for_layers(model), zerokit.init_mesh(tp=2), plan=plan)
+        # refused before the plan swapped a layer: the model is as it was given
+        assert type(model.model.layers[0].self_attn.q_proj) is linear is torch.nn.Linear
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -34,7 +34,7 @@ from .config import (
 from .core import checks
 from .core.build import CoreOptions, LevelPlan, build
 from .core.compiled import unwrap_compiled
-from .core.optimizer_needs import check_optimizer, needs_of
+from .core.optimizer_needs import check_optimizer, needs_of, refuse_whole_on_slices
 from .core.stand_in import is_stand_in
 from .core.state import state_of
 from .core.units import plan_units
@@ -222,7 +222,8 @@ def group_sharded_parallel(
     named = _trainable_params(model)
     _check_optimizer_params(model, optimizers)
     needs = needs_of(optimizers, whole_declared=config.whole_parameter_optimizer)
-    _check_whole_not_split(model, needs)
+    split = tensor_parallel_params(model)
+    refuse_whole_on_slices(needs, {id(p): n for n, p in model.named_parameters() if id(p) in split})
 
     plans = plan_units(
         model,
@@ -430,20 +431,6 @@ def _trainable_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
                 f"parameter {name!r} is not a dense tensor; zerokit shards dense tensors only"
             )
     return named
-
-
-def _check_whole_not_split(model: nn.Module, needs) -> None:
-    """A tensor-parallel rank holds a slice of a matrix: Muon on the slice is not Muon on the
-    matrix, which one process steps."""
-    split = tensor_parallel_params(model)
-    names = {id(p): n for n, p in model.named_parameters()}
-    sliced = [names[i] for i, need in needs.items() if need.whole and i in split]
-    if sliced:
-        raise ValueError(
-            f"{sliced[0]!r} is a tensor-parallel slice, and its optimizer reads whole "
-            "parameters (Muon, Adafactor): stepping a slice is not stepping the matrix. Give "
-            "tensor-parallel layers to an elementwise optimizer (AdamW), or train with tp = 1"
-        )
 
 
 def _optimizer_list(optimizer) -> list[torch.optim.Optimizer]:

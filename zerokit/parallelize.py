@@ -14,6 +14,7 @@ from torch import nn
 
 from .api import group_sharded_parallel
 from .core import as_optimizer_list
+from .core.optimizer_needs import needs_of, refuse_whole_on_slices
 from .layout import Layout, as_layout, init_mesh
 from .mixed_precision import as_policy
 from .plans import BUILT_IN
@@ -61,17 +62,19 @@ def parallelize(
         plan = strategy.plan if strategy.plan is not None else plan
         level, schedule, micro_batches = strategy.level, strategy.schedule, strategy.micro_batches
         mixed_precision, recompute = strategy.mixed_precision, strategy.recompute
+    optimizers = as_optimizer_list(optimizer)
     degrees = _degrees(mesh, strategy)
     plan = _plan_of(plan, degrees["tp"])
-    if plan:
-        resolve_plan(model, plan, degrees["tp"])  # the whole model: every name must exist
+    if plan:  # the whole model: every name must exist; nothing is changed before the checks
+        planned = resolve_plan(model, plan, degrees["tp"])
+        if degrees["tp"] > 1:
+            _refuse_whole_on_planned_slices(model, planned, optimizers)
     _check_split_points(model, split_points, degrees["pp"])
     if plan and degrees["pp"] > 1 and "sequence" in plan.values():
         raise ValueError(
             "a plan's 'sequence' style with pp > 1 is not supported yet (a stage boundary would "
             "carry one block of the sequence); drop the 'sequence' entries or use pp = 1"
         )
-    optimizers = as_optimizer_list(optimizer)
     group_of = [_groups_by_name(model, opt) for opt in optimizers]
     if recompute:  # on the whole model, before any split: its blocks keep the setting
         _enable_recompute(model)
@@ -90,6 +93,19 @@ def parallelize(
         mixed_precision=mp,
     )  # fmt: skip
     return model, carried if isinstance(optimizer, (list, tuple)) else carried[0]
+
+
+def _refuse_whole_on_planned_slices(model: nn.Module, planned: dict[str, str], optimizers) -> None:
+    """Before the plan changes anything: a parameter of a module the plan splits (every style
+    but "replicate" and "sequence") stepped by Muon or Adafactor is refused."""
+    modules = dict(model.named_modules())
+    sliced = {
+        id(p): f"{name}.{pname}" if name else pname
+        for name, style in planned.items()
+        if style not in ("replicate", "sequence")
+        for pname, p in modules[name].named_parameters()
+    }
+    refuse_whole_on_slices(needs_of(optimizers), sliced)
 
 
 def _degrees(mesh, strategy: Strategy | None) -> dict[str, int]:

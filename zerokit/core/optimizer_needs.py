@@ -102,6 +102,19 @@ def check_optimizer(
     )
 
 
+def refuse_whole_on_slices(needs: dict[int, Need], sliced: dict[int, str]) -> None:
+    """``sliced``: ``id(parameter)`` -> its name, for parameters a tensor-parallel rank holds a
+    slice of (or will, once a plan is applied). Muon on a slice is not Muon on the matrix,
+    which one process steps: refused, naming the first."""
+    names = [sliced[i] for i, need in needs.items() if need.whole and i in sliced]
+    if names:
+        raise ValueError(
+            f"{names[0]!r} is a tensor-parallel slice, and its optimizer reads whole "
+            "parameters (Muon, Adafactor): stepping a slice is not stepping the matrix. Give "
+            "tensor-parallel layers to an elementwise optimizer (AdamW), or train with tp = 1"
+        )
+
+
 def muon_cost(shape: Sequence[int]) -> float:
     """Newton-Schulz work on an m x n matrix: ~ m * n * min(m, n) per iteration."""
     if len(shape) < 2:
