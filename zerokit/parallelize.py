@@ -137,8 +137,7 @@ def _degrees(mesh, strategy: Strategy | None) -> dict[str, int]:
     if mesh is None:
         return {"dp": world, "tp": 1, "pp": 1}
     if isinstance(mesh, Layout):
-        return {"dp": mesh.dp_degree * mesh.sharding_degree, "tp": mesh.tp_degree,
-                "pp": mesh.pp_degree}  # fmt: skip
+        return {"dp": mesh.data_parallel[0], "tp": mesh.tp_degree, "pp": mesh.pp_degree}
     names = list(getattr(mesh, "mesh_dim_names", None) or ())
     size = {n: mesh.size(i) for i, n in enumerate(names)}
     return {"dp": size.get("dp", 1) * size.get("shard", 1), "tp": size.get("tp", 1),
