@@ -77,10 +77,8 @@ def group_sharded_parallel(
     Every rank of ``shard_group`` must call this with the same model architecture. The model
     and the optimizer are converted in place and returned, with ``scaler`` unchanged. A model
     already compiled (``torch.compile(model)``) is returned as given, compiled, with the module
-    inside it sharded and ``state_dict`` names free of ``_orig_mod.``.
-
-    The signature is PaddlePaddle's (its positional order kept); every knob after the groups
-    is a field of ``ShardingConfig``, documented there once.
+    inside it sharded and ``state_dict`` names free of ``_orig_mod.``. The signature is
+    PaddlePaddle's; its knobs are ``ShardingConfig``'s fields, documented there once.
 
     Args:
         model: the model to train; its trainable parameters must all be on one device. A
@@ -104,9 +102,8 @@ def group_sharded_parallel(
         offload, sync_buffers, buffer_max_size, segment_size, sync_comm, exclude_layer,
             mixed_precision, step_in_backward: the ``ShardingConfig`` fields of those names.
         dp_group: Paddle's name for ``replica_group``.
-        config: every knob in one ``ShardingConfig`` (also what ``zerokit.load_config``
-            returns); the keyword arguments above of the same names fill it, and a knob
-            given both ways with different values is refused.
+        config: every knob in one ``ShardingConfig`` (``zerokit.load_config``'s); the
+            arguments of the same names fill it (one given both ways differently: refused).
         init_fn: for a model built on ``meta`` (``torch.device("meta")`` or
             ``zerokit.empty_init()``): called on every module, children before parent, as
             ``model.apply(init_fn)``, to set its parameters (and, under
@@ -114,14 +111,12 @@ def group_sharded_parallel(
             ``reset_parameters()``. Every rank gets the values one process would get from
             rank 0's random state; at 'p_g_os' a rank materialises one unit at a time and
             keeps only its shards (see ``zerokit/meta_init.py``).
-        shard_group: the ranks that split the state between them (Paddle's ``group``); the
-            default group if None. ``layout.shard_group`` of a ``zerokit.Layout``.
-        replica_group: hybrid sharding: the ranks holding copies of this rank's shards
-            (typically on other hosts; Paddle's ``dp_group``). State is sharded across
-            ``shard_group`` and replicated across ``replica_group``; a gradient is
-            reduce-scattered in ``shard_group``, then its shard all-reduced across
-            ``replica_group`` ('os': all-reduced in both). ``layout.replica_group`` of
-            ``zerokit.init_hybrid_parallel(dp, tp, sharding_degree=...)``.
+        shard_group: the ranks that split the state (Paddle's ``group``); None: the default
+            group. ``layout.shard_group`` of a ``zerokit.Layout``.
+        replica_group: hybrid sharding: the ranks holding copies of this rank's shards, on
+            other hosts (Paddle's ``dp_group``): a gradient is reduce-scattered in
+            ``shard_group``, then its shard all-reduced across ``replica_group`` ('os':
+            all-reduced in both). ``layout.replica_group``.
     """
     call = _resolve(
         model, optimizer, scaler, init_fn, config,
