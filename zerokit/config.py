@@ -40,8 +40,12 @@ def parse_level(level: str | int) -> str:
     >>> parse_level(3), parse_level("os_g"), parse_level(" 2 ")
     ('p_g_os', 'os_g', 'os_g')
     """
-    name = LEVEL_ALIASES.get(level.strip() if isinstance(level, str) else level, level)
-    if isinstance(name, bool) or name not in LEVELS:
+    name = (
+        None
+        if isinstance(level, bool)
+        else LEVEL_ALIASES.get(level.strip() if isinstance(level, str) else level, level)
+    )  # True == 1 in a dict: a bool is no stage number
+    if name not in LEVELS:
         raise ValueError(
             f"unknown level {level!r}; valid levels: 'os' (stage 1), 'os_g' (stage 2), "
             "'p_g_os' (stage 3), or the stage numbers 1, 2, 3"
