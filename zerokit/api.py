@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -24,9 +25,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .clip import global_grad_norm
+from .config import LEVELS as LEVELS  # re-exported: zerokit.LEVELS
 from .config import (
-    LEVEL_ALIASES,
     ShardingConfig,
+    agreement_fields,
     debug_agreement,
     merge_arguments,
     resolve_level,
@@ -37,7 +39,7 @@ from .core.compiled import unwrap_compiled
 from .core.optimizer_needs import check_optimizer, needs_of, refuse_whole_on_slices
 from .core.stand_in import is_stand_in
 from .core.state import state_of
-from .core.units import plan_units
+from .core.units import UnitPlan, plan_units
 from .memory import format_bytes, measure
 from .meta_init import materialize, on_meta
 from .mixed_precision import MixedPrecision
@@ -45,7 +47,6 @@ from .pipeline.module import PipelineModule
 from .scaler import ShardedGradScaler
 from .tensor_parallel.layers import tensor_parallel_params, tp_group_of
 
-LEVELS = ("os", "os_g", "p_g_os")
 _log = logging.getLogger("zerokit")
 
 
@@ -67,14 +68,17 @@ def group_sharded_parallel(
     config: ShardingConfig | None = None,
     step_in_backward: bool = False,
     init_fn: Callable[[nn.Module], None] | None = None,
+    shard_group: dist.ProcessGroup | None = None,
+    replica_group: dist.ProcessGroup | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
     """Shard the optimizer state (from 'os_g' also gradients, at 'p_g_os' also parameters) of
-    ``model`` across ``group``.
+    ``model`` across ``shard_group``.
 
-    Every rank of ``group`` must call this with the same model architecture. The model and the
-    optimizer are converted in place and returned, with ``scaler`` unchanged. A model already
-    compiled (``torch.compile(model)``) is returned as given, compiled, with the module inside
-    it sharded and ``state_dict`` names free of ``_orig_mod.``.
+    Every rank of ``shard_group`` must call this with the same model architecture. The model
+    and the optimizer are converted in place and returned, with ``scaler`` unchanged. A model
+    already compiled (``torch.compile(model)``) is returned as given, compiled, with the module
+    inside it sharded and ``state_dict`` names free of ``_orig_mod.``. The signature is
+    PaddlePaddle's; its knobs are ``ShardingConfig``'s fields, documented there once.
 
     Args:
         model: the model to train; its trainable parameters must all be on one device. A
@@ -94,35 +98,12 @@ def group_sharded_parallel(
             ``torch.amp.GradScaler`` (replaced by a ``ShardedGradScaler`` with its settings,
             which is returned), so the inf/nan check is agreed across ranks. A disabled one
             (``enabled=False``) stays disabled: nothing is scaled, as with torch's.
-        group: process group to shard across; the default group if None.
-        offload: keep the fp32 master shards and optimizer state in CPU memory and step
-            there. A no-op when the model is already on the CPU (as on these machines).
-        sync_buffers: broadcast rank 0's buffers to every rank before each forward.
-        buffer_max_size: most elements per flat bucket (one collective per bucket); a unit
-            larger than this is split into several buckets, at every level.
-        segment_size: a module whose own parameters reach this many elements becomes a unit
-            of its own (a unit's parameters are reduced together, and at 'p_g_os' gathered
-            and freed together).
-        sync_comm: finish each collective at once instead of overlapping it with compute:
-            a reduction is waited for when launched, and at 'p_g_os' nothing is gathered ahead
-            (one unit gathered at a time). The least memory in backward, paid for in time.
-        dp_group: hybrid sharding: the replicas of this rank's shard group (ranks holding the
-            same shards, typically on other hosts). State is sharded across ``group`` and
-            replicated across ``dp_group``; a gradient is reduce-scattered in ``group``, then
-            its shard all-reduced across ``dp_group`` ('os': all-reduced in both). Build both
-            with ``zerokit.init_hybrid_parallel(dp, tp, sharding_degree=...)``.
-        exclude_layer: stage 3: modules (or module classes) kept whole on every rank.
-        mixed_precision: a ``MixedPrecision`` policy: compute in ``param_dtype``, reduce
-            gradients in ``reduce_dtype``, fp32 master weights only as the rank's shard.
-        config: every knob in one ``ShardingConfig`` (also what ``zerokit.load_config``
-            returns); the keyword arguments above of the same names fill it, and a knob
-            given both ways with different values is refused.
-        step_in_backward: levels 'os_g' and 'p_g_os': step each unit's pieces as soon as its
-            gradients are reduced, inside backward, and free its gradient shard at once, so the
-            gradients of the whole model never exist together (4/N bytes per parameter less
-            at the peak). ``optimizer.step()`` then only closes the step. Not with global-norm
-            clipping, a loss scaler (fp16) or ``step(closure)``, which need every gradient
-            before any update: those are refused.
+        group: Paddle's name for ``shard_group``.
+        offload, sync_buffers, buffer_max_size, segment_size, sync_comm, exclude_layer,
+            mixed_precision, step_in_backward: the ``ShardingConfig`` fields of those names.
+        dp_group: Paddle's name for ``replica_group``.
+        config: every knob in one ``ShardingConfig`` (``zerokit.load_config``'s); the
+            arguments of the same names fill it (one given both ways differently: refused).
         init_fn: for a model built on ``meta`` (``torch.device("meta")`` or
             ``zerokit.empty_init()``): called on every module, children before parent, as
             ``model.apply(init_fn)``, to set its parameters (and, under
@@ -130,28 +111,80 @@ def group_sharded_parallel(
             ``reset_parameters()``. Every rank gets the values one process would get from
             rank 0's random state; at 'p_g_os' a rank materialises one unit at a time and
             keeps only its shards (see ``zerokit/meta_init.py``).
+        shard_group: the ranks that split the state (Paddle's ``group``); None: the default
+            group. ``layout.shard_group`` of a ``zerokit.Layout``.
+        replica_group: hybrid sharding: the ranks holding copies of this rank's shards, on
+            other hosts (Paddle's ``dp_group``): a gradient is reduce-scattered in
+            ``shard_group``, then its shard all-reduced across ``replica_group`` ('os':
+            all-reduced in both). ``layout.replica_group``.
     """
-    _check_argument_order(model, optimizer, init_fn)
-    pipe = model if isinstance(model, PipelineModule) else None
-    if pipe is not None:
-        model = pipe.stage  # a rank holds, runs and shards only its own stage
-    compiled, model = model, unwrap_compiled(model)  # shard the module torch.compile wraps
-    # Paddle's positional signature is a thin layer: its knobs fill the one ShardingConfig
-    config = merge_arguments(
-        config, level=LEVEL_ALIASES.get(level, level), mixed_precision=mixed_precision,
-        offload=offload, sync_buffers=sync_buffers, buffer_max_size=buffer_max_size,
-        segment_size=segment_size, sync_comm=sync_comm, exclude_layer=exclude_layer,
-        step_in_backward=step_in_backward,
+    call = _resolve(
+        model, optimizer, scaler, init_fn, config,
+        shard_group=_one_name(shard_group, group, "shard_group", "group"),
+        replica_group=_one_name(replica_group, dp_group, "replica_group", "dp_group"),
+        knobs={
+            "level": level, "mixed_precision": mixed_precision, "offload": offload,
+            "sync_buffers": sync_buffers, "buffer_max_size": buffer_max_size,
+            "segment_size": segment_size, "sync_comm": sync_comm,
+            "exclude_layer": exclude_layer, "step_in_backward": step_in_backward,
+        },
     )  # fmt: skip
-    level = resolve_level(LEVEL_ALIASES.get(config.level, config.level))
-    offload, sync_buffers, sync_comm = config.offload, config.sync_buffers, config.sync_comm
-    buffer_max_size, segment_size = config.buffer_max_size, config.segment_size
-    exclude_layer, step_in_backward = config.exclude_layer, config.step_in_backward
-    mixed_precision = config.mixed_precision
-    group = _resolve_group(group)
-    _check_member(group, "group")
-    if dp_group is not None:
-        _check_member(dp_group, "dp_group")
+    return _build(call, _validate(call))
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A call's arguments, resolved (phase 1): the one config, the groups, the optimizers."""
+
+    given: nn.Module  # what the user passed: a PipelineModule, a compiled model or the model
+    model: nn.Module  # the module to shard (a pipeline's local stage, a compiled model's own)
+    optimizer: Any  # as given: one optimizer or a list
+    optimizers: list[torch.optim.Optimizer]
+    config: ShardingConfig  # every knob, its level resolved
+    shard_group: dist.ProcessGroup
+    replica_group: dist.ProcessGroup | None  # as given (hybrid sharding), maybe of size 1
+    scaler: Any
+    init_fn: Callable[[nn.Module], None] | None
+    meta: bool  # built on meta: materialised while sharding
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What validation (phase 2) decided, for the build (phase 3)."""
+
+    level: LevelPlan
+    scaler: ShardedGradScaler | None
+    policy: MixedPrecision
+    needs: dict
+    named: list[tuple[str, nn.Parameter]]
+    plans: list[UnitPlan]
+
+
+def _one_name(ours, paddle, our_name: str, paddle_name: str):
+    """A group given by our name or Paddle's (both are accepted), never both differently."""
+    if ours is not None and paddle is not None and ours is not paddle:
+        raise TypeError(
+            f"{our_name} is given twice, as {our_name}= and as Paddle's {paddle_name}=: give "
+            "it once"
+        )
+    return ours if ours is not None else paddle
+
+
+def _resolve(model, optimizer, scaler, init_fn, config, *, shard_group, replica_group, knobs):
+    """Phase 1: the arguments as one config, the groups and the optimizers (types checked,
+    nothing changed)."""
+    _check_argument_order(model, optimizer, init_fn)
+    given = model
+    if isinstance(model, PipelineModule):
+        model = model.stage  # a rank holds, runs and shards only its own stage
+    model = unwrap_compiled(model)  # shard the module torch.compile wraps
+    # Paddle's positional signature is a thin layer: its knobs fill the one ShardingConfig
+    config = merge_arguments(config, **knobs)
+    config = replace(config, level=resolve_level(config.level))
+    shard_group = _resolve_group(shard_group)
+    _check_member(shard_group, "shard_group")
+    if replica_group is not None:
+        _check_member(replica_group, "replica_group")
     optimizers = _optimizer_list(optimizer)
     for opt in optimizers:
         checks.check_not_wrapped(model, opt)
@@ -161,115 +194,102 @@ def group_sharded_parallel(
             "init_fn initialises a model built on meta (under torch.device('meta') or "
             "zerokit.empty_init()); this model's parameters already have values: drop init_fn"
         )
-    # tp ranks hold different slices (shapes): refuse a group spanning them before comparing
-    _check_group_spans_no_tp_pair(model, group)
-    # Every rank compares what it was given before anything else: a rank whose arguments or
-    # model differ makes the same error on every rank, never a hang or an abort inside gloo.
+    return _Call(
+        given, model, optimizer, optimizers, config, shard_group, replica_group, scaler,
+        init_fn, meta,
+    )  # fmt: skip
+
+
+def _agree(call: _Call) -> None:
+    """Every rank compares what it was given before anything else: a rank whose arguments or
+    model differ makes the same error on every rank, never a hang or an abort inside gloo.
+    Every knob is compared by its ``ShardingConfig`` name (a new field too)."""
+    replicas = call.replica_group
     checks.agree(
         {
-            "level": level,
-            "scaler": type(scaler).__name__,
-            "offload": offload,
-            "sync_buffers": sync_buffers,
-            "buffer_max_size": buffer_max_size,
-            "segment_size": segment_size,
-            "sync_comm": sync_comm,
-            "dp_group size": dp_group.size() if dp_group is not None else None,
-            "exclude_layer": _describe_modules(model, exclude_layer or ()),
-            "mixed_precision": repr(mixed_precision),
-            "step_in_backward": step_in_backward,
-            "built on meta": meta,
-            "parameters": checks.layout_summary(model),
+            **agreement_fields(call.config, call.model),
+            "scaler": type(call.scaler).__name__,
+            "replica_group size": replicas.size() if replicas is not None else None,
+            "built on meta": call.meta,
+            "parameters": checks.layout_summary(call.model),
             "optimizer": [
                 (type(opt).__name__, [len(g["params"]) for g in opt.param_groups])
-                for opt in optimizers
+                for opt in call.optimizers
             ],
-            # the knobs not compared above (those are named on their own when they differ)
-            "config": repr(
-                [
-                    config.wrap,
-                    config.elementwise_optimizer,
-                    config.whole_parameter_optimizer,
-                    config.debug_agreement,
-                ]
-            ),
         },
-        [group] + ([dp_group] if dp_group is not None else []),
+        [call.shard_group] + ([replicas] if replicas is not None else []),
     )
-    strategy = LevelPlan.decode(level)  # the level decoded, once
-    strategy.check(step_in_backward=step_in_backward, exclude_layer=exclude_layer)
-    scaler = _sharded_scaler(scaler)
-    if step_in_backward and scaler is not None and scaler.is_enabled():
+
+
+def _validate(call: _Call) -> _Checked:
+    """Phase 2: every check, agreed across ranks; nothing is changed, so each can fail
+    without side effects."""
+    model, config = call.model, call.config
+    # tp ranks hold different slices (shapes): refuse a group spanning them before comparing
+    _check_group_spans_no_tp_pair(model, call.shard_group)
+    _agree(call)
+    level = LevelPlan.decode(config.level)  # the level decoded, once
+    level.check(step_in_backward=config.step_in_backward, exclude_layer=config.exclude_layer)
+    scaler = _sharded_scaler(call.scaler)
+    if config.step_in_backward and scaler is not None and scaler.is_enabled():
         raise ValueError(
             "step_in_backward cannot take a loss scaler: an fp16 overflow must skip the whole "
             "step, but each unit is stepped as soon as its gradients are reduced. Use bf16 "
             "(MixedPrecision(param_dtype=torch.bfloat16), no scaler) or step_in_backward=False"
         )
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise TypeError("mixed_precision must be a zerokit.MixedPrecision policy (or None)")
-    mixed_precision = mixed_precision or MixedPrecision()
-    config = config or ShardingConfig()
-    for opt in optimizers:
+    policy = config.mixed_precision or MixedPrecision()
+    for opt in call.optimizers:
         check_optimizer(
-            opt,
-            elementwise=config.elementwise_optimizer,
-            whole=config.whole_parameter_optimizer,
+            opt, elementwise=config.elementwise_optimizer, whole=config.whole_parameter_optimizer
         )
     checks.check_dense_gradients(model)
-    if dp_group is not None:
-        _check_group_spans_no_tp_pair(model, dp_group)
-        _check_orthogonal(group, dp_group)
+    if call.replica_group is not None:
+        _check_group_spans_no_tp_pair(model, call.replica_group)
+        _check_orthogonal(call.shard_group, call.replica_group)
     named = _trainable_params(model)
-    _check_optimizer_params(model, optimizers)
-    needs = needs_of(optimizers, whole_declared=config.whole_parameter_optimizer)
+    _check_optimizer_params(model, call.optimizers)
+    needs = needs_of(call.optimizers, whole_declared=config.whole_parameter_optimizer)
     split = tensor_parallel_params(model)
     refuse_whole_on_slices(needs, {id(p): n for n, p in model.named_parameters() if id(p) in split})
-
     plans = plan_units(
-        model,
-        named,
-        segment_size=segment_size,
-        wrap=config.wrap,
-        exclude=exclude_layer or (),
-        full_precision=mixed_precision.full_precision_modules
-        if mixed_precision.param_dtype is not None
-        else (),
-    )
-    # Nothing is changed before this point: every check above can fail without side effects.
-    replicas = dp_group if dp_group is not None and dp_group.size() > 1 else None
+        model, named, segment_size=config.segment_size, wrap=config.wrap,
+        exclude=config.exclude_layer,
+        full_precision=policy.full_precision_modules if policy.param_dtype is not None else (),
+    )  # fmt: skip
+    return _Checked(level, scaler, policy, needs, named, plans)
+
+
+def _build(call: _Call, checked: _Checked):
+    """Phase 3: everything that changes the model and the optimizers."""
+    model, config, group = call.model, call.config, call.shard_group
+    replicas = call.replica_group if call.replica_group and call.replica_group.size() > 1 else None
     shards = None
     # A dry run's stand-in ranks (``zerokit plan``) keep the model on meta: no values to make
-    if meta and not is_stand_in(group):  # fails alike on every rank, leaving it on meta
+    if call.meta and not is_stand_in(group):  # fails alike on every rank, leaving it on meta
         shards = materialize(
-            model, plans, shard_params=strategy.shard_params, group=group,
-            replica_group=replicas, buffer_max_size=buffer_max_size, init_fn=init_fn,
-            needs=needs,
+            model, checked.plans, shard_params=checked.level.shard_params, group=group,
+            replica_group=replicas, buffer_max_size=config.buffer_max_size,
+            init_fn=call.init_fn, needs=checked.needs,
         )  # fmt: skip
+    compiled = call.given if not isinstance(call.given, PipelineModule) else call.given.stage
     options = CoreOptions(
-        strategy=strategy,
-        group=group,
-        buffer_max_size=buffer_max_size,
-        sync_comm=sync_comm,
-        debug_agreement=debug_agreement(config),
-        sync_buffers=sync_buffers,
-        offload=offload,
-        mixed_precision=mixed_precision,
-        tp_group=tp_group_of(model),
-        replica_group=replicas,
-        initial_shards=shards,
-        outer=compiled,
-        needs=needs,
-    )
-    state = build(model, optimizers, plans, options)
+        strategy=checked.level, group=group, buffer_max_size=config.buffer_max_size,
+        sync_comm=config.sync_comm, debug_agreement=debug_agreement(config),
+        sync_buffers=config.sync_buffers, offload=config.offload,
+        mixed_precision=checked.policy, tp_group=tp_group_of(model), replica_group=replicas,
+        initial_shards=shards, outer=compiled, needs=checked.needs,
+    )  # fmt: skip
+    state = build(model, call.optimizers, checked.plans, options)
     state.grad_norm = global_grad_norm
-    if step_in_backward:
-        state.enable_step_in_backward(optimizers)
-    if group.rank() == 0 and (dp_group is None or dp_group.rank() == 0):
-        _log_wrap(state, optimizers, named, model)
+    if config.step_in_backward:
+        state.enable_step_in_backward(call.optimizers)
+    if group.rank() == 0 and (call.replica_group is None or call.replica_group.rank() == 0):
+        _log_wrap(state, call.optimizers, checked.named, model)
+    optimizer = call.optimizer
     return (
-        pipe if pipe is not None else compiled,
-        optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizers,
-        scaler,
+        call.given,
+        optimizer if isinstance(optimizer, torch.optim.Optimizer) else call.optimizers,
+        checked.scaler,
     )
 
 
@@ -371,32 +391,26 @@ def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return dist.group.WORLD
 
 
-def _describe_modules(model: nn.Module, items) -> list[str]:
-    names = {id(m): n for n, m in model.named_modules()}
-    return [
-        item.__qualname__ if isinstance(item, type) else names.get(id(item), "<not in model>")
-        for item in items
-    ]
-
-
 def _check_member(group, what: str) -> None:
     if not isinstance(group, dist.ProcessGroup):
         raise ValueError(
             f"{what} is not a process group of this rank (got {group!r}: "
             "torch.distributed.new_group returns a placeholder on ranks outside the group); "
-            f"pass the {what} this rank belongs to, e.g. from zerokit.init_hybrid_parallel"
+            f"pass the {what} this rank belongs to, e.g. layout.{what} of "
+            "zerokit.init_hybrid_parallel"
         )
 
 
-def _check_orthogonal(group: dist.ProcessGroup, dp_group: dist.ProcessGroup) -> None:
-    shards, replicas = dist.get_process_group_ranks(group), dist.get_process_group_ranks(dp_group)
+def _check_orthogonal(shard_group: dist.ProcessGroup, replica_group: dist.ProcessGroup) -> None:
+    shards = dist.get_process_group_ranks(shard_group)
+    replicas = dist.get_process_group_ranks(replica_group)
     both = set(shards) & set(replicas)
     if len(both) != 1:
         raise ValueError(
-            f"group (ranks {shards}) and dp_group (ranks {replicas}) must share exactly this "
-            f"rank; they share {sorted(both)}. group shards the state, dp_group holds its "
-            "replicas: use layout.sharding_group and layout.dp_group from "
-            "zerokit.init_hybrid_parallel(dp_degree, tp_degree, sharding_degree)"
+            f"shard_group (ranks {shards}) and replica_group (ranks {replicas}) must share "
+            f"exactly this rank; they share {sorted(both)}. shard_group splits the state, "
+            "replica_group holds copies of it: use layout.shard_group and layout.replica_group "
+            "from zerokit.init_hybrid_parallel(dp_degree, tp_degree, sharding_degree)"
         )
 
 
@@ -410,8 +424,9 @@ def _check_group_spans_no_tp_pair(model: nn.Module, group: dist.ProcessGroup) ->
         raise ValueError(
             f"ranks {sorted(shared)} are in one tensor-parallel group and also in the group to "
             "shard across; they hold different slices of the tensor-parallel layers, which ZeRO "
-            "would average. Shard along the data-parallel group: "
-            "group_sharded_parallel(..., group=layout.dp_group)"
+            "would average. Shard along the data-parallel ranks: "
+            "group_sharded_parallel(..., shard_group=layout.shard_group) (in Paddle's names, "
+            "group=layout.dp_group)"
         )
 
 

@@ -1,9 +1,17 @@
-"""Rarely used knobs, in one place."""
+"""Every ZeRO knob, defined once: ``ShardingConfig``'s fields (name, type, default, docstring).
+
+Everything else that takes a knob derives from those fields, so a new field reaches all of
+them: ``group_sharded_parallel``'s keyword arguments fill one (``merge_arguments``),
+``load_config`` reads one from a file, ``Strategy`` inherits them, ``parallelize(config=)`` and
+the Lightning and Fabric strategies pass one on, and the ranks compare every field before
+anything is built (``agreement_fields``). The level is parsed in one place (``parse_level``:
+names and stage numbers) and has one default (``DEFAULT_LEVEL``).
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -11,16 +19,67 @@ from torch import nn
 
 from .mixed_precision import as_policy
 
+#: the levels, in stage order (PaddlePaddle's names: each means exactly what it says)
+LEVELS = ("os", "os_g", "p_g_os")
+#: the level of every entry point that has a default (``parallelize``, ``Strategy``, the
+#: Lightning and Fabric strategies); ``group_sharded_parallel`` keeps Paddle's signature,
+#: where the level is given (None reads ``$ZEROKIT_LEVEL``)
+DEFAULT_LEVEL = "p_g_os"
+#: stage numbers (DeepSpeed's names), as numbers or strings, to the level
+LEVEL_ALIASES = {1: "os", 2: "os_g", 3: "p_g_os", "1": "os", "2": "os_g", "3": "p_g_os"}
+LEVEL_ENV = "ZEROKIT_LEVEL"
+DEBUG_AGREEMENT_ENV = "ZEROKIT_DEBUG_AGREEMENT"
+#: a field holding Python objects (module classes or instances), which no file can spell
+_CODE_ONLY = {"in_files": False}
+
+
+def parse_level(level: str | int) -> str:
+    """The one level parser: ``'os'``/``'os_g'``/``'p_g_os'`` or a stage number 1/2/3 (also
+    ``'1'``...), to the level's name.
+
+    >>> parse_level(3), parse_level("os_g"), parse_level(" 2 ")
+    ('p_g_os', 'os_g', 'os_g')
+    """
+    name = (
+        None
+        if isinstance(level, bool)
+        else LEVEL_ALIASES.get(level.strip() if isinstance(level, str) else level, level)
+    )  # True == 1 in a dict: a bool is no stage number
+    if name not in LEVELS:
+        raise ValueError(
+            f"unknown level {level!r}; valid levels: 'os' (stage 1), 'os_g' (stage 2), "
+            "'p_g_os' (stage 3), or the stage numbers 1, 2, 3"
+        )
+    return name
+
+
+def resolve_level(level: str | int | None) -> str:
+    """``parse_level(level)``, or for None the level ``$ZEROKIT_LEVEL`` names.
+
+    >>> resolve_level(3), resolve_level("os_g")
+    ('p_g_os', 'os_g')
+    """
+    if level is None:
+        level = os.environ.get(LEVEL_ENV)
+        if level is None:
+            raise ValueError(
+                f"no level given and ${LEVEL_ENV} is not set: pass level='os' | 'os_g' | "
+                "'p_g_os' (or a stage number 1 | 2 | 3), or set it in the environment"
+            )
+    return parse_level(level)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ShardingConfig:
     """Every knob of ``group_sharded_parallel`` beyond the model, the optimizer, the scaler and
-    the groups, in one place. ``group_sharded_parallel``'s keyword arguments of the same names
-    (Paddle's signature) fill one of these; ``load_config`` reads one from a file."""
+    the groups, in one place: the single definition of each. ``group_sharded_parallel``'s
+    keyword arguments of the same names (Paddle's signature) fill one of these; ``load_config``
+    reads one from a file; ``Strategy`` inherits these fields; ``parallelize(config=)`` and the
+    Lightning and Fabric strategies take one (or its fields as keyword arguments)."""
 
     level: str | int | None = None
-    """``'os'``, ``'os_g'``, ``'p_g_os'`` (or 1, 2, 3); None: the ``level`` argument, else
-    ``$ZEROKIT_LEVEL``."""
+    """``'os'``, ``'os_g'``, ``'p_g_os'`` (or 1, 2, 3, held as the name); None: the ``level``
+    argument, else ``$ZEROKIT_LEVEL`` (``parallelize`` and the strategies: ``DEFAULT_LEVEL``)."""
     mixed_precision: Any = None
     """A ``zerokit.MixedPrecision`` policy, or its name ``"bf16"`` / ``"fp16"`` (held as the
     policy); None: fp32."""
@@ -36,12 +95,12 @@ class ShardingConfig:
     sync_comm: bool = False
     """Finish each collective at once instead of overlapping it with compute (the least
     memory in backward, paid for in time)."""
-    exclude_layer: tuple = ()
+    exclude_layer: tuple = field(default=(), metadata=_CODE_ONLY)
     """Level 'p_g_os': modules (or module classes) kept whole on every rank."""
     step_in_backward: bool = False
     """Levels 'os_g', 'p_g_os': step each unit as soon as its gradients are reduced, inside
     backward (no global-norm clipping or loss scaler then)."""
-    wrap: tuple[type[nn.Module], ...] = ()
+    wrap: tuple[type[nn.Module], ...] = field(default=(), metadata=_CODE_ONLY)
     """Module classes whose instances become units: a unit's gradients are reduced together
     as soon as its backward is done, and at level 'p_g_os' its parameters are gathered and
     freed together. Empty: the default policy — children of ``nn.ModuleList``/
@@ -71,6 +130,8 @@ class ShardingConfig:
             if value is None or isinstance(value, list):
                 object.__setattr__(self, name, tuple(value or ()))
         check_knobs(self)
+        if self.level is not None:  # held as its name: 2 and "os_g" are one config
+            object.__setattr__(self, "level", parse_level(self.level))
         object.__setattr__(self, "mixed_precision", as_policy(self.mixed_precision))
 
 
@@ -117,16 +178,21 @@ ARGUMENT_KNOBS = (
 
 
 def merge_arguments(config: ShardingConfig | None, **arguments) -> ShardingConfig:
-    """``config`` with the knobs given as ``group_sharded_parallel`` arguments filled in. A
-    knob given both ways, with different values, is refused: nothing is silently overridden."""
+    """``config`` with the knobs given as arguments (``group_sharded_parallel``'s, a strategy's
+    keyword arguments) filled in. A knob given both ways, with different values, is refused:
+    nothing is silently overridden. A name that is no field of ``ShardingConfig`` is refused.
+
+    >>> merge_arguments(ShardingConfig(offload=True), level=2).level
+    'os_g'
+    """
     config = config or ShardingConfig()
     defaults = ShardingConfig()
+    unknown = sorted(set(arguments) - set(knob_names()))
+    if unknown:
+        raise TypeError(f"unknown option(s) {unknown}; the knobs are {list(knob_names())}")
     changes = {}
     for name, value in arguments.items():
-        if name == "exclude_layer" and (value is None or isinstance(value, list)):
-            value = tuple(value or ())
-        if name == "mixed_precision":
-            value = as_policy(value)
+        value = _normal(name, value)
         if value == getattr(defaults, name):
             continue
         held = getattr(config, name)
@@ -139,21 +205,46 @@ def merge_arguments(config: ShardingConfig | None, **arguments) -> ShardingConfi
     return replace(config, **changes)
 
 
-#: stage numbers (DeepSpeed's names) and Paddle's level names, to the level
-LEVEL_ALIASES = {1: "os", 2: "os_g", 3: "p_g_os", "1": "os", "2": "os_g", "3": "p_g_os"}
-LEVEL_ENV = "ZEROKIT_LEVEL"
-DEBUG_AGREEMENT_ENV = "ZEROKIT_DEBUG_AGREEMENT"
-CONFIG_KEYS = (
-    "level",
-    "offload",
-    "sync_buffers",
-    "buffer_max_size",
-    "segment_size",
-    "sync_comm",
-    "step_in_backward",
-    "debug_agreement",
-    "mixed_precision",
-)
+def _normal(name: str, value):
+    """A knob's value as ``ShardingConfig`` holds it, to compare with what a config holds."""
+    if name in ("exclude_layer", "wrap") and (value is None or isinstance(value, list)):
+        return tuple(value or ())
+    if name == "mixed_precision":
+        return as_policy(value)
+    if name == "level" and isinstance(value, (str, int)) and not isinstance(value, bool):
+        return parse_level(value)
+    return value
+
+
+def knob_names(*, in_files: bool = False) -> tuple[str, ...]:
+    """The names of ``ShardingConfig``'s fields, in order; ``in_files``: those a config file
+    can spell (not the ones holding module classes or instances)."""
+    return tuple(
+        f.name for f in fields(ShardingConfig) if not in_files or f.metadata.get("in_files", True)
+    )
+
+
+def knobs_of(config: ShardingConfig) -> dict[str, Any]:
+    """Every knob of ``config`` (a ``Strategy`` too) by name, as a ``ShardingConfig``'s fields."""
+    return {name: getattr(config, name) for name in knob_names()}
+
+
+def agreement_fields(config: ShardingConfig, model: nn.Module) -> dict[str, Any]:
+    """Every knob of ``config``, by its name, as the ranks compare it before anything is
+    built: a rank given another value is named with the knob. Modules are compared by their
+    names in ``model`` (or their class's), never by identity."""
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def describe(items) -> list[str]:
+        return [
+            item.__qualname__ if isinstance(item, type) else names.get(id(item), "<not in model>")
+            for item in items
+        ]
+
+    out: dict[str, Any] = knobs_of(config)
+    out["exclude_layer"], out["wrap"] = describe(config.exclude_layer), describe(config.wrap)
+    out["mixed_precision"] = repr(config.mixed_precision)
+    return out
 
 
 def debug_agreement(config: ShardingConfig) -> bool:
@@ -161,51 +252,53 @@ def debug_agreement(config: ShardingConfig) -> bool:
     return config.debug_agreement or os.environ.get(DEBUG_AGREEMENT_ENV, "").strip() == "1"
 
 
-def resolve_level(level) -> str:
-    """``'os'``/``'os_g'``/``'p_g_os'``, a stage number 1/2/3 (or ``'1'``...), or None to read
-    ``$ZEROKIT_LEVEL``.
-
-    >>> resolve_level(3), resolve_level("os_g")
-    ('p_g_os', 'os_g')
-    """
-    if level is None:
-        level = os.environ.get(LEVEL_ENV)
-        if level is None:
-            raise ValueError(
-                f"no level given and ${LEVEL_ENV} is not set: pass level='os' | 'os_g' | "
-                "'p_g_os' (or a stage number 1 | 2 | 3), or set it in the environment"
-            )
-        level = level.strip()
-    return LEVEL_ALIASES.get(level, level)
-
-
-def load_config(path: str | os.PathLike) -> ShardingConfig:
-    """A ``ShardingConfig`` from a small TOML or JSON file: ``level`` (a name or a stage
-    number), ``offload``, ``sync_buffers``, ``buffer_max_size``, ``segment_size``,
-    ``sync_comm``, ``step_in_backward``, ``debug_agreement`` and ``mixed_precision``
-    (``"bf16"``, ``"fp16"`` or none). Use it as
-    ``group_sharded_parallel(model, opt, config=zerokit.load_config("zerokit.toml"))``.
-    """
+def read_table(path: str | os.PathLike, what: str, *, otherwise_json: bool) -> dict[str, Any]:
+    """The table of a ``.toml``, ``.json`` or ``.yaml``/``.yml`` file (``load_config`` and
+    ``Strategy.load``). ``otherwise_json``: another ending is read as JSON, else refused."""
     import json
 
+    path = str(path)
+    ext = os.path.splitext(path)[1].lower()
     text = Path(path).read_text()
-    if str(path).endswith(".toml"):
+    if ext == ".toml":
         try:
             import tomllib
         except ImportError:  # Python 3.10
             raise ValueError(f"{path}: TOML needs Python 3.11 or newer; use JSON") from None
-        raw = tomllib.loads(text)
+        data = tomllib.loads(text)
+    elif ext in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ImportError(
+                f"{path}: reading YAML needs PyYAML (pip install pyyaml); or write the {what} "
+                "as TOML or JSON"
+            ) from None
+        data = yaml.safe_load(text)
+    elif ext == ".json" or otherwise_json:
+        data = json.loads(text)
     else:
-        raw = json.loads(text)
-    unknown = sorted(set(raw) - set(CONFIG_KEYS))
+        raise ValueError(f"{path}: a {what} file ends in .toml, .json, .yaml or .yml")
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a {what} file holds a table of fields, got {data!r}")
+    return data
+
+
+def load_config(path: str | os.PathLike) -> ShardingConfig:
+    """A ``ShardingConfig`` from a small TOML, JSON or YAML file whose keys are its fields
+    (``level`` as a name or a stage number, ``mixed_precision`` as ``"bf16"``, ``"fp16"`` or
+    none), all but ``exclude_layer`` and ``wrap``, which hold module classes: pass those in
+    code. Use it as
+    ``group_sharded_parallel(model, opt, config=zerokit.load_config("zerokit.toml"))``.
+    """
+    raw = read_table(path, "config", otherwise_json=True)
+    valid = knob_names(in_files=True)
+    unknown = sorted(set(raw) - set(valid))
     if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown}; valid keys: {', '.join(CONFIG_KEYS)}")
-    out = dict(raw)
-    if "level" in out:
-        out["level"] = resolve_level(out["level"])
-    if "mixed_precision" in out and not isinstance(out["mixed_precision"], (str, type(None))):
+        raise ValueError(f"{path}: unknown keys {unknown}; valid keys: {', '.join(valid)}")
+    if not isinstance(raw.get("mixed_precision"), (str, type(None))):
         raise ValueError(f"{path}: mixed_precision must be 'bf16' or 'fp16'")
     try:
-        return ShardingConfig(**out)
+        return ShardingConfig(**raw)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: {e}") from e

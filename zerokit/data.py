@@ -9,7 +9,7 @@ import os
 import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler
 
-from .layout import as_layout
+from .layout import Grid, as_layout
 
 
 def sampler(dataset: Dataset, mesh=None, shuffle: bool = True, seed: int = 0,
@@ -34,9 +34,7 @@ def _data_rank(mesh) -> tuple[int, int]:
         if strategy is not None:
             return _strategy_rank(strategy)
         as_layout(None, f"zerokit.data.sampler (outside `zerokit launch`, no ${ENV})")
-    layout = as_layout(mesh, "zerokit.data.sampler")
-    rank = layout.dp_rank * layout.sharding_degree + layout.sharding_rank
-    return layout.dp_degree * layout.sharding_degree, rank
+    return as_layout(mesh, "zerokit.data.sampler").data_parallel
 
 
 def _strategy_rank(strategy) -> tuple[int, int]:
@@ -47,4 +45,5 @@ def _strategy_rank(strategy) -> tuple[int, int]:
     else:  # torchrun's environment, before init_process_group
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     strategy.check_world(world)
-    return strategy.dp, (rank // strategy.tp) % strategy.dp
+    _, dp_rank, _, _ = Grid(pp=strategy.pp, dp=strategy.dp, tp=strategy.tp).coords(rank)
+    return strategy.dp, dp_rank

@@ -8,11 +8,15 @@ Paddle's hybrid order, pp outermost and tp innermost (tp varies fastest, as Mega
 ``rank = pp_rank * (dp * sharding * tp) + (dp_rank * sharding_degree + sharding_rank) *
 tp_degree + tp_rank``, so a tp group is a run of neighbouring ranks and a sharding group the
 next run out (on one node, where the frequent collectives belong), replicas are farther apart,
-and the stages of a pipeline farthest (only point-to-point traffic crosses them).
+and the stages of a pipeline farthest (only point-to-point traffic crosses them). ``Grid`` does
+this arithmetic, once, for every constructor and reader.
 
-ZeRO needs two roles from a layout, and these are their only names: ``shard_group`` (the ranks
-a tensor's state is sharded over: ``group_sharded_parallel(group=...)``) and ``replica_group``
-(the ranks holding the same shards, None without hybrid sharding: ``dp_group=``).
+ZeRO needs two roles from a layout, and these are their only names: the **shard group**
+``shard_group`` (the ranks a tensor's state is split over: ``group_sharded_parallel(
+shard_group=...)``, Paddle's ``group=``) and the **replica group** ``replica_group`` (the ranks
+holding copies of the same shards, None without hybrid sharding: ``replica_group=``, Paddle's
+``dp_group=``). ``dp_group`` and ``sharding_group`` below are the mesh's dimensions, not roles:
+which of them plays which role depends on ``sharding_degree``.
 """
 
 from __future__ import annotations
@@ -59,8 +63,75 @@ class Layout:
 
     @property
     def replica_group(self) -> ProcessGroup | None:
-        """The ranks holding the same shards (``dp_group=``); None without hybrid sharding."""
+        """The ranks holding the same shards (``replica_group=``, Paddle's ``dp_group=``);
+        None without hybrid sharding."""
         return self.dp_group if self.sharding_degree > 1 else None
+
+    @property
+    def grid(self) -> Grid:
+        """This layout's rank arithmetic."""
+        return Grid(pp=self.pp_degree, dp=self.dp_degree, shard=self.sharding_degree,
+                    tp=self.tp_degree)  # fmt: skip
+
+    @property
+    def data_parallel(self) -> tuple[int, int]:
+        """(how many ranks see different batches, this rank's index among them): the dp and
+        sharding dimensions together; tp ranks of one replica see the same batch."""
+        return self.dp_degree * self.sharding_degree, (
+            self.dp_rank * self.sharding_degree + self.sharding_rank
+        )
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The rank arithmetic of a pp x dp x sharding x tp run, in one place (pure: no process
+    group). Every constructor of a ``Layout`` and every reader of a rank's place uses it.
+
+    >>> g = Grid(pp=2, dp=2, shard=1, tp=2)
+    >>> g.rank(1, 0, 0, 1), g.coords(5)
+    (5, (1, 0, 0, 1))
+    """
+
+    pp: int = 1
+    dp: int = 1
+    shard: int = 1
+    tp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.pp * self.dp * self.shard * self.tp
+
+    def rank(self, p: int, d: int, s: int, t: int) -> int:
+        """The global rank at stage ``p``, replica ``d``, shard ``s``, tp rank ``t``."""
+        return ((p * self.dp + d) * self.shard + s) * self.tp + t
+
+    def coords(self, rank: int) -> tuple[int, int, int, int]:
+        """``rank``'s (pp, dp, shard, tp) indices: ``rank(*coords(rank)) == rank``."""
+        rest, t = divmod(rank, self.tp)
+        rest, s = divmod(rest, self.shard)
+        p, d = divmod(rest, self.dp)
+        return p, d, s, t
+
+    def check(self, world: int) -> None:
+        """Refuse degrees that are not integers >= 1 or whose product is not ``world``."""
+        degrees = {"pp_degree": self.pp, "dp_degree": self.dp, "sharding_degree": self.shard,
+                   "tp_degree": self.tp}  # fmt: skip
+        bad = {k: v for k, v in degrees.items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise ValueError(f"degrees must be integers >= 1, got {bad}")
+        if world % self.tp:
+            raise ValueError(f"tp_degree {self.tp} does not divide the world size {world}")
+        if world % (self.tp * self.pp):
+            raise ValueError(
+                f"tp_degree * pp_degree = {self.tp * self.pp} does not divide the world size "
+                f"{world}"
+            )
+        if self.size != world:
+            raise ValueError(
+                f"pp_degree * dp_degree * sharding_degree * tp_degree = {self.pp} * {self.dp} * "
+                f"{self.shard} * {self.tp} = {self.size}, but the world size is {world}; use "
+                f"dp_degree={world // (self.tp * self.shard * self.pp)}"
+            )
 
 
 def init_hybrid_parallel(
@@ -70,11 +141,12 @@ def init_hybrid_parallel(
     ``torch.distributed.init_process_group``) and return them as a ``Layout``, to pass to
     whatever needs it (``layout=``).
 
-    ``sharding_degree == 1`` (the two-argument call): ZeRO shards across ``layout.dp_group``.
-    ``sharding_degree > 1``: hybrid sharding, ``group_sharded_parallel(..., group=
-    layout.sharding_group, dp_group=layout.dp_group)``: state sharded inside each sharding group
-    (one node) and replicated across the ``dp_degree`` replicas. At 4 ranks, dp 2 x sharding 2:
-    sharding groups {0,1},{2,3}; dp groups {0,2},{1,3}.
+    ``sharding_degree == 1`` (the two-argument call): ZeRO shards across ``layout.dp_group``
+    (``layout.shard_group``; no replica group). ``sharding_degree > 1``: hybrid sharding,
+    ``group_sharded_parallel(..., shard_group=layout.shard_group,
+    replica_group=layout.replica_group)``: state sharded inside each sharding group (one node)
+    and replicated across the ``dp_degree`` replicas. At 4 ranks, dp 2 x sharding 2: shard
+    groups {0,1},{2,3}; replica groups {0,2},{1,3}.
 
     ``pp_degree > 1``: pipeline parallelism, outermost: every dp, sharding and tp group lies
     inside one stage, and ``layout.pp_group`` holds the stages of one pipeline. At 4 ranks,
@@ -86,55 +158,16 @@ def init_hybrid_parallel(
             "init_hybrid_parallel needs a process group: call "
             "torch.distributed.init_process_group (or launch with torchrun) first"
         )
-    world = dist.get_world_size()
-    degrees = {
-        "dp_degree": dp_degree,
-        "tp_degree": tp_degree,
-        "sharding_degree": sharding_degree,
-        "pp_degree": pp_degree,
-    }
-    bad = {k: v for k, v in degrees.items() if not isinstance(v, int) or v < 1}
-    if bad:
-        raise ValueError(f"degrees must be integers >= 1, got {bad}")
-    if world % tp_degree:
-        raise ValueError(f"tp_degree {tp_degree} does not divide the world size {world}")
-    if world % (tp_degree * pp_degree):
-        raise ValueError(
-            f"tp_degree * pp_degree = {tp_degree * pp_degree} does not divide the world size "
-            f"{world}"
-        )
-    if pp_degree * dp_degree * sharding_degree * tp_degree != world:
-        raise ValueError(
-            f"pp_degree * dp_degree * sharding_degree * tp_degree = {pp_degree} * {dp_degree} * "
-            f"{sharding_degree} * {tp_degree} = "
-            f"{pp_degree * dp_degree * sharding_degree * tp_degree}, but the world size is "
-            f"{world}; use dp_degree={world // (tp_degree * sharding_degree * pp_degree)}"
-        )
-    stage_size = dp_degree * sharding_degree * tp_degree
-    pp_rank, in_stage = divmod(dist.get_rank(), stage_size)
-    outer, tp_rank = divmod(in_stage, tp_degree)
-    dp_rank, sharding_rank = divmod(outer, sharding_degree)
-
-    def rank_of(d: int, s: int, t: int, p: int = pp_rank) -> int:
-        return p * stage_size + (d * sharding_degree + s) * tp_degree + t
-
-    D, S, T = range(dp_degree), range(sharding_degree), range(tp_degree)
+    grid = Grid(pp=pp_degree, dp=dp_degree, shard=sharding_degree, tp=tp_degree)
+    grid.check(dist.get_world_size())
+    pp_rank, dp_rank, sharding_rank, tp_rank = grid.coords(dist.get_rank())
     # new_group is collective over the whole world: every rank creates every group of every
     # stage, in the same order, and keeps those of its own stage.
     for p in range(pp_degree):
-        groups = _stage_groups(rank_of, p, D, S, T, sharding_degree > 1)
+        groups = _stage_groups(grid, p)
         if p == pp_rank:
             tp_groups, sharding_groups, dp_groups = groups
-    pp_groups = (
-        {
-            (d, s, t): dist.new_group([rank_of(d, s, t, p) for p in range(pp_degree)])
-            for d in D
-            for s in S
-            for t in T
-        }
-        if pp_degree > 1
-        else None
-    )
+    pp_group = _pp_groups(grid)[dp_rank, sharding_rank, tp_rank] if pp_degree > 1 else None
     return Layout(
         dp_degree,
         tp_degree,
@@ -147,20 +180,31 @@ def init_hybrid_parallel(
         sharding_groups[dp_rank, tp_rank] if sharding_groups else None,
         pp_degree,
         pp_rank,
-        pp_groups[dp_rank, sharding_rank, tp_rank] if pp_groups else None,
+        pp_group,
     )
 
 
-def _stage_groups(rank_of, p: int, D: range, S: range, T: range, sharded: bool):
+def _stage_groups(grid: Grid, p: int):
     """Stage ``p``'s tp, sharding and dp groups (collective: every rank builds every stage's)."""
-    tp = {(d, s): dist.new_group([rank_of(d, s, t, p) for t in T]) for d in D for s in S}
+    D, S, T = range(grid.dp), range(grid.shard), range(grid.tp)
+    tp = {(d, s): dist.new_group([grid.rank(p, d, s, t) for t in T]) for d in D for s in S}
     sharding = (
-        {(d, t): dist.new_group([rank_of(d, s, t, p) for s in S]) for d in D for t in T}
-        if sharded
+        {(d, t): dist.new_group([grid.rank(p, d, s, t) for s in S]) for d in D for t in T}
+        if grid.shard > 1
         else None
     )
-    dp = {(s, t): dist.new_group([rank_of(d, s, t, p) for d in D]) for s in S for t in T}
+    dp = {(s, t): dist.new_group([grid.rank(p, d, s, t) for d in D]) for s in S for t in T}
     return tp, sharding, dp
+
+
+def _pp_groups(grid: Grid):
+    """Each pipeline's stages, by (dp, sharding, tp) position (collective over the world)."""
+    return {
+        (d, s, t): dist.new_group([grid.rank(p, d, s, t) for p in range(grid.pp)])
+        for d in range(grid.dp)
+        for s in range(grid.shard)
+        for t in range(grid.tp)
+    }
 
 
 def as_layout(layout, what: str = "this layer") -> Layout:
@@ -225,7 +269,7 @@ def init_mesh(dp: int = 1, tp: int = 1, pp: int = 1, shard: int = 1) -> Layout:
     A torch ``DeviceMesh`` with dims named "pp", "dp", "shard", "tp" is accepted wherever this
     is. Degrees whose product is not the world size are refused before any communication."""
     world = dist.get_world_size() if dist.is_initialized() else None
-    if world is not None and dp * shard * tp * pp != world:
+    if world is not None and Grid(pp=pp, dp=dp, shard=shard, tp=tp).size != world:
         product = f"{dp} * {tp} * {pp}" + (f" * {shard}" if shard != 1 else "")
         raise ValueError(
             f"init_mesh: dp * tp * pp{' * shard' if shard != 1 else ''} = {product} = "

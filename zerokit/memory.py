@@ -80,7 +80,7 @@ def estimate(
     >>> estimate(7.5e9, "os", 64) == estimate(7_500_000_000, "os", 64)
     True
 
-    ``sharding_degree``: hybrid sharding (``dp_group``): the state is sharded over this many
+    ``sharding_degree``: hybrid sharding (a replica group): the state is sharded over this many
     ranks and replicated over ``world_size / sharding_degree``, so a rank holds what it would
     hold at a world of ``sharding_degree`` ranks.
 
@@ -88,15 +88,7 @@ def estimate(
     >>> round(e8.total / 1e9, 1), round(e2.total / 1e9, 1)
     (2.0, 8.0)
     """
-    if sharding_degree is not None:
-        if not isinstance(sharding_degree, int) or sharding_degree < 1:
-            raise ValueError(f"sharding_degree must be an integer >= 1, got {sharding_degree!r}")
-        if world_size % sharding_degree:
-            raise ValueError(
-                f"sharding_degree {sharding_degree} must divide world_size {world_size}"
-            )
-        if level not in ("ddp", "dp"):
-            world_size = sharding_degree  # what one rank holds does not depend on replicas
+    world_size = _hybrid_world(level, world_size, sharding_degree)
     level = _LEVEL_ALIASES.get(level, level)
     model_or_num_params = _model_or_count(model_or_num_params)
     if level not in ESTIMATE_LEVELS:
@@ -107,10 +99,10 @@ def estimate(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if mixed_precision is True and not paper:
         mixed_precision = MixedPrecision(param_dtype=torch.bfloat16)
+    full, shard = _full_and_shard_numel(
+        model_or_num_params, level, world_size, buffer_max_size, segment_size
+    )
     if isinstance(mixed_precision, MixedPrecision):
-        full, shard = _full_and_shard_numel(
-            model_or_num_params, level, world_size, buffer_max_size, segment_size
-        )
         if mixed_precision.param_dtype is not None:
             return _estimate_policy(mixed_precision, level, world_size, full, shard, optimizer)
         reduce = mixed_precision.gradient_reduce_dtype()
@@ -121,12 +113,26 @@ def estimate(
             grads = shard * world_size * reduce.itemsize + shard * 4  # trainable ones only
             return MemoryEstimate(full * 4, grads, shard * state)
         mixed_precision = False  # compute in the parameters' own dtype: nothing changes
-    param_bytes = grad_bytes = 2 if mixed_precision else 4
+    return _estimate_plain(level, full, shard, optimizer, bool(mixed_precision))
+
+
+def _hybrid_world(level: str, world_size: int, sharding_degree: int | None) -> int:
+    """The world a rank's holdings depend on: hybrid sharding holds what a world of
+    ``sharding_degree`` ranks would (replicas change nothing a rank holds)."""
+    if sharding_degree is None:
+        return world_size
+    if not isinstance(sharding_degree, int) or sharding_degree < 1:
+        raise ValueError(f"sharding_degree must be an integer >= 1, got {sharding_degree!r}")
+    if world_size % sharding_degree:
+        raise ValueError(f"sharding_degree {sharding_degree} must divide world_size {world_size}")
+    return world_size if level in ("ddp", "dp") else sharding_degree
+
+
+def _estimate_plain(level, full: int, shard: int, optimizer, mixed: bool) -> MemoryEstimate:
+    """Without a policy: fp32, or the ZeRO paper's mixed precision (fp16 gradients)."""
+    param_bytes = grad_bytes = 2 if mixed else 4
     # mixed precision keeps fp32 master weights in the optimizer: 4 bytes more per element
-    state_bytes = 4 * STATE_PER_PARAM[optimizer] + (4 if mixed_precision else 0)
-    full, shard = _full_and_shard_numel(
-        model_or_num_params, level, world_size, buffer_max_size, segment_size
-    )
+    state_bytes = 4 * STATE_PER_PARAM[optimizer] + (4 if mixed else 0)
     if level == "ddp":
         return MemoryEstimate(full * param_bytes, full * grad_bytes, full * state_bytes)
     if level == "os":

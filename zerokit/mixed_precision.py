@@ -75,6 +75,8 @@ class MixedPrecision:
 #: the precision names every entry point takes: group_sharded_parallel, ShardingConfig,
 #: load_config's files, Strategy, parallelize and the commands' --mixed-precision
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+#: Lightning's precision names (Trainer and Fabric) that zerokit honours, as ours (None: fp32)
+LIGHTNING_PRECISIONS = {"32-true": None, "16-mixed": "fp16", "bf16-mixed": "bf16"}
 
 
 def as_policy(value) -> MixedPrecision | None:

@@ -8,15 +8,17 @@ same ``ValueError`` on every rank instead of leaving ranks waiting in a collecti
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .api import group_sharded_parallel
+from .config import DEFAULT_LEVEL, ShardingConfig, knobs_of, merge_arguments
 from .core import as_optimizer_list
 from .core.optimizer_needs import needs_of, refuse_whole_on_slices
 from .layout import Layout, as_layout, init_mesh
-from .mixed_precision import as_policy
 from .plans import BUILT_IN
 from .strategy import Strategy
 from .tensor_parallel.apply_plan import apply_plan, no_such_module, resolve_plan
@@ -27,11 +29,13 @@ def parallelize(
     optimizer,
     mesh=None,
     plan: dict[str, str] | str | None = None,
-    level: str = "p_g_os",
+    level: str | int | None = None,
     split_points: list[str] | None = None,
     schedule: str = "1f1b",
     micro_batches: int = 1,
     strategy: Strategy | None = None,
+    *,
+    config: ShardingConfig | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Parallelize ``model`` and carry ``optimizer`` (built over its parameters; param groups
     and hyperparameters kept, no state yet) over to the result; returns both.
@@ -46,22 +50,26 @@ def parallelize(
             ``zerokit launch --strategy``), else data parallelism over the whole world.
         plan: ``{module name pattern: style}`` or a built-in name ("llama", "gpt2"); see
             ``zerokit.tensor_parallel.apply_plan``. Needed when tp > 1.
-        level: ZeRO level over dp: 'os', 'os_g' or 'p_g_os'.
+        level: ZeRO level over dp: 'os', 'os_g' or 'p_g_os' (or 1, 2, 3); None: the one in
+            ``config``, else ``zerokit.config.DEFAULT_LEVEL`` ('p_g_os').
         split_points: pp > 1: names of the modules where a new pipeline stage begins.
         schedule, micro_batches: the pipeline schedule and its micro-batches (pp > 1).
         strategy: a ``zerokit.Strategy``: its degrees build the mesh, and its level, schedule,
-            micro-batches, precision and recompute replace the arguments above (its plan,
-            when it names one, too).
+            micro-batches and recompute replace the arguments above (its plan, when it names
+            one, too); its other ZeRO knobs fill ``config``.
+        config: any ZeRO knob, a ``zerokit.ShardingConfig`` (``zerokit.load_config``'s); a
+            knob given both here and by the strategy or ``level``, differently, is refused.
     """
     if strategy is None and mesh is None:
         strategy = Strategy.from_env()
-    mixed_precision = recompute = None
+    recompute = False
     if strategy is not None:
         if mesh is not None:
             raise ValueError("pass a mesh or a strategy, not both: the strategy builds its mesh")
         plan = strategy.plan if strategy.plan is not None else plan
         level, schedule, micro_batches = strategy.level, strategy.schedule, strategy.micro_batches
-        mixed_precision, recompute = strategy.mixed_precision, strategy.recompute
+        recompute = strategy.recompute
+    config = _one_config(config, strategy, level)
     optimizers = as_optimizer_list(optimizer)
     degrees = _degrees(mesh, strategy)
     plan = _plan_of(plan, degrees["tp"])
@@ -87,12 +95,24 @@ def parallelize(
         local = resolve_plan(stage, plan, layout.tp_degree, partial=layout.pp_degree > 1)
         apply_plan(stage, local, layout)  # a split finds its tied copies by name: still found
     carried = [_carry_over(opt, stage, names) for opt, names in zip(optimizers, group_of)]
-    mp = as_policy(mixed_precision)
     model, carried, _ = group_sharded_parallel(
-        model, carried, level, group=layout.shard_group, dp_group=layout.replica_group,
-        mixed_precision=mp,
+        model, carried, config=config, shard_group=layout.shard_group,
+        replica_group=layout.replica_group,
     )  # fmt: skip
     return model, carried if isinstance(optimizer, (list, tuple)) else carried[0]
+
+
+def _one_config(config: ShardingConfig | None, strategy: Strategy | None, level) -> ShardingConfig:
+    """The ZeRO knobs of ``config``, the strategy (those it sets) and ``level``, merged (a knob
+    given twice, differently, is refused); no level anywhere: the strategy's, else
+    ``DEFAULT_LEVEL``. Checked here, before anything is built or communicated."""
+    knobs, fallback = {"level": level}, DEFAULT_LEVEL
+    if strategy is not None:  # its level replaces the argument
+        defaults = knobs_of(Strategy())
+        knobs = {k: v for k, v in knobs_of(strategy).items() if v != defaults[k]}
+        fallback = strategy.level
+    config = merge_arguments(config, **knobs)
+    return config if config.level is not None else replace(config, level=fallback)
 
 
 def _refuse_whole_on_planned_slices(model: nn.Module, planned: dict[str, str], optimizers) -> None:
@@ -117,8 +137,7 @@ def _degrees(mesh, strategy: Strategy | None) -> dict[str, int]:
     if mesh is None:
         return {"dp": world, "tp": 1, "pp": 1}
     if isinstance(mesh, Layout):
-        return {"dp": mesh.dp_degree * mesh.sharding_degree, "tp": mesh.tp_degree,
-                "pp": mesh.pp_degree}  # fmt: skip
+        return {"dp": mesh.data_parallel[0], "tp": mesh.tp_degree, "pp": mesh.pp_degree}
     names = list(getattr(mesh, "mesh_dim_names", None) or ())
     size = {n: mesh.size(i) for i, n in enumerate(names)}
     return {"dp": size.get("dp", 1) * size.get("shard", 1), "tp": size.get("tp", 1),

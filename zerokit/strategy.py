@@ -11,18 +11,19 @@ when given no mesh and no strategy) reads.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, fields
 
-from .mixed_precision import PRECISIONS
+from .config import DEFAULT_LEVEL, ShardingConfig, knobs_of, parse_level, read_table
 
 ENV = "ZEROKIT_STRATEGY"
 
 
 @dataclass(frozen=True, kw_only=True)
-class Strategy:
-    """Everything ``zerokit.parallelize`` needs besides the model and the optimizer."""
+class Strategy(ShardingConfig):
+    """Everything ``zerokit.parallelize`` needs besides the model and the optimizer: the
+    degrees and the pipeline below, and every ZeRO knob of ``ShardingConfig`` (its fields,
+    inherited: defined there once), with the level defaulting to ``DEFAULT_LEVEL``."""
 
     dp: int = 1
     """Data-parallel degree: model copies fed different batches; ZeRO shards across them."""
@@ -30,8 +31,9 @@ class Strategy:
     """Tensor-parallel degree: ranks splitting each planned layer (neighbouring ranks)."""
     pp: int = 1
     """Pipeline degree: stages, split at ``split_points`` (given to ``parallelize``)."""
-    level: str = "p_g_os"
-    """ZeRO level over dp: 'os' (stage 1), 'os_g' (stage 2) or 'p_g_os' (stage 3)."""
+    level: str | int = DEFAULT_LEVEL
+    """ZeRO level over dp: 'os' (stage 1), 'os_g' (stage 2) or 'p_g_os' (stage 3), or the
+    stage number 1, 2, 3 (held as the name)."""
     micro_batches: int = 1
     """Micro-batches per step of the pipeline schedule (pp > 1)."""
     schedule: str = "1f1b"
@@ -39,8 +41,6 @@ class Strategy:
     plan: str | dict | None = None
     """Tensor-parallel plan: a built-in name ("llama", "gpt2") or ``{module pattern: style}``;
     None with tp > 1 is refused by ``parallelize`` unless a plan is passed to it."""
-    mixed_precision: str | None = None
-    """None (the parameters' dtype), "bf16" or "fp16": the compute dtype, fp32 masters."""
     recompute: bool = False
     """Recompute activations in backward (Hugging Face models' gradient checkpointing)."""
 
@@ -49,17 +49,20 @@ class Strategy:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Strategy.{name} must be an integer >= 1, got {value!r}")
-        from .api import LEVELS
-
-        if self.level not in LEVELS:
-            raise ValueError(f"Strategy.level must be one of {LEVELS}, got {self.level!r}")
-        if self.mixed_precision is not None and self.mixed_precision not in PRECISIONS:
+        try:
+            parse_level(self.level)
+        except ValueError:
             raise ValueError(
-                f"Strategy.mixed_precision must be None or one of {tuple(PRECISIONS)}, got "
-                f"{self.mixed_precision!r}"
-            )
+                f"Strategy.level must be one of 'os', 'os_g', 'p_g_os' or a stage number 1, 2, "
+                f"3; got {self.level!r}"
+            ) from None
+        super().__post_init__()  # the ZeRO knobs, checked as ShardingConfig checks them
         if not (self.plan is None or isinstance(self.plan, (str, dict))):
             raise ValueError(f"Strategy.plan must be a name or a dict, got {self.plan!r}")
+
+    def sharding(self) -> ShardingConfig:
+        """The ZeRO knobs of this strategy, as the ``ShardingConfig`` they are."""
+        return ShardingConfig(**knobs_of(self))
 
     @property
     def world_size(self) -> int:
@@ -78,30 +81,8 @@ class Strategy:
     def load(cls, path: str) -> Strategy:
         """Read a strategy from a ``.toml``, ``.json`` or ``.yaml``/``.yml`` file (its keys are
         the fields; unknown keys are refused)."""
-        ext = os.path.splitext(path)[1].lower()
-        if ext == ".toml":
-            import tomllib
-
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        elif ext == ".json":
-            with open(path) as f:
-                data = json.load(f)
-        elif ext in (".yaml", ".yml"):
-            try:
-                import yaml
-            except ImportError:
-                raise ImportError(
-                    f"{path}: reading YAML needs PyYAML (pip install pyyaml); or write the "
-                    "strategy as TOML or JSON"
-                ) from None
-            with open(path) as f:
-                data = yaml.safe_load(f)
-        else:
-            raise ValueError(f"{path}: a strategy file ends in .toml, .json, .yaml or .yml")
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: a strategy file holds a table of fields, got {data!r}")
-        known = {f.name for f in fields(cls)}
+        data = read_table(path, "strategy", otherwise_json=False)
+        known = {f.name for f in fields(cls) if f.metadata.get("in_files", True)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(

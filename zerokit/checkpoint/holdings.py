@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -131,23 +132,80 @@ def collect(
 ) -> Holdings:
     """This rank's holdings. Cheap: views only, nothing copied or gathered."""
     pipe = _pipeline_of(model)
-    checkpoint_names = pipe.checkpoint_names() if pipe is not None else {}
     if pipe is not None:
         model = pipe.stage
+    place = _place(model, pipe)
+    h = Holdings()
+    h.layout = _layout_record(place)
+    if pipe is not None:
+        h.layout["pp_degree"] = pipe.num_stages
+        h.pipeline = {
+            "stage": pipe.stage_id,
+            "stages": pipe.num_stages,
+            "bounds": list(pipe.bounds),
+        }
+    names, params = {}, {}  # id(parameter) -> its first name, the parameter
+    for name, p in model.named_parameters(remove_duplicate=False):
+        name = place.global_name(name)
+        if id(p) in names:
+            h.aliases[name] = names[id(p)]
+        else:
+            names[id(p)], params[id(p)] = name, p
+    owner = {}  # id(tensor the optimizer steps) -> the parameter chunk it is
+    sharded = _collect_pieces(h, place, names, owner)
+    _collect_whole(h, place, names, params, sharded, owner)
+    _collect_buffers(h, place, model)
+    if optimizer is not None:
+        _collect_optimizer(h, optimizer, owner, names)
+    h.model_config = model_config(model)
+    return h
 
-    def global_name(name: str) -> str:  # a compiled module's "_orig_mod." never shows
-        return checkpoint_names[name][0] if pipe is not None else plain_name(name)
 
-    written = dict(checkpoint_names.values())  # global name -> whether this stage writes it
+@dataclass
+class _Place:
+    """Where this rank stands: its stage's names, its tp slice, its place in the shard and
+    replica groups; what it writes follows from these."""
 
-    def writes(name: str) -> bool:  # False: another stage writes this tensor (a shared layer)
-        return written[name] if pipe is not None else True
+    pipe: Any
+    checkpoint_names: dict  # a stage's name -> (global name, whether this stage writes it)
+    written: dict  # global name -> whether this stage writes it (a shared layer: one stage)
+    state: Any  # the model's ShardState, None for a bare model
+    split_of: dict
+    local: dict  # rank-local parameters
+    tp_layout: Any
+    tp_rank: int
+    group_rank: int
+    group_size: int
+    replica_rank: int
 
+    def global_name(self, name: str) -> str:  # a compiled module's "_orig_mod." never shows
+        return self.checkpoint_names[name][0] if self.pipe is not None else plain_name(name)
+
+    def writes(self, name: str) -> bool:  # False: another stage writes this tensor (shared)
+        return self.written[name] if self.pipe is not None else True
+
+    def meta_of(self, p: torch.Tensor, local_shape, dtype=None) -> TensorMeta:
+        if id(p) in self.local:  # rank-local: this rank's part of its layer's split
+            d, shape = self.local[id(p)], list(local_shape)
+            shape[d.split.dim] = d.split.full_size
+            return TensorMeta(tuple(shape), dtype or p.dtype, d.split, d.split_rank)
+        layer_split = self.split_of.get(id(p))
+        split = layer_split[1] if layer_split else None
+        shape = list(local_shape)
+        if split is not None:
+            shape[split.dim] = split.full_size
+        return TensorMeta(tuple(shape), dtype or p.dtype, split, self.tp_rank if split else 0)
+
+    def is_primary(self, name: str, meta: TensorMeta, whole: bool) -> bool:
+        replicated_copy = (meta.split is None and self.tp_rank != 0) or self.replica_rank != 0
+        return self.writes(name) and not replicated_copy and (self.group_rank == 0 or not whole)
+
+
+def _place(model: nn.Module, pipe) -> _Place:
     state = state_of(model)
     split_of = tensor_parallel_params(model)
     local = _rank_local(model, split_of, pipe is not None)
     tp_layout = next((layer.layout for layer, _ in split_of.values()), None)
-    tp_rank = tp_layout.tp_rank if tp_layout else 0
     if state is not None:
         group_rank, group_size = state.process_group.rank(), state.process_group.size()
         # hybrid sharding: every replica holds the same shards; replica 0 writes them
@@ -161,92 +219,79 @@ def collect(
             in_stage = dist.get_rank() % (dist.get_world_size() // pipe.num_stages)
             group_rank = in_stage // (tp_layout.tp_degree if tp_layout else 1)
         group_size = 1
-    h = Holdings()
-    h.layout = {
+    names = pipe.checkpoint_names() if pipe is not None else {}
+    return _Place(
+        pipe, names, dict(names.values()), state, split_of, local,
+        tp_layout, tp_layout.tp_rank if tp_layout else 0, group_rank, group_size, replica_rank,
+    )  # fmt: skip
+
+
+def _layout_record(place: _Place) -> dict:
+    state, tp_layout = place.state, place.tp_layout
+    return {
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "level": state.level if state else None,
         "dp_degree": tp_layout.dp_degree if tp_layout else None,
         "tp_degree": tp_layout.tp_degree if tp_layout else 1,
-        "zero_group_size": group_size,
+        "zero_group_size": place.group_size,
         "replicas": state.replica_group.size() if state and state.replica_group else 1,
     }
-    if pipe is not None:
-        h.layout["pp_degree"] = pipe.num_stages
-        h.pipeline = {
-            "stage": pipe.stage_id,
-            "stages": pipe.num_stages,
-            "bounds": list(pipe.bounds),
-        }
 
-    names, params = {}, {}  # id(parameter) -> its first name, the parameter
-    for name, p in model.named_parameters(remove_duplicate=False):
-        name = global_name(name)
-        if id(p) in names:
-            h.aliases[name] = names[id(p)]
-        else:
-            names[id(p)], params[id(p)] = name, p
 
-    def meta_of(p: torch.Tensor, local_shape, dtype=None) -> TensorMeta:
-        if id(p) in local:  # rank-local: this rank's part of its layer's split
-            d, shape = local[id(p)], list(local_shape)
-            shape[d.split.dim] = d.split.full_size
-            return TensorMeta(tuple(shape), dtype or p.dtype, d.split, d.split_rank)
-        layer_split = split_of.get(id(p))
-        split = layer_split[1] if layer_split else None
-        shape = list(local_shape)
-        if split is not None:
-            shape[split.dim] = split.full_size
-        return TensorMeta(tuple(shape), dtype or p.dtype, split, tp_rank if split else 0)
-
-    def is_primary(name: str, meta: TensorMeta, whole: bool) -> bool:
-        replicated_copy = (meta.split is None and tp_rank != 0) or replica_rank != 0
-        return writes(name) and not replicated_copy and (group_rank == 0 or not whole)
-
-    # Trainable parameters under ZeRO: this rank's pieces of the flat buckets.
+def _collect_pieces(h: Holdings, place: _Place, names: dict, owner: dict) -> set[int]:
+    """Trainable parameters under ZeRO: this rank's pieces of the flat buckets. Returns the
+    ids of the parameters held in buckets."""
     sharded = set()
-    owner = {}  # id(tensor the optimizer steps) -> the parameter chunk it is
-    if state is not None:
-        for bucket in state.buckets:
-            for piece, view in zip(bucket.pieces, bucket.param_pieces):
-                p = bucket.params[piece.slot]
-                name = names[id(p)]
-                # the fp32 master under mixed precision, whatever the compute copy's dtype
-                meta = meta_of(p, bucket.layout.slots[piece.slot].shape, bucket.layout.dtype)
-                h.metas[name] = meta
-                # 1-D, also where the piece is shaped like its parameter (owned whole: Muon)
-                flat = view.view(-1)
-                chunk = Chunk(name, piece.start, flat, is_primary(name, meta, whole=False))
-                h.chunks.append(chunk)
-                owner[id(view)] = chunk
-            for i, p in enumerate(bucket.params):  # a rank may hold no piece of a parameter
-                h.metas.setdefault(
-                    names[id(p)], meta_of(p, bucket.layout.slots[i].shape, bucket.layout.dtype)
-                )
-                sharded.add(id(p))
-    # Everything else whole: frozen (or unwrapped) parameters and persistent buffers.
+    if place.state is None:
+        return sharded
+    for bucket in place.state.buckets:
+        for piece, view in zip(bucket.pieces, bucket.param_pieces):
+            p = bucket.params[piece.slot]
+            name = names[id(p)]
+            # the fp32 master under mixed precision, whatever the compute copy's dtype
+            meta = place.meta_of(p, bucket.layout.slots[piece.slot].shape, bucket.layout.dtype)
+            h.metas[name] = meta
+            # 1-D, also where the piece is shaped like its parameter (owned whole: Muon)
+            flat = view.view(-1)
+            chunk = Chunk(name, piece.start, flat, place.is_primary(name, meta, whole=False))
+            h.chunks.append(chunk)
+            owner[id(view)] = chunk
+        for i, p in enumerate(bucket.params):  # a rank may hold no piece of a parameter
+            h.metas.setdefault(
+                names[id(p)], place.meta_of(p, bucket.layout.slots[i].shape, bucket.layout.dtype)
+            )
+            sharded.add(id(p))
+    return sharded
+
+
+def _collect_whole(h: Holdings, place: _Place, names, params, sharded, owner) -> None:
+    """Everything else whole: frozen (or unwrapped) parameters."""
     for p_id, name in names.items():
         if p_id not in sharded:
             p = params[p_id]
-            meta = meta_of(p, p.shape)
+            meta = place.meta_of(p, p.shape)
             h.metas[name] = meta
             # a rank-local part is on this rank alone: it writes it
-            primary = writes(name) if p_id in local else is_primary(name, meta, whole=True)
+            if p_id in place.local:
+                primary = place.writes(name)
+            else:
+                primary = place.is_primary(name, meta, whole=True)
             chunk = Chunk(name, 0, p.detach().view(-1), primary)
             h.chunks.append(chunk)
             owner[id(p)] = chunk
+
+
+def _collect_buffers(h: Holdings, place: _Place, model: nn.Module) -> None:
+    """Persistent buffers, whole."""
     for prefix, module in model.named_modules():
         for bname, buf in module._buffers.items():
             if buf is None or bname in module._non_persistent_buffers_set:
                 continue
-            name = global_name(f"{prefix}.{bname}" if prefix else bname)
+            name = place.global_name(f"{prefix}.{bname}" if prefix else bname)
             meta = TensorMeta(tuple(buf.shape), buf.dtype, None, 0)
             h.metas[name] = meta
-            h.chunks.append(Chunk(name, 0, buf.view(-1), is_primary(name, meta, whole=True)))
-
-    if optimizer is not None:
-        _collect_optimizer(h, optimizer, owner, names)
-    h.model_config = model_config(model)
-    return h
+            primary = place.is_primary(name, meta, whole=True)
+            h.chunks.append(Chunk(name, 0, buf.view(-1), primary))
 
 
 def model_config(model: nn.Module) -> dict[str, str]:

@@ -132,12 +132,47 @@ def build(
         and any(True for _ in m.parameters())
     ]
     _cast_frozen_params(model, mp.param_dtype, keep=full_precision)
-    reduce_dtype = mp.gradient_reduce_dtype()  # None: the parameters' own dtype
     replicas = opts.replica_group
     strategy = opts.strategy
-    reduction = strategy.reduction(group, replicas)
     device = next((p.device for plan in plans for _, p in plan.params), _CPU)
     staging = StagingPool(device)
+    groups, root, units = _build_groups(model, plans, opts, staging)
+    checks.remember_wrapped(model.parameters())
+    state = ShardState(
+        model,
+        strategy.name,
+        group,
+        groups,
+        root,
+        staging,
+        strategy.params(groups, sync_comm=opts.sync_comm, debug_agreement=opts.debug_agreement),
+        tp_group=opts.tp_group,
+        replica_group=replicas,
+        sync_comm=opts.sync_comm,
+        frozen=[(n, p) for n, p in model.named_parameters() if not p.requires_grad],
+    )
+    convert_module_(model, state)
+    register_hooks(
+        model,
+        state,
+        units,
+        policy=mp,
+        full_precision=[(m, next(m.parameters()).dtype) for m in full_precision],
+        sync_buffers=opts.sync_buffers,
+        outer=opts.outer if opts.outer is not None else model,
+    )
+    state.params.after_wrap(state)  # stage 3: gathers the units kept whole
+    for optimizer in optimizers:
+        shard_optimizer_(optimizer, state)
+    return state
+
+
+def _build_groups(model: nn.Module, plans: list[UnitPlan], opts: CoreOptions, staging):
+    """One ``ShardGroup`` per unit (its buckets, its gradients), the root unit's, and the
+    (module, index) of every other unit, for the hooks."""
+    mp, group, strategy = opts.mixed_precision, opts.group, opts.strategy
+    reduce_dtype = mp.gradient_reduce_dtype()  # None: the parameters' own dtype
+    reduction = strategy.reduction(group, opts.replica_group)
     groups, root, units = [], None, []
     for plan, layouts in plan_groups(plans, group.size(), opts.buffer_max_size, needs=opts.needs):
         buckets = [
@@ -171,34 +206,7 @@ def build(
         else:
             units.append((plan.module, len(groups)))
         groups.append(shard_group)
-    checks.remember_wrapped(model.parameters())
-    state = ShardState(
-        model,
-        strategy.name,
-        group,
-        groups,
-        root,
-        staging,
-        strategy.params(groups, sync_comm=opts.sync_comm, debug_agreement=opts.debug_agreement),
-        tp_group=opts.tp_group,
-        replica_group=replicas,
-        sync_comm=opts.sync_comm,
-        frozen=[(n, p) for n, p in model.named_parameters() if not p.requires_grad],
-    )
-    convert_module_(model, state)
-    register_hooks(
-        model,
-        state,
-        units,
-        policy=mp,
-        full_precision=[(m, next(m.parameters()).dtype) for m in full_precision],
-        sync_buffers=opts.sync_buffers,
-        outer=opts.outer if opts.outer is not None else model,
-    )
-    state.params.after_wrap(state)  # stage 3: gathers the units kept whole
-    for optimizer in optimizers:
-        shard_optimizer_(optimizer, state)
-    return state
+    return groups, root, units
 
 
 def _initial_shard(opts: CoreOptions, plan: UnitPlan, layout) -> torch.Tensor | None:

@@ -4,31 +4,23 @@ Lightning base and calls these."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from ..api import LEVELS
 from ..checkpoint.reading import CheckpointReader
-from ..config import resolve_level
-from ..mixed_precision import MixedPrecision, as_policy
+from ..config import DEFAULT_LEVEL, ShardingConfig, knob_names, merge_arguments, parse_level
+from ..mixed_precision import LIGHTNING_PRECISIONS, MixedPrecision, as_policy
 from ..scaler import ShardedGradScaler
 
-PRECISIONS = {"32-true": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
-# group_sharded_parallel's knobs a strategy may pass on (the rest it decides itself)
-SHARDING_OPTIONS = {
-    "buffer_max_size",
-    "segment_size",
-    "sync_comm",
-    "sync_buffers",
-    "offload",
-    "exclude_layer",
-    "step_in_backward",
-}
+# group_sharded_parallel's knobs a strategy passes on: every ShardingConfig field but the two
+# it takes as arguments of its own (a new field is taken at once)
+SHARDING_OPTIONS = set(knob_names()) - {"level", "mixed_precision"}
 # registered name -> level, in Lightning's Trainer and Fabric registries alike
 NAMES = {
-    "zerokit": "p_g_os",
+    "zerokit": DEFAULT_LEVEL,
     "zerokit_os": "os",
     "zerokit_os_g": "os_g",
     "zerokit_p_g_os": "p_g_os",
@@ -43,18 +35,21 @@ def check_options(
     if unknown:
         raise TypeError(
             f"{who} got unknown option(s) {unknown}; it takes level, mixed_precision, config "
-            f"and the group_sharded_parallel options {sorted(SHARDING_OPTIONS)}"
+            f"and the ShardingConfig fields {sorted(SHARDING_OPTIONS)}"
         )
-    level = resolve_level(level)
-    if level not in LEVELS:
-        raise ValueError(f"unknown level {level!r}; valid levels: {LEVELS} or 1, 2, 3")
     as_policy(mixed_precision)  # a policy, a name as group_sharded_parallel takes, or None
-    return level
+    return parse_level(level)
+
+
+def sharding_config(config: ShardingConfig | None, sharding: dict[str, Any]) -> ShardingConfig:
+    """``config`` with the strategy's keyword arguments (``ShardingConfig`` fields) filled in,
+    checked now, at the strategy's construction, not when the model is wrapped."""
+    return merge_arguments(config, **sharding)
 
 
 def check_precision(who: str, precision: str, scaler: Any) -> ShardedGradScaler | None:
     """A Lightning precision name zerokit honours; returns the loss scaler it needs."""
-    if precision not in PRECISIONS:
+    if precision not in LIGHTNING_PRECISIONS:
         raise ValueError(
             f"{who} supports precision '32-true', '16-mixed' or 'bf16-mixed', not "
             f"{precision!r}: zerokit keeps fp32 master shards and computes in the low dtype"
@@ -71,16 +66,16 @@ def check_precision(who: str, precision: str, scaler: Any) -> ShardedGradScaler 
 def precision_policy(precision: str, mixed_precision: MixedPrecision | None, who: str):
     """The ``MixedPrecision`` a precision name means (no autocast: zerokit casts at module
     boundaries, keeps fp32 master shards, returns the loss in fp32), or the strategy's own."""
-    dtype = PRECISIONS[precision]
+    ours = LIGHTNING_PRECISIONS[precision]
     mixed_precision = as_policy(mixed_precision)  # a name ("bf16") as its policy
-    if dtype is None:
+    if ours is None:
         return mixed_precision
     if mixed_precision is not None:
         raise ValueError(
             f"{who}(mixed_precision=...) and precision={precision!r} both choose a precision; "
             "pass only one"
         )
-    return MixedPrecision(param_dtype=dtype, output_dtype=torch.float32)
+    return replace(as_policy(ours), output_dtype=torch.float32)
 
 
 def refuse_precision(who: str, plugin: Any) -> ValueError:

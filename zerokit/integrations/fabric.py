@@ -44,7 +44,7 @@ from torch import nn
 from .. import checkpoint as zk_checkpoint
 from ..api import group_sharded_parallel
 from ..clip import clip_grad_norm_
-from ..config import ShardingConfig
+from ..config import DEFAULT_LEVEL, ShardingConfig
 from ..core.module import ShardedModule, broadcast_module_state
 from ..mixed_precision import MixedPrecision
 from . import _lightning_common as common
@@ -114,12 +114,12 @@ class ZeroKitFabricStrategy(DDPStrategy):
 
     Args: as ``zerokit.integrations.lightning.ZeroKitStrategy``'s (``level``,
     ``mixed_precision``, ``config``, ``process_group_backend``, ``timeout`` and the
-    ``group_sharded_parallel`` options).
+    ``ShardingConfig`` fields as keyword arguments).
     """
 
     def __init__(
         self,
-        level: str | int = "p_g_os",
+        level: str | int = DEFAULT_LEVEL,
         mixed_precision: MixedPrecision | None = None,
         config: ShardingConfig | None = None,
         process_group_backend: str | None = None,
@@ -146,8 +146,7 @@ class ZeroKitFabricStrategy(DDPStrategy):
         )
         self.level = level
         self.mixed_precision = mixed_precision
-        self.config = config
-        self._sharding = sharding
+        self.config = common.sharding_config(config, sharding)
         self._backward_sync_control = _NoSync()
 
     @property
@@ -178,7 +177,6 @@ class ZeroKitFabricStrategy(DDPStrategy):
             scaler=plugin.scaler,
             mixed_precision=common.precision_policy(plugin.precision, self.mixed_precision, WHO),
             config=self.config,
-            **self._sharding,
         )
         return module, optimizers, scheduler
 

@@ -64,7 +64,7 @@ from ..checkpoint.holdings import OPTIM_PREFIX
 from ..checkpoint.lightning_file import EXTRA_PREFIX
 from ..checkpoint.reading import CheckpointReader
 from ..clip import clip_grad_norm_
-from ..config import ShardingConfig
+from ..config import DEFAULT_LEVEL, ShardingConfig
 from ..core.module import broadcast_module_state
 from ..core.state import state_of
 from ..mixed_precision import MixedPrecision
@@ -165,16 +165,15 @@ class ZeroKitStrategy(DDPStrategy):
             (the Trainer's ``"bf16-mixed"``/``"16-mixed"`` choose one themselves).
         config: a ``zerokit.ShardingConfig``.
         process_group_backend, timeout: as for Lightning's ``DDPStrategy``.
-        **sharding: more ``group_sharded_parallel`` options: ``buffer_max_size``,
-            ``segment_size``, ``sync_comm``, ``sync_buffers``, ``offload``, ``exclude_layer``,
-            ``step_in_backward``.
+        **sharding: any other ``ShardingConfig`` field (``buffer_max_size``, ``offload``,
+            ``step_in_backward``, ...), filling ``config``.
     """
 
     strategy_name = "zerokit"
 
     def __init__(
         self,
-        level: str | int = "p_g_os",
+        level: str | int = DEFAULT_LEVEL,
         mixed_precision: MixedPrecision | None = None,
         config: ShardingConfig | None = None,
         process_group_backend: str | None = None,
@@ -201,8 +200,7 @@ class ZeroKitStrategy(DDPStrategy):
         )
         self.level = level
         self.mixed_precision = mixed_precision
-        self.config = config
-        self._sharding = sharding
+        self.config = common.sharding_config(config, sharding)
         self._root: _Root | None = None  # set once the LightningModule is wrapped
 
     # -- what Lightning configures -------------------------------------------------------
@@ -265,7 +263,6 @@ class ZeroKitStrategy(DDPStrategy):
             scaler=plugin.scaler,
             mixed_precision=policy,
             config=self.config,
-            **self._sharding,
         )
         plugin.model, plugin.scaler = root, scaler
         # the user's module holds the root's parameters under its names: its own state_dict()
