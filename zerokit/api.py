@@ -32,7 +32,7 @@ from .config import (
     resolve_level,
 )
 from .core import checks
-from .core.build import CoreOptions, LevelPlan, build
+from .core.build import CoreOptions, LevelRules, build
 from .core.compiled import unwrap_compiled
 from .core.optimizer_needs import check_optimizer, needs_of, refuse_whole_on_slices
 from .core.stand_in import is_stand_in
@@ -196,7 +196,7 @@ def group_sharded_parallel(
         },
         [group] + ([dp_group] if dp_group is not None else []),
     )
-    strategy = LevelPlan.decode(level)  # the level decoded, once
+    strategy = LevelRules.decode(level)  # the level decoded, once
     strategy.check(step_in_backward=step_in_backward, exclude_layer=exclude_layer)
     scaler = _sharded_scaler(scaler)
     if step_in_backward and scaler is not None and scaler.is_enabled():

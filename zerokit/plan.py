@@ -30,7 +30,7 @@ from torch import nn
 
 from .api import LEVELS
 from .config import ShardingConfig
-from .core.layout import BucketLayout
+from .core.bucket_layout import BucketLayout
 from .core.optimizer_needs import needs_of
 from .core.stand_in import Call
 from .core.units import UnitPlan, plan_groups, plan_units

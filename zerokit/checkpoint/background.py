@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.agreement import alive
-from ..core.timeouts import collective_timeout
+from ..runtime.timeouts import collective_timeout
 from .holdings import Chunk
 from .index import CheckpointError
 from .places import LOCK_SUFFIX, remove

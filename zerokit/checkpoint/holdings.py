@@ -368,7 +368,7 @@ def quantized_names(key: str, param: str) -> dict[str, str]:
 
 def _collect_quantized(h: Holdings, chunk: Chunk, key_tensor, key: str, value) -> None:
     """Note: saved exactly, as its codes (their bytes) and scales: a piece starts on a block
-    (``core/layout.place_owners``), so its codes and scales are slices of the ones one process
+    (``core/bucket_layout.place_owners``), so its codes and scales are slices of the ones one process
     holds for the whole parameter, and a load at any world size cuts them again."""
     meta = h.metas[chunk.name]
     block = value.block_size

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core.state import state_of
-from ..core.teardown import hand
+from ..runtime.teardown import hand
 from ..tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 

@@ -30,9 +30,9 @@ from torch import nn
 
 from ..clip import clip_grad_norm_
 from ..core.state import state_of
-from ..core.teardown import hand
 from ..grad_scope import GradScope
 from ..layout import Layout, as_layout
+from ..runtime.teardown import hand
 from ..scaler import ShardedGradScaler, agree_found_inf
 from ..tensor_parallel.layers import tp_group_of
 from .describe import LayerDesc, SharedLayerDesc

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from ..core.checks import is_distributed
-from ..core.teardown import hand, hand_all
+from ..runtime.teardown import hand, hand_all
 from .mappings import gather_from_sequence_parallel_region
 from .topology import TPSplit
 
