@@ -31,13 +31,22 @@ from .config import (
     merge_arguments,
     resolve_level,
 )
-from .core import checks
-from .core.build import CoreOptions, LevelRules, build
-from .core.compiled import unwrap_compiled
-from .core.optimizer_needs import check_optimizer, needs_of, refuse_whole_on_slices
-from .core.stand_in import is_stand_in
-from .core.state import state_of
-from .core.units import plan_units
+from .core import (
+    CoreOptions,
+    LevelRules,
+    agree_arguments,
+    build,
+    check_dense_gradients,
+    check_not_wrapped,
+    check_optimizer,
+    is_stand_in,
+    layout_summary,
+    needs_of,
+    plan_units,
+    refuse_whole_on_slices,
+    state_of,
+    unwrap_compiled,
+)
 from .memory import format_bytes, measure
 from .meta_init import materialize, on_meta
 from .mixed_precision import MixedPrecision
@@ -154,7 +163,7 @@ def group_sharded_parallel(
         _check_member(dp_group, "dp_group")
     optimizers = _optimizer_list(optimizer)
     for opt in optimizers:
-        checks.check_not_wrapped(model, opt)
+        check_not_wrapped(model, opt)
     meta = on_meta(model)
     if init_fn is not None and not meta:
         raise ValueError(
@@ -165,7 +174,7 @@ def group_sharded_parallel(
     _check_group_spans_no_tp_pair(model, group)
     # Every rank compares what it was given before anything else: a rank whose arguments or
     # model differ makes the same error on every rank, never a hang or an abort inside gloo.
-    checks.agree(
+    agree_arguments(
         {
             "level": level,
             "scaler": type(scaler).__name__,
@@ -179,7 +188,7 @@ def group_sharded_parallel(
             "mixed_precision": repr(mixed_precision),
             "step_in_backward": step_in_backward,
             "built on meta": meta,
-            "parameters": checks.layout_summary(model),
+            "parameters": layout_summary(model),
             "optimizer": [
                 (type(opt).__name__, [len(g["params"]) for g in opt.param_groups])
                 for opt in optimizers
@@ -215,7 +224,7 @@ def group_sharded_parallel(
             elementwise=config.elementwise_optimizer,
             whole=config.whole_parameter_optimizer,
         )
-    checks.check_dense_gradients(model)
+    check_dense_gradients(model)
     if dp_group is not None:
         _check_group_spans_no_tp_pair(model, dp_group)
         _check_orthogonal(group, dp_group)

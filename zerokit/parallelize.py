@@ -13,8 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .api import group_sharded_parallel
-from .core import as_optimizer_list
-from .core.optimizer_needs import needs_of, refuse_whole_on_slices
+from .core import as_optimizer_list, needs_of, refuse_whole_on_slices
 from .layout import Layout, as_layout, init_mesh
 from .mixed_precision import as_policy
 from .plans import BUILT_IN

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.agreement import alive
+from ..core import alive
 from ..runtime.timeouts import collective_timeout
 from .holdings import Chunk
 from .index import CheckpointError

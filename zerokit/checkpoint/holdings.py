@@ -23,9 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core import as_optimizer_list, optimizer_params_of
-from ..core.compiled import plain_name
-from ..core.state import state_of
+from ..core import as_optimizer_list, optimizer_params_of, plain_name, state_of
 from ..tensor_parallel.gather_batch import distributed_params
 from ..tensor_parallel.layers import tensor_parallel_params
 from ..tensor_parallel.topology import TPSplit

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..clip import clip_grad_norm_
-from ..core.state import state_of
+from ..core import state_of
 from ..grad_scope import GradScope
 from ..layout import Layout, as_layout
 from ..runtime.teardown import hand
