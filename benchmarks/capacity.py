@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from step_time import STEP_IN_BACKWARD, build, train_step  # the step-time benchmark's runners
 
-from zerokit.core.state import state_of
+from zerokit.core import state_of
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
 
 RUNNERS = ("ddp", "zero_redundancy", "fsdp2", "os", "os_g", "p_g_os", *STEP_IN_BACKWARD)

@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sync_points import SyncPoints, describe
 
 import zerokit
-from zerokit.core.state import state_of
+from zerokit.core import state_of
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
 
 LEVELS = ("os", "os_g", "p_g_os")

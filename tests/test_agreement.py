@@ -12,15 +12,8 @@ from dist_helpers import run_distributed
 from torch import nn
 
 from zerokit import checkpoint
-from zerokit.core.agreement import (
-    AgreementError,
-    CollectiveTimeout,
-    agree,
-    agree_all,
-    alive,
-    collective_timeout,
-    gather,
-)
+from zerokit.core.agreement import agree, agree_all, alive, gather
+from zerokit.runtime.timeouts import AgreementError, CollectiveTimeout, collective_timeout
 
 
 def test_the_timeout_comes_from_the_argument_then_the_environment(monkeypatch):

@@ -315,7 +315,7 @@ def test_a_rank_that_finished_exits_zero_twenty_times(tmp_path):
     # process group, alive into interpreter shutdown), then about 1 in 10 (gloo's worker
     # dropping a finished collective's tensors while the interpreter finalized), then 1 in 40
     # to 150 (the worker still deallocating one after its death was recorded), then 1 in 20 on
-    # a loaded machine (the worker dropping the user's own all_reduce's tensor): core/teardown.py.
+    # a loaded machine (the worker dropping the user's own all_reduce's tensor): runtime/teardown.py.
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for run in range(20):
         level = ("os", "os_g", "p_g_os")[run % 3]

@@ -145,7 +145,7 @@ EXIT_SCRIPT = textwrap.dedent(
 def test_a_script_that_ends_after_a_checkpoint_exits_zero_twenty_times(tmp_path):
     # The end of the script right after checkpoint.load's last broadcast: gloo's worker still
     # held that work when the interpreter began to finalize and aborted the process about one
-    # run in ten ("terminate called without an active exception", core/teardown.py), then one in
+    # run in ten ("terminate called without an active exception", runtime/teardown.py), then one in
     # 40 to 150 while the exit watched the handed tensors' deaths (deallocated by the worker).
     script = tmp_path / "train.py"
     script.write_text(EXIT_SCRIPT)

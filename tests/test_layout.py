@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from zerokit.core.layout import ParamSpec, plan_buckets
+from zerokit.core.bucket_layout import ParamSpec, plan_buckets
 
 F32, BF16, CPU = torch.float32, torch.bfloat16, torch.device("cpu")
 

@@ -146,7 +146,7 @@ def _level_tests(source: str) -> list[int]:
 
 
 def test_the_core_decodes_the_level_in_one_place():
-    """Only ``core/build.py`` (``LevelPlan.decode``) asks which level it is; the rest of the core
+    """Only ``core/build.py`` (``LevelRules.decode``) asks which level it is; the rest of the core
     holds the objects it chose (gradients full or sharded, parameters whole or stage 3's)."""
     import pathlib
 

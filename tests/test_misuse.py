@@ -14,7 +14,7 @@ from torch import nn
 
 import zerokit
 from zerokit import ShardingConfig
-from zerokit.core.agreement import AgreementError, CollectiveTimeout
+from zerokit.runtime.timeouts import AgreementError, CollectiveTimeout
 
 
 def _wrap(level="os", model=None, opt=None, **kwargs):

@@ -32,7 +32,7 @@ from dist_helpers import run_distributed
 from models import MatrixNet, global_batches, local_slice, loss_fn, make_optimizers
 
 import zerokit
-from zerokit.core.layout import ParamSpec, plan_buckets
+from zerokit.core.bucket_layout import ParamSpec, plan_buckets
 from zerokit.core.optimizer_needs import muon_cost
 from zerokit.core.state import state_of
 from zerokit.plan_optimizers import newton_schulz_fp32

@@ -27,8 +27,8 @@ from torch.utils.checkpoint import checkpoint
 import zerokit
 from zerokit.core.flat_param import Storage
 from zerokit.core.state import state_of
-from zerokit.core.timeouts import CollectiveTimeout
 from zerokit.models.gpt import GPT, Block, GPTConfig
+from zerokit.runtime.timeouts import CollectiveTimeout
 
 ATOL = 2e-5
 CFG = GPTConfig(vocab_size=VOCAB, block_size=8, n_layer=3, n_head=2, n_embd=8)

@@ -5,8 +5,8 @@ import weakref
 
 import torch
 
-from zerokit.core import teardown
 from zerokit.core.staging import StagingPool
+from zerokit.runtime import teardown
 
 F32 = torch.float32
 

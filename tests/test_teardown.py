@@ -1,4 +1,4 @@
-"""core/teardown.py: what gloo's worker is left to release when a collective is over.
+"""runtime/teardown.py: what gloo's worker is left to release when a collective is over.
 
 The worker drops a finished collective's tensors a moment after ``wait()`` returned, under the
 GIL. If its drop is the last reference, it also deallocates the tensor's Python object, which
@@ -16,7 +16,7 @@ import weakref
 import pytest
 import torch
 
-from zerokit.core import teardown
+from zerokit.runtime import teardown
 
 
 def test_a_handed_tensor_is_an_alias_that_holds_no_other_tensor():

@@ -9,7 +9,7 @@ from . import checkpoint, data, pipeline, plans
 from .api import LEVELS, group_sharded_parallel, num_params
 from .clip import clip_grad_norm_
 from .config import ShardingConfig, load_config
-from .core.grad_placeholder import ShardedGradError
+from .core import ShardedGradError
 from .layout import Layout, init_hybrid_parallel, init_mesh
 from .meta_init import MetaInitError, empty_init
 from .mixed_precision import MixedPrecision

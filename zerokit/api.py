@@ -33,13 +33,23 @@ from .config import (
     merge_arguments,
     resolve_level,
 )
-from .core import checks
-from .core.build import CoreOptions, LevelPlan, build
-from .core.compiled import unwrap_compiled
-from .core.optimizer_needs import check_optimizer, needs_of, refuse_whole_on_slices
-from .core.stand_in import is_stand_in
-from .core.state import state_of
-from .core.units import UnitPlan, plan_units
+from .core import (
+    CoreOptions,
+    LevelRules,
+    UnitPlan,
+    agree_arguments,
+    build,
+    check_dense_gradients,
+    check_not_wrapped,
+    check_optimizer,
+    is_stand_in,
+    layout_summary,
+    needs_of,
+    plan_units,
+    refuse_whole_on_slices,
+    state_of,
+    unwrap_compiled,
+)
 from .memory import format_bytes, measure
 from .meta_init import materialize, on_meta
 from .mixed_precision import MixedPrecision
@@ -152,7 +162,7 @@ class _Call:
 class _Checked:
     """What validation (phase 2) decided, for the build (phase 3)."""
 
-    level: LevelPlan
+    level: LevelRules
     scaler: ShardedGradScaler | None
     policy: MixedPrecision
     needs: dict
@@ -187,7 +197,7 @@ def _resolve(model, optimizer, scaler, init_fn, config, *, shard_group, replica_
         _check_member(replica_group, "replica_group")
     optimizers = _optimizer_list(optimizer)
     for opt in optimizers:
-        checks.check_not_wrapped(model, opt)
+        check_not_wrapped(model, opt)
     meta = on_meta(model)
     if init_fn is not None and not meta:
         raise ValueError(
@@ -205,13 +215,13 @@ def _agree(call: _Call) -> None:
     model differ makes the same error on every rank, never a hang or an abort inside gloo.
     Every knob is compared by its ``ShardingConfig`` name (a new field too)."""
     replicas = call.replica_group
-    checks.agree(
+    agree_arguments(
         {
             **agreement_fields(call.config, call.model),
             "scaler": type(call.scaler).__name__,
             "replica_group size": replicas.size() if replicas is not None else None,
             "built on meta": call.meta,
-            "parameters": checks.layout_summary(call.model),
+            "parameters": layout_summary(call.model),
             "optimizer": [
                 (type(opt).__name__, [len(g["params"]) for g in opt.param_groups])
                 for opt in call.optimizers
@@ -228,7 +238,7 @@ def _validate(call: _Call) -> _Checked:
     # tp ranks hold different slices (shapes): refuse a group spanning them before comparing
     _check_group_spans_no_tp_pair(model, call.shard_group)
     _agree(call)
-    level = LevelPlan.decode(config.level)  # the level decoded, once
+    level = LevelRules.decode(config.level)  # the level decoded, once
     level.check(step_in_backward=config.step_in_backward, exclude_layer=config.exclude_layer)
     scaler = _sharded_scaler(call.scaler)
     if config.step_in_backward and scaler is not None and scaler.is_enabled():
@@ -242,7 +252,7 @@ def _validate(call: _Call) -> _Checked:
         check_optimizer(
             opt, elementwise=config.elementwise_optimizer, whole=config.whole_parameter_optimizer
         )
-    checks.check_dense_gradients(model)
+    check_dense_gradients(model)
     if call.replica_group is not None:
         _check_group_spans_no_tp_pair(model, call.replica_group)
         _check_orthogonal(call.shard_group, call.replica_group)

@@ -6,9 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .core.agreement import meet
-from .core.collectives import all_reduce_
-from .core.state import state_of
+from .core import all_reduce_, meet, state_of
 from .grad_scope import grad_scope
 from .tensor_parallel.gather_batch import distributed_params
 from .tensor_parallel.layers import tensor_parallel_params, tp_group_of

@@ -27,11 +27,11 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from .api import group_sharded_parallel
-from .core.teardown import hand
 from .launch import local_backend, spawn_local
 from .layout import init_hybrid_parallel
 from .memory import PeakMemory, estimate, estimate_activations, measure, measure_activations
 from .mixed_precision import MixedPrecision
+from .runtime.teardown import hand
 from .scaler import ShardedGradScaler, step_and_zero
 from .workload import (  # noqa: F401  (the contract, importable from here as before)
     Workload,

@@ -21,10 +21,7 @@ from .activation_memory import (  # noqa: F401
     estimate_activations,
     measure_activations,
 )
-from .core import as_optimizer_list
-from .core.grad_placeholder import is_placeholder
-from .core.state import state_of
-from .core.units import plan_groups, plan_units
+from .core import as_optimizer_list, is_placeholder, plan_groups, plan_units, state_of
 from .mixed_precision import MixedPrecision
 
 #: optimizer state tensors per parameter element (fp32), by optimizer name

@@ -40,10 +40,15 @@ from torch.distributed import ProcessGroup
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .core import agreement
-from .core.checks import is_distributed
-from .core.collectives import all_reduce_, broadcast_, communication_device
-from .core.units import UnitPlan, plan_groups
+from .core import (
+    UnitPlan,
+    all_reduce_,
+    broadcast_,
+    communication_device,
+    gather,
+    is_distributed,
+    plan_groups,
+)
 
 InitFn = Callable[[nn.Module], None]
 ShardKey = tuple[int, ...]  # the ids of a bucket's parameters, in slot order
@@ -188,7 +193,7 @@ def _agree_on_failures(error: str, groups: list[ProcessGroup | None]) -> str:
     report = f"rank {dist.get_rank()}: {error}" if error and dist.is_initialized() else error
     for g in groups:
         if g is not None:
-            reports = agreement.gather("zerokit: initialising the meta model", report.encode(), g)
+            reports = gather("zerokit: initialising the meta model", report.encode(), g)
             report = "; ".join(dict.fromkeys(r.decode() for r in reports if r))
     return report
 

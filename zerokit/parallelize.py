@@ -16,8 +16,7 @@ from torch import nn
 
 from .api import group_sharded_parallel
 from .config import DEFAULT_LEVEL, ShardingConfig, knobs_of, merge_arguments
-from .core import as_optimizer_list
-from .core.optimizer_needs import needs_of, refuse_whole_on_slices
+from .core import as_optimizer_list, needs_of, refuse_whole_on_slices
 from .layout import Layout, as_layout, init_mesh
 from .plans import BUILT_IN
 from .strategy import Strategy

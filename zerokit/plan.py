@@ -30,10 +30,8 @@ from torch import nn
 
 from .api import LEVELS
 from .config import ShardingConfig
-from .core.layout import BucketLayout
-from .core.optimizer_needs import needs_of
-from .core.stand_in import Call
-from .core.units import UnitPlan, plan_groups, plan_units
+from .core import BucketLayout, UnitPlan, needs_of, plan_groups, plan_units
+from .core.stand_in import Call  # the dry run's records: the one deep import of the tools
 from .dry_run import NO_VALUES, DryRunError, Job, run_rank
 from .memory import STATE_PER_PARAM
 from .mixed_precision import MixedPrecision

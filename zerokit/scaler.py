@@ -15,10 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .core.checks import is_distributed
-from .core.collectives import all_reduce_
-from .core.optimizer import as_optimizer_list, optimizer_params_of
-from .core.state import state_of
+from .core import all_reduce_, as_optimizer_list, is_distributed, optimizer_params_of, state_of
 from .grad_scope import grad_scope
 
 

@@ -6,9 +6,7 @@ gives back the user's model and optimizer as they would be had one process train
 parameters (the fp32 masters under mixed precision) in storage of their own, the model's and
 optimizer's own classes, no hook of zerokit's left, and the optimizer's param groups holding
 the parameters the user built it from (hyperparameters kept), each with its FULL optimizer
-state. Each rank holds only its pieces of that state, so every per-element state tensor is
-all-gathered within the shard group (replicas hold the same shards) and cut per parameter;
-scalar state (``step``) is the same on every rank holding a piece.
+state (the core's ``release`` does it: the inverse of its ``build``).
 
 Note: gradients are not given back (``.grad`` is None for every sharded parameter): at
 'os_g' / 'p_g_os' no rank holds a full gradient. Call it between steps, after ``step()``.
@@ -17,21 +15,9 @@ Frozen parameters that mixed precision cast to the compute dtype stay in it.
 
 from __future__ import annotations
 
-import pickle
-
-import torch
 from torch import nn
 
-from .core.agreement import gather
-from .core.checks import forget_wrapped
-from .core.collectives import start_all_gather_
-from .core.compiled import unwrap_compiled
-from .core.flat_param import FlatParamBucket
-from .core.module import restore_module_
-from .core.optimizer import as_optimizer_list, restore_optimizer_
-from .core.state import ShardState, state_of
-
-_CALL = "zerokit.unwrap()"
+from .core import as_optimizer_list, release, state_of, unwrap_compiled
 
 
 def unwrap(model: nn.Module, optimizer):
@@ -40,116 +26,11 @@ def unwrap(model: nn.Module, optimizer):
 
     Collective: every rank of the shard group (and its replicas) calls it, between steps.
     The model may be wrapped again afterwards."""
-    inner = unwrap_compiled(model)
-    state = state_of(inner)
+    state = state_of(unwrap_compiled(model))
     if state is None:
         raise ValueError(
             "zerokit.unwrap: this model is not wrapped by group_sharded_parallel (nothing to "
             "undo); pass the model group_sharded_parallel returned"
         )
-    optimizers = as_optimizer_list(optimizer)
-    for opt in optimizers:
-        sharded = getattr(opt, "_zerokit", None)
-        if sharded is None or sharded.shard_state is not state:
-            raise ValueError(
-                "zerokit.unwrap: this optimizer was not wrapped together with this model; pass "
-                "the optimizer group_sharded_parallel returned with it"
-            )
-    if {id(opt) for opt in optimizers} != state.optimizer_ids:
-        raise ValueError(
-            f"zerokit.unwrap: the model was wrapped with {len(state.optimizer_ids)} "
-            f"optimizer(s) and {len(optimizers)} were given; pass the list "
-            "group_sharded_parallel returned, so none is left stepping shards"
-        )
-    if state.in_backward:
-        raise RuntimeError("zerokit.unwrap was called inside a backward; call it between steps")
-    state.presence.mark(_CALL)
-    full_states = [_full_optimizer_state(opt, state) for opt in optimizers]
-    for bucket in state.buckets:
-        _give_back_params(bucket)
-    for handle in state.hook_handles:
-        handle.remove()
-    state.hook_handles.clear()
-    forget_wrapped(inner.parameters())
-    restore_module_(inner)
-    for opt, full_state in zip(optimizers, full_states):
-        restore_optimizer_(opt, full_state)
+    release(state, as_optimizer_list(optimizer))
     return model, optimizer
-
-
-def _give_back_params(bucket: FlatParamBucket) -> None:
-    """Each parameter of ``bucket``: its full value from every rank's master shard, in
-    storage of its own (no view of the bucket), in the dtype it was wrapped in."""
-    full = _all_gather_shard(bucket, bucket.shard_data)  # [padded], the masters' dtype
-    for i, param in enumerate(bucket.params):
-        param.data = bucket.slot_view(full, i).to(bucket.layout.device, copy=True)
-        param.grad = None  # a GradPlaceholder, or a view of zerokit's gradient buffers
-
-
-def _all_gather_shard(bucket: FlatParamBucket, shard: torch.Tensor) -> torch.Tensor:
-    """The full flat buffer whose shards are every rank's ``shard`` (shard-size, 1-D)."""
-    full = torch.zeros(bucket.layout.padded_numel, dtype=shard.dtype, device=bucket.data.device)
-    bucket.shard(full).copy_(shard)
-    start_all_gather_(full, bucket.group, ranges=bucket.ranges).finish()
-    return full
-
-
-def _full_optimizer_state(optimizer: torch.optim.Optimizer, state: ShardState) -> dict:
-    """parameter -> its whole optimizer state, as one process stepping it would hold.
-
-    First one exchange of what each rank holds (keys, dtypes, scalar values), so that ranks
-    holding no piece of a parameter (or of a bucket) take part in the same collectives."""
-    buckets = state.buckets
-    mine = {}  # (bucket, slot) -> {key: ("piece", dtype) | ("value", value)}
-    for b, bucket in enumerate(buckets):
-        for piece, view in zip(bucket.pieces, bucket.param_pieces):
-            whole = bucket.layout.slots[piece.slot].whole  # its owner holds all of its state
-            for key, value in optimizer.state.get(view, {}).items():
-                kind = (
-                    ("piece", value.dtype)
-                    if isinstance(value, torch.Tensor) and value.dim() > 0 and not whole
-                    else ("value", value)
-                )
-                mine.setdefault((b, piece.slot), {})[key] = kind
-    held: dict = {}
-    for raw in gather(_CALL, pickle.dumps(mine), state.process_group):
-        for where, keys in pickle.loads(raw).items():
-            held.setdefault(where, {}).update(keys)  # the same everywhere a piece is held
-    full: dict = {}
-    for b, bucket in enumerate(buckets):
-        _bucket_state(optimizer.state, b, bucket, held, full)
-    for param in optimizer._zerokit.local_params:  # rank-local: stepped whole, kept as is
-        if param in optimizer.state:
-            full[param] = optimizer.state[param]
-    return full
-
-
-def _bucket_state(opt_state, b: int, bucket: FlatParamBucket, held: dict, full: dict) -> None:
-    slots = range(len(bucket.params))
-    for i in slots:
-        for key, (kind, value) in held.get((b, i), {}).items():
-            if kind == "value":
-                value = value.clone() if isinstance(value, torch.Tensor) else value
-                full.setdefault(bucket.params[i], {})[key] = value
-    per_element = sorted(
-        {
-            (key, value)
-            for i in slots
-            for key, (kind, value) in held.get((b, i), {}).items()
-            if kind == "piece"
-        },
-        key=repr,
-    )
-    for key, dtype in per_element:  # one all-gather per state tensor kind, for the bucket
-        shard = torch.zeros(bucket.shard_end - bucket.shard_start, dtype=dtype)
-        shard = shard.to(bucket.data.device)
-        for piece, view in zip(bucket.pieces, bucket.param_pieces):
-            value = opt_state.get(view, {}).get(key)
-            if value is not None:
-                start = bucket.layout.slots[piece.slot].offset + piece.start - bucket.shard_start
-                shard[start : start + piece.numel].copy_(value)
-        flat = _all_gather_shard(bucket, shard)
-        for i in slots:
-            if held.get((b, i), {}).get(key, (None,))[0] == "piece":
-                value = bucket.slot_view(flat, i).to(bucket.layout.device, copy=True)
-                full.setdefault(bucket.params[i], {})[key] = value

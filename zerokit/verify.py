@@ -46,12 +46,12 @@ import torch
 import torch.distributed as dist
 
 from .api import LEVELS, group_sharded_parallel
-from .core.teardown import hand
 from .launch import local_backend, spawn_local
 from .layout import init_hybrid_parallel
 from .mixed_precision import PRECISIONS, MixedPrecision
 from .pipeline.schedules import SCHEDULES
 from .plan_optimizers import muon_and_adamw, newton_schulz_in_fp32
+from .runtime.teardown import hand
 from .scaler import ShardedGradScaler, step_and_zero
 from .tensor_parallel import gather_full_state_dict
 from .verify_pp import PipelineTrainer

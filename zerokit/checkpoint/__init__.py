@@ -9,7 +9,7 @@ directory given to ``load`` speak torch.distributed.checkpoint's format (FSDP2, 
 checkpoint from an untrusted source cannot run code.
 """
 
-from ..core.agreement import CollectiveTimeout
+from ..runtime.timeouts import CollectiveTimeout
 from .background import async_save
 from .consolidate import consolidate, describe, load_consolidated
 from .extra import RNGState

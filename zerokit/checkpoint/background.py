@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.agreement import alive
-from ..core.timeouts import collective_timeout
+from ..core import alive
+from ..runtime.timeouts import collective_timeout
 from .holdings import Chunk
 from .index import CheckpointError
 from .places import LOCK_SUFFIX, remove

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..core.agreement import alive
+from ..core import alive
 from .dcp_format import MODEL, OPTIMIZER, boxes, load_value, path_of, plain, read_metadata
 from .holdings import Holdings, TensorMeta, collect, optimizers_of
 from .index import CheckpointError

@@ -24,9 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core import as_optimizer_list, optimizer_params_of
-from ..core.compiled import plain_name
-from ..core.state import state_of
+from ..core import as_optimizer_list, optimizer_params_of, plain_name, state_of
 from ..tensor_parallel.gather_batch import distributed_params
 from ..tensor_parallel.layers import tensor_parallel_params
 from ..tensor_parallel.topology import TPSplit
@@ -413,7 +411,7 @@ def quantized_names(key: str, param: str) -> dict[str, str]:
 
 def _collect_quantized(h: Holdings, chunk: Chunk, key_tensor, key: str, value) -> None:
     """Note: saved exactly, as its codes (their bytes) and scales: a piece starts on a block
-    (``core/layout.place_owners``), so its codes and scales are slices of the ones one process
+    (``core/bucket_layout.place_owners``), so its codes and scales are slices of the ones one process
     holds for the whole parameter, and a load at any world size cuts them again."""
     meta = h.metas[chunk.name]
     block = value.block_size

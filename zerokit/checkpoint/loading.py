@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.agreement import alive
-from ..core.state import state_of
+from ..core import alive, state_of
 from . import extra as extra_state
 from .dcp_format import is_dcp
 from .holdings import (

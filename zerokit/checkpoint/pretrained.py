@@ -22,8 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..core.agreement import alive
-from ..core.state import state_of
+from ..core import alive, state_of
 from .holdings import Chunk, Holdings, TensorMeta, collect, holder_of
 from .index import CheckpointError
 from .reading import _DTYPE_OF, ShardFile

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core import presence
-from ..core.agreement import AgreementError, CollectiveTimeout, agree_all, alive, gather
-from ..core.state import state_of
+from ..core import agree_all, alive, gather, state_of
+from ..runtime import presence
+from ..runtime.timeouts import AgreementError, CollectiveTimeout
 from . import extra as extra_state
 from .holdings import Holdings, collect
 from .index import (

@@ -38,16 +38,10 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import presence, teardown
+from ..runtime import presence, teardown
+from ..runtime.timeouts import TIMEOUT_ENV, AgreementError, CollectiveTimeout, collective_timeout
 from .collectives import all_gather_bytes
 from .stand_in import is_stand_in
-from .timeouts import (  # noqa: F401  (re-exported: the agreement's errors)
-    DEFAULT_TIMEOUT,
-    TIMEOUT_ENV,
-    AgreementError,
-    CollectiveTimeout,
-    collective_timeout,
-)
 
 _PREFIX = "zerokit/agree"
 BEAT_SECONDS = 1.0

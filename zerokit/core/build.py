@@ -1,7 +1,7 @@
 """Build the core for a validated model and optimizer: units -> buckets -> shard groups ->
 ``ShardState`` -> hooks -> the model and optimizer converted in place.
 
-The level is decoded here, once (``LevelPlan.decode``, which ``group_sharded_parallel`` calls
+The level is decoded here, once (``LevelRules.decode``, which ``group_sharded_parallel`` calls
 before anything changes): which gradients a group holds (full or sharded, and how they are
 reduced) and how parameters are held (whole or stage 3's sharded). Nothing else asks which
 level it is: the rest holds the objects built from the strategy, or asks the strategy.
@@ -36,7 +36,7 @@ _CPU = torch.device("cpu")  # where offload=True keeps master shards and optimiz
 
 @dataclass(frozen=True, kw_only=True)
 class CoreOptions:
-    strategy: LevelPlan
+    strategy: LevelRules
     group: ProcessGroup
     buffer_max_size: int
     sync_comm: bool
@@ -59,7 +59,7 @@ def _reduce_scatter(group: ProcessGroup, replicas: ProcessGroup | None) -> Reduc
 
 
 @dataclass(frozen=True)
-class LevelPlan:
+class LevelRules:
     """A level, decoded: what varies between the stages, as the classes to build."""
 
     name: str  # 'os', 'os_g' or 'p_g_os': for reports and checkpoints
@@ -74,15 +74,15 @@ class LevelPlan:
         return self.params is ShardedParams
 
     @staticmethod
-    def decode(level: str) -> LevelPlan:
+    def decode(level: str) -> LevelRules:
         if level == "os":  # stage 1: full gradients, all-reduced
-            return LevelPlan(level, FullGradients, AllReduce, WholeParams)
+            return LevelRules(level, FullGradients, AllReduce, WholeParams)
         # stages 2 and 3: this rank's shard of the gradients, reduce-scattered (hybrid: then
         # all-reduced across replicas)
         if level == "os_g":
-            return LevelPlan(level, ShardedGradients, _reduce_scatter, WholeParams)
+            return LevelRules(level, ShardedGradients, _reduce_scatter, WholeParams)
         if level == "p_g_os":
-            return LevelPlan(level, ShardedGradients, _reduce_scatter, ShardedParams)
+            return LevelRules(level, ShardedGradients, _reduce_scatter, ShardedParams)
         raise ValueError(
             f"unknown level {level!r}; valid levels: 'os' (stage 1), 'os_g' (stage 2), "
             "'p_g_os' (stage 3), or the stage numbers 1, 2, 3"

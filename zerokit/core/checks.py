@@ -56,7 +56,7 @@ def check_dense_gradients(model: nn.Module) -> None:
         )
 
 
-def agree(what: dict[str, object], groups: list[ProcessGroup]) -> None:
+def agree_arguments(what: dict[str, object], groups: list[ProcessGroup]) -> None:
     """Every rank of ``groups`` must have the same ``what``; else raise ``AgreementError`` on
     every rank, naming the fields and the ranks that differ (and ``CollectiveTimeout`` naming
     the ranks that never call, after the collective timeout)."""

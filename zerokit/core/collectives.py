@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from . import presence, teardown
+from ..runtime import presence, teardown
+from ..runtime.teardown import hand
 from .eager import eager
 from .stand_in import is_stand_in
-from .teardown import hand
 
 # torch 2.13 renamed the flat-tensor collectives and deprecated the old names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from .bucket_layout import BucketLayout
 from .collectives import Pending, start_all_gather_
-from .layout import BucketLayout
 
 
 class Storage(enum.Enum):

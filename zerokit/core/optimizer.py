@@ -10,7 +10,7 @@ piece, shaped like the parameter, on the one rank that owns it (the owner layout
 optimizer's pieces start on its quantization blocks, and whether a piece's state is quantized
 is decided on the whole parameter (``LowBitPieces``). Several optimizers of one model (Muon for
 the matrices beside AdamW for the rest) are each converted; each steps buckets of its own
-(``core/layout``: a bucket never mixes optimizers), so after its step it spreads its own
+(``core/bucket_layout``: a bucket never mixes optimizers), so after its step it spreads its own
 updated shards, and the bytes sent are those one optimizer over all parameters would send.
 """
 
@@ -103,7 +103,7 @@ class LowBitPieces:
     ``AdamWFp8``): torchao quantizes a tensor's state only when it has >= 4096 elements that
     divide into blocks, and asks the tensor it is given. Asked of a piece, the answer would
     change with the world size; here it is asked of the whole parameter, as one process asks.
-    The layout already starts every piece on a block (``core/layout.place_owners``)."""
+    The layout already starts every piece on a block (``core/bucket_layout.place_owners``)."""
 
     _zerokit: OptimizerShardState
 

@@ -6,7 +6,7 @@ Three kinds are sharded, each exactly as one process steps it:
   state alone, so any split of the flat buffer is exact;
 * whole-parameter (``torch.optim.Muon``: Newton-Schulz on the matrix; ``torch.optim.Adafactor``:
   row and column statistics, and a step size from the parameter's RMS; any optimizer declared
-  so): every parameter it steps is owned whole by one rank (``core/layout.py``'s owner
+  so): every parameter it steps is owned whole by one rank (``core/bucket_layout.py``'s owner
   layout), which steps it on the averaged gradient;
 * block-quantized states (torchao's ``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8`` and the Adam
   variants): elementwise, but the state is quantized in blocks of ``block_size`` elements, so
@@ -49,7 +49,7 @@ REFUSED = {
 
 @dataclass(frozen=True)
 class Need:
-    """What one parameter's optimizer needs of the layout (``core/layout.ParamSpec``)."""
+    """What one parameter's optimizer needs of the layout (``core/bucket_layout.ParamSpec``)."""
 
     whole: bool = False  # one rank steps all of it
     block: int = 1  # a boundary inside it falls on a multiple of this

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 
 import torch
 
-from . import teardown
+from ..runtime import teardown
 
 Key = tuple[int, torch.dtype]  # a request: (elements, dtype)
 

@@ -27,7 +27,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 
-from . import checks, presence
+from ..runtime import presence
+from . import checks
 from .collectives import Pending, all_reduce_, communication_device
 from .flat_param import FlatParamBucket, Storage
 from .group import Phase, ShardGroup

@@ -17,8 +17,8 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from .bucket_layout import BucketLayout, ParamSpec, plan_buckets
 from .checks import is_distributed
-from .layout import BucketLayout, ParamSpec, plan_buckets
 from .optimizer_needs import Need
 
 

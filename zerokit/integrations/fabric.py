@@ -45,7 +45,7 @@ from .. import checkpoint as zk_checkpoint
 from ..api import group_sharded_parallel
 from ..clip import clip_grad_norm_
 from ..config import DEFAULT_LEVEL, ShardingConfig
-from ..core.module import ShardedModule, broadcast_module_state
+from ..core import ShardedModule, broadcast_module_state
 from ..mixed_precision import MixedPrecision
 from . import _lightning_common as common
 

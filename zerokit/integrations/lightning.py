@@ -65,8 +65,7 @@ from ..checkpoint.lightning_file import EXTRA_PREFIX
 from ..checkpoint.reading import CheckpointReader
 from ..clip import clip_grad_norm_
 from ..config import DEFAULT_LEVEL, ShardingConfig
-from ..core.module import broadcast_module_state
-from ..core.state import state_of
+from ..core import broadcast_module_state, state_of
 from ..mixed_precision import MixedPrecision
 from . import _lightning_common as common
 from .fabric import ZeroKitFabricStrategy

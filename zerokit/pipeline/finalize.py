@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.state import state_of
-from ..core.teardown import hand
+from ..core import state_of
+from ..runtime.teardown import hand
 from ..tensor_parallel.layers import allreduce_sequence_parallel_grads
 
 

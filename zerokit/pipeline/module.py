@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..clip import clip_grad_norm_
-from ..core.state import state_of
-from ..core.teardown import hand
+from ..core import state_of
 from ..grad_scope import GradScope
 from ..layout import Layout, as_layout
+from ..runtime.teardown import hand
 from ..scaler import ShardedGradScaler, agree_found_inf
 from ..tensor_parallel.layers import tp_group_of
 from .describe import LayerDesc, SharedLayerDesc

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ..core.teardown import hand
+from ..runtime.teardown import hand
 
 _MAX_DIMS = 8
 _DTYPES = [

@@ -15,8 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.teardown import hand, hand_all
 from ..layout import Layout
+from ..runtime.teardown import hand, hand_all
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,

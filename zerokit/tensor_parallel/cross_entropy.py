@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..core.teardown import hand
 from ..layout import Layout, as_layout
+from ..runtime.teardown import hand
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:

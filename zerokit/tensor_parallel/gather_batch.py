@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from ..core.checks import is_distributed
-from ..core.teardown import hand, hand_all
+from ..core import is_distributed
+from ..runtime.teardown import hand, hand_all
 from .mappings import gather_from_sequence_parallel_region
 from .topology import TPSplit
 

@@ -320,7 +320,7 @@ def allreduce_sequence_parallel_grads(model: nn.Module) -> None:
 
     Collective over the tp group: every tp rank calls it, before clipping and the step.
     """
-    from ..core.state import state_of  # the core imports this package: resolve at call time
+    from ..core import state_of  # is ZeRO on it? asked of the core at call time
 
     if state_of(model) is not None:
         raise RuntimeError(

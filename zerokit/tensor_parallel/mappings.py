@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ..core.teardown import hand, hand_all
+from ..runtime.teardown import hand, hand_all
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

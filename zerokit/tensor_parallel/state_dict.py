@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.teardown import hand, hand_all
+from ..runtime.teardown import hand, hand_all
 from .layers import TensorParallelLayer
 from .topology import TPSplit
 
