@@ -283,7 +283,7 @@ def _build(call: _Call, checked: _Checked):
         )  # fmt: skip
     compiled = call.given if not isinstance(call.given, PipelineModule) else call.given.stage
     options = CoreOptions(
-        strategy=checked.level, group=group, buffer_max_size=config.buffer_max_size,
+        rules=checked.level, group=group, buffer_max_size=config.buffer_max_size,
         sync_comm=config.sync_comm, debug_agreement=debug_agreement(config),
         sync_buffers=config.sync_buffers, offload=config.offload,
         mixed_precision=checked.policy, tp_group=tp_group_of(model), replica_group=replicas,

@@ -4,7 +4,7 @@
 The level is decoded here, once (``LevelRules.decode``, which ``group_sharded_parallel`` calls
 before anything changes): which gradients a group holds (full or sharded, and how they are
 reduced) and how parameters are held (whole or stage 3's sharded). Nothing else asks which
-level it is: the rest holds the objects built from the strategy, or asks the strategy.
+level it is: the rest holds the objects built from the level's rules, or asks them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _CPU = torch.device("cpu")  # where offload=True keeps master shards and optimiz
 
 @dataclass(frozen=True, kw_only=True)
 class CoreOptions:
-    strategy: LevelRules
+    rules: LevelRules
     group: ProcessGroup
     buffer_max_size: int
     sync_comm: bool
@@ -133,19 +133,19 @@ def build(
     ]
     _cast_frozen_params(model, mp.param_dtype, keep=full_precision)
     replicas = opts.replica_group
-    strategy = opts.strategy
+    rules = opts.rules
     device = next((p.device for plan in plans for _, p in plan.params), _CPU)
     staging = StagingPool(device)
     groups, root, units = _build_groups(model, plans, opts, staging)
     checks.remember_wrapped(model.parameters())
     state = ShardState(
         model,
-        strategy.name,
+        rules.name,
         group,
         groups,
         root,
         staging,
-        strategy.params(groups, sync_comm=opts.sync_comm, debug_agreement=opts.debug_agreement),
+        rules.params(groups, sync_comm=opts.sync_comm, debug_agreement=opts.debug_agreement),
         tp_group=opts.tp_group,
         replica_group=replicas,
         sync_comm=opts.sync_comm,
@@ -170,9 +170,9 @@ def build(
 def _build_groups(model: nn.Module, plans: list[UnitPlan], opts: CoreOptions, staging):
     """One ``ShardGroup`` per unit (its buckets, its gradients), the root unit's, and the
     (module, index) of every other unit, for the hooks."""
-    mp, group, strategy = opts.mixed_precision, opts.group, opts.strategy
+    mp, group, rules = opts.mixed_precision, opts.group, opts.rules
     reduce_dtype = mp.gradient_reduce_dtype()  # None: the parameters' own dtype
-    reduction = strategy.reduction(group, opts.replica_group)
+    reduction = rules.reduction(group, opts.replica_group)
     groups, root, units = [], None, []
     for plan, layouts in plan_groups(plans, group.size(), opts.buffer_max_size, needs=opts.needs):
         buckets = [
@@ -182,7 +182,7 @@ def _build_groups(model: nn.Module, plans: list[UnitPlan], opts: CoreOptions, st
                 group,
                 compute_dtype=None if plan.full_precision else mp.param_dtype,
                 master_device=_CPU if opts.offload else None,
-                shard_params=strategy.shard_params,
+                shard_params=rules.shard_params,
                 initial_shard=_initial_shard(opts, plan, layout),
             )
             for layout in layouts
@@ -190,7 +190,7 @@ def _build_groups(model: nn.Module, plans: list[UnitPlan], opts: CoreOptions, st
         shard_group = ShardGroup(
             plan.name,
             buckets,
-            strategy.gradients(
+            rules.gradients(
                 buckets,
                 reduction,
                 staging,
