@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 from dist_helpers import run_distributed
 
-from zerokit import LEVELS, MixedPrecision, ShardedGradScaler, cli, group_sharded_parallel
+from zerokit import LEVELS, MixedPrecision, ShardedGradScaler, group_sharded_parallel
 from zerokit.layout import init_hybrid_parallel
 from zerokit.memory import format_bytes, measure
-from zerokit.plan import LOW, PlanConfig, plan_with_calls
-from zerokit.workload import build_workload, load_factory
+from zerokit.tools import cli
+from zerokit.tools.plan import LOW, PlanConfig, plan_with_calls
+from zerokit.tools.workload import build_workload, load_factory
 
 MODEL = "verify_models:tiny_gpt"
 BUFFER = 600  # elements: the embedding and each block span several buckets
@@ -400,7 +401,7 @@ def _pipeline_step_equals_plan(
     model = MODEL if segment == 2**20 else "verify_models:tiny_gpt_untied"
     from zerokit.models.gpt import gpt_layers
     from zerokit.pipeline import PipelineModule
-    from zerokit.plan_pp import plan_with_calls as plan_pipeline
+    from zerokit.tools.plan_pp import plan_with_calls as plan_pipeline
 
     dp = world_size // pp
     layout = init_hybrid_parallel(dp, 1, pp_degree=pp)

@@ -6,10 +6,12 @@ import argparse
 import json
 import sys
 
-from . import __version__
-from .api import LEVELS
-from .checkpoint.cli import add_parser as add_ckpt_parser
-from .checkpoint.cli import run as run_ckpt
+from .. import __version__
+from ..api import LEVELS
+from ..config import LEVEL_ALIASES
+from ..mixed_precision import PRECISIONS
+from .checkpoint_cli import add_parser as add_ckpt_parser
+from .checkpoint_cli import run as run_ckpt
 from .compare import (
     ActivationsConfig,
     CompareConfig,
@@ -25,8 +27,6 @@ from .compare_report import (
     write_activations_plot,
     write_plot,
 )
-from .config import LEVEL_ALIASES
-from .mixed_precision import PRECISIONS
 from .plan import PlanConfig
 from .plan_optimizers import OPTIMIZERS as PLAN_OPTIMIZERS
 from .plan_pp import make_plan

@@ -3,7 +3,7 @@ collectives, beside the ZeRO paper's volume."""
 
 from __future__ import annotations
 
-from .memory import format_bytes
+from ..memory import format_bytes
 from .plan import summarize
 
 _MEMORY = ("params", "grads", "optimizer", "transient", "activations")

@@ -5,7 +5,7 @@ ranks, then ``optimizer.step()``.
 What is zerokit's own code run here: the layer list (``models.gpt.gpt_layers``), the split
 (``pipeline.partition``, ``PipelineModule``'s default ``"parameters"``), each stage's
 ``PipelineStage`` built on fake tensors, its units and buckets (``core.units``, as in
-``zerokit.plan``), the schedule's actions (``pipeline.schedules``), and each stage's forward on
+``zerokit.tools.plan``), the schedule's actions (``pipeline.schedules``), and each stage's forward on
 fake tensors, which gives the shapes sent between stages and the bytes autograd saves. What is
 written out from the pipeline's and the core's rules (``docs/ARCHITECTURE.md``, "Pipeline
 parallelism"), and held to real 2- and 4-rank steps by tests/test_plan.py:
@@ -22,7 +22,7 @@ parallelism"), and held to real 2- and 4-rank steps by tests/test_plan.py:
   deferred reduction; the loss broadcast from the last stage and averaged over the data
   groups; the optimizer's step (below 'p_g_os': every bucket's updated shards gathered).
 
-Memory: each stage's parameters, gradients and optimizer state as ``zerokit.plan`` counts them
+Memory: each stage's parameters, gradients and optimizer state as ``zerokit.tools.plan`` counts them
 for the stage's own units; activations: one micro-batch's saved bytes times the most
 micro-batches the schedule holds at once (``schedules.peak_in_flight``); the transient adds
 what the mailbox holds until the schedule ends (every tensor the stage sent, with headers).
@@ -32,12 +32,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .mixed_precision import MixedPrecision
-from .models.gpt import gpt_layers
-from .pipeline.describe import SharedLayerDesc
-from .pipeline.module import PipelineStage
-from .pipeline.partition import partition
-from .pipeline.schedules import peak_in_flight, schedule
+from ..mixed_precision import MixedPrecision
+from ..models.gpt import gpt_layers
+from ..pipeline.describe import SharedLayerDesc
+from ..pipeline.module import PipelineStage
+from ..pipeline.partition import partition
+from ..pipeline.schedules import peak_in_flight, schedule
 from .plan import (
     LOW,
     Collective,
@@ -174,7 +174,7 @@ def stage_collectives(
 
 
 def stage_transient(plan: StagePlan, num_stages: int, level: str, micro_batches: int) -> dict:
-    """``zerokit.plan.transient_bytes`` plus what the mailbox holds until the schedule ends."""
+    """``zerokit.tools.plan.transient_bytes`` plus what the mailbox holds until the schedule ends."""
     out = transient_bytes(plan.units, level)
     sent = 0
     if plan.stage < num_stages - 1:
@@ -217,7 +217,7 @@ def make_plan(cfg) -> dict:
 
 def plan_with_calls(cfg) -> tuple[dict, dict[int, list[Collective]]]:
     """The report and, per stage, a rank's step collectives one by one (pp 1: stage 0's are
-    ``zerokit.plan``'s)."""
+    ``zerokit.tools.plan``'s)."""
     if cfg.pp == 1:
         report, calls = plain_plan(cfg)
         return report, {0: calls}

@@ -9,7 +9,7 @@ row per level with ``measured`` (params, grads, optimizer, total, peak) and ``es
 
 from __future__ import annotations
 
-from .memory import format_bytes
+from ..memory import format_bytes
 
 CATEGORIES = ("params", "grads", "optimizer")
 

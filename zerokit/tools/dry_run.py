@@ -21,19 +21,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .api import group_sharded_parallel
-from .core import stand_in
-from .layout import init_hybrid_parallel
-from .memory import measure
-from .mixed_precision import MixedPrecision
+from ..api import group_sharded_parallel
+from ..core import stand_in
+from ..layout import init_hybrid_parallel
+from ..memory import measure
+from ..mixed_precision import MixedPrecision
+from ..scaler import ShardedGradScaler, step_and_zero
 from .plan_optimizers import OPTIMIZERS, as_list, step_flops
-from .scaler import ShardedGradScaler, step_and_zero
 from .workload import Workload, as_workload, tp_workload
 
 
 @dataclass(frozen=True, kw_only=True)
 class Job:
-    """The job a rank belongs to (``zerokit.plan.PlanConfig``'s degrees, resolved)."""
+    """The job a rank belongs to (``zerokit.tools.plan.PlanConfig``'s degrees, resolved)."""
 
     world: int
     level: str
@@ -45,7 +45,7 @@ class Job:
     """Rows of this rank's batch."""
     low: torch.dtype | None
     optimizer: str
-    """A key of ``zerokit.plan_optimizers.OPTIMIZERS``."""
+    """A key of ``zerokit.tools.plan_optimizers.OPTIMIZERS``."""
     buffer_max_size: int
     segment_size: int
 
@@ -59,7 +59,7 @@ class RankRun:
     calls: list[tuple[str, stand_in.Call]]
     """(the group's role: "shard", "replicas" or "tp"; the call), in the order issued."""
     flops: int = 0
-    """The optimizer step's FLOPs on this rank (``zerokit.plan_optimizers.FLOPS_RULE``)."""
+    """The optimizer step's FLOPs on this rank (``zerokit.tools.plan_optimizers.FLOPS_RULE``)."""
 
 
 NO_VALUES = (

@@ -1,6 +1,6 @@
 """``zerokit plan``: what an N-rank job will hold and send, worked out on one CPU in seconds.
 
-The ranks are played by ``zerokit.dry_run``: this process becomes rank r of the job against
+The ranks are played by ``zerokit.tools.dry_run``: this process becomes rank r of the job against
 stand-in process groups (``core.stand_in``, which record every collective and complete it at
 once), builds the model on ``meta`` (no bytes), and runs ``group_sharded_parallel`` and two
 training steps, the real code. A rank's memory is what ``zerokit.memory.measure`` counts after
@@ -14,7 +14,7 @@ the core's rules written out) are played once; if the rank played holds other am
 the rules say, every rank of its kind is played. The largest transient (gathered units and
 staged gradients at once, ``transient_bytes``) and the activations (what autograd saves in a
 forward on fake tensors) are estimated, not measured. Pipelines (``--pp``) are still planned
-from the rules (``zerokit.plan_pp``). tests/test_plan.py holds the plan to real 2- and 3-rank
+from the rules (``zerokit.tools.plan_pp``). tests/test_plan.py holds the plan to real 2- and 3-rank
 steps: the same ops, calls, bytes and memory.
 """
 
@@ -28,15 +28,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .api import LEVELS
-from .config import ShardingConfig
-from .core.layout import BucketLayout
-from .core.optimizer_needs import needs_of
-from .core.stand_in import Call
-from .core.units import UnitPlan, plan_groups, plan_units
+from ..api import LEVELS
+from ..config import ShardingConfig
+from ..core.layout import BucketLayout
+from ..core.optimizer_needs import needs_of
+from ..core.stand_in import Call
+from ..core.units import UnitPlan, plan_groups, plan_units
+from ..memory import STATE_PER_PARAM
+from ..mixed_precision import MixedPrecision
 from .dry_run import NO_VALUES, DryRunError, Job, run_rank
-from .memory import STATE_PER_PARAM
-from .mixed_precision import MixedPrecision
 from .plan_optimizers import FLOPS_RULE, OPTIMIZERS, as_list
 from .plan_tp import recording_tp_collectives, stand_in_layout
 from .workload import accepts_layout, as_workload, load_factory, tp_workload
@@ -53,14 +53,14 @@ class PlanConfig:
     level: str
     """'os', 'os_g' or 'p_g_os'."""
     model: str | None = None
-    """``pkg.module:factory`` (``zerokit.workload``); None: ``zerokit compare``'s GPT."""
+    """``pkg.module:factory`` (``zerokit.tools.workload``); None: ``zerokit compare``'s GPT."""
     sharding_degree: int | None = None
     """Hybrid sharding: shard over groups of this many ranks, replicate across the groups."""
     tp: int = 1
     """Tensor-parallel degree: each rank holds its tp slice; ZeRO over the world / tp ranks
     holding the same slice (the factory takes ``layout``, as for ``zerokit verify --tp``)."""
     pp: int = 1
-    """Pipeline stages (``zerokit.plan_pp``): the built-in GPT or a preset, split as
+    """Pipeline stages (``zerokit.tools.plan_pp``): the built-in GPT or a preset, split as
     ``PipelineModule`` splits ``models.gpt.gpt_layers``; ZeRO over each stage's world / pp ranks."""
     micro_batches: int | None = None
     """Micro-batches of a pipeline step (None: ``pp``)."""
@@ -74,7 +74,7 @@ class PlanConfig:
     mixed_precision: str | None = None
     """'bf16' or 'fp16': compute copies in it, fp32 master shards (fp16: a loss scaler)."""
     optimizer: str = "adamw"
-    """Which optimizer the ranks step (``zerokit.plan_optimizers.OPTIMIZERS``: ``adamw``,
+    """Which optimizer the ranks step (``zerokit.tools.plan_optimizers.OPTIMIZERS``: ``adamw``,
     ``sgd``, ..., ``muon`` (Muon for the blocks' matrices beside AdamW), ``adafactor``,
     ``adamw8bit``); its state is what ``measure`` counts, its step's FLOPs are reported."""
     buffer_max_size: int = 2**23
@@ -162,7 +162,7 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
 
     check_config(cfg)
     if cfg.pp > 1:
-        raise ValueError("--pp: use zerokit.plan_pp.plan_with_calls, which plans pipelines")
+        raise ValueError("--pp: use zerokit.tools.plan_pp.plan_with_calls, which plans pipelines")
     low = LOW[cfg.mixed_precision]
     policy = MixedPrecision(param_dtype=low)
     dp = cfg.world // cfg.tp
@@ -174,7 +174,7 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
         if cfg.tp > 1 and not accepts_layout(factory):
             raise ValueError(
                 f"--tp {cfg.tp}: the factory {cfg.model} takes no 'layout' keyword (see "
-                "zerokit.workload: factory(layout=None) the plain model, factory(layout=layout) "
+                "zerokit.tools.workload: factory(layout=None) the plain model, factory(layout=layout) "
                 "the tensor-parallel one)"
             )
         plain = _fake_workload(factory, cfg.seq, cfg.tp)

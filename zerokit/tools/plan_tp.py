@@ -2,7 +2,7 @@
 for one tp rank with a stand-in layout (no process group behind it), and stand-ins for the
 ``torch.distributed`` collectives its layers call in a forward, loss and backward (they record
 and move nothing). The plan's activation estimate runs that forward; the collectives it
-reports come from the dry run (``zerokit.dry_run``), which runs the real layers over real
+reports come from the dry run (``zerokit.tools.dry_run``), which runs the real layers over real
 (stand-in) process groups.
 """
 
@@ -14,7 +14,7 @@ from unittest import mock
 
 import torch.distributed as dist
 
-from .layout import Layout
+from ..layout import Layout
 
 
 class StandInGroup:
@@ -46,7 +46,7 @@ def stand_in_layout(tp: int, tp_rank: int, dp: int) -> Layout:
 def recording_tp_collectives(out: list[tuple[str, int, int]]) -> Iterator[None]:
     """Within: ``torch.distributed``'s collectives on a ``StandInGroup`` append
     ``(op, group size, bytes of the logical collective)`` to ``out`` and do nothing else.
-    Bytes as ``zerokit.plan.Collective`` counts them: an all-reduce's tensor, an all-gather's
+    Bytes as ``zerokit.tools.plan.Collective`` counts them: an all-reduce's tensor, an all-gather's
     output; an all-to-all's input."""
 
     def all_reduce(tensor, op=None, group=None, async_op=False):
