@@ -23,7 +23,6 @@ MOVED = {
         "compare_report": "compare_report",
         "plan": "plan",
         "plan_pp": "plan_pp",
-        "plan_tp": "plan_tp",
         "plan_report": "plan_report",
         "plan_optimizers": "plan_optimizers",
         "verify": "verify",

@@ -78,6 +78,21 @@ class DryRunError(ValueError):
 def run_rank(job: Job, rank: int, factory: Callable) -> RankRun:
     """Play rank ``rank`` of ``job``: build the model on meta, wrap it, train two steps.
     The process is left as it was found: no process group, the same excepthook and logger."""
+    with stand_in_world(rank, job.world):
+        try:
+            return _play(job, rank, factory)
+        except Exception as e:
+            hint = f" {NO_VALUES}" if "meta" in str(e) else ""  # a value read, or a device
+            raise DryRunError(
+                f"playing rank {rank} of {job.world} failed: {type(e).__name__}: {e}.{hint}"
+            ) from e
+
+
+@contextlib.contextmanager
+def stand_in_world(rank: int, world: int) -> Iterator[None]:
+    """Within: this process is rank ``rank`` of ``world``, every process group (the world and
+    those made inside, such as a layout's) a stand-in that records. After: no process group,
+    and the process as it was found (``_left_as_found``)."""
     if dist.is_initialized():
         raise DryRunError(
             "zerokit plan plays each rank of its job in this process with stand-in process "
@@ -88,14 +103,9 @@ def run_rank(job: Job, rank: int, factory: Callable) -> RankRun:
     with _left_as_found():
         try:
             dist.init_process_group(
-                stand_in.BACKEND, store=dist.HashStore(), rank=rank, world_size=job.world
+                stand_in.BACKEND, store=dist.HashStore(), rank=rank, world_size=world
             )
-            return _play(job, rank, factory)
-        except Exception as e:
-            hint = f" {NO_VALUES}" if "meta" in str(e) else ""  # a value read, or a device
-            raise DryRunError(
-                f"playing rank {rank} of {job.world} failed: {type(e).__name__}: {e}.{hint}"
-            ) from e
+            yield
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -34,11 +34,11 @@ from ..core.layout import BucketLayout
 from ..core.optimizer_needs import needs_of
 from ..core.stand_in import Call
 from ..core.units import UnitPlan, plan_groups, plan_units
+from ..layout import Layout, init_hybrid_parallel
 from ..memory import STATE_PER_PARAM
 from ..mixed_precision import MixedPrecision
-from .dry_run import NO_VALUES, DryRunError, Job, run_rank
+from .dry_run import NO_VALUES, DryRunError, Job, RankRun, run_rank, stand_in_world
 from .plan_optimizers import FLOPS_RULE, OPTIMIZERS, as_list
-from .plan_tp import recording_tp_collectives, stand_in_layout
 from .workload import accepts_layout, as_workload, load_factory, tp_workload
 
 LOW = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -158,62 +158,23 @@ def make_plan(cfg: PlanConfig) -> dict:
 
 def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
     """The report and rank 0's step collectives one by one (the report aggregates them)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     check_config(cfg)
     if cfg.pp > 1:
         raise ValueError("--pp: use zerokit.tools.plan_pp.plan_with_calls, which plans pipelines")
     low = LOW[cfg.mixed_precision]
-    policy = MixedPrecision(param_dtype=low)
     dp = cfg.world // cfg.tp
     degree = cfg.sharding_degree or dp
     batch = cfg.batch if cfg.batch is not None else dp
-    per_tp_rank = {}  # tp rank -> (units, frozen, activations)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        factory = load_factory(cfg.model)  # a ValueError: a usage error, as it is
-        if cfg.tp > 1 and not accepts_layout(factory):
-            raise ValueError(
-                f"--tp {cfg.tp}: the factory {cfg.model} takes no 'layout' keyword (see "
-                "zerokit.tools.workload: factory(layout=None) the plain model, factory(layout=layout) "
-                "the tensor-parallel one)"
-            )
-        plain = _fake_workload(factory, cfg.seq, cfg.tp)
-        psi_model = sum(p.numel() for p in plain.model.parameters())
-        for t in sorted({0, cfg.tp - 1}):  # tp splits: all ranks alike but the last
-            work = plain if cfg.tp == 1 else _fake_tp_workload(factory, cfg, t, plain)
-            units, frozen = _units(work.model, cfg, policy, degree)
-            try:
-                activations, _ = _activation_bytes(work, batch // dp, policy, mode, cfg.tp > 1)
-            except Exception as e:
-                raise DryRunError(
-                    f"the forward on fake tensors failed: {type(e).__name__}: {e}. {NO_VALUES}"
-                ) from e
-            per_tp_rank[t] = (units, frozen, activations)
+    factory, psi_model, per_tp_rank = _tp_splits(cfg, degree, batch // dp)
     job = Job(
         world=cfg.world, level=cfg.level, tp=cfg.tp, degree=degree, seq=cfg.seq,
         rows=batch // dp, low=low, optimizer=cfg.optimizer, buffer_max_size=cfg.buffer_max_size,
         segment_size=cfg.segment_size,
     )  # fmt: skip
     played = _play_alike_once(job, cfg, factory, per_tp_rank)
-    transient = transient_bytes(per_tp_rank[0][0], cfg.level)
     # alike ranks share their run: describe each once
     calls_of = {id(run): _described(run.calls, cfg.level) for run in played.values()}
-    ranks = []
-    for rank in range(cfg.world):
-        run = played[rank]
-        units, _, activations = per_tp_rank[_tp_class(rank, cfg.tp)]
-        memory = dict(run.memory)
-        memory.update(transient=transient_bytes(units, cfg.level)["total"], activations=activations)
-        calls = calls_of[id(run)]
-        ranks.append(
-            {
-                "rank": rank,
-                "memory": memory,
-                "collectives": aggregate(calls),
-                "bytes_per_step": round(sum(c.sent for c in calls)),
-                "optimizer_flops": run.flops,
-            }
-        )
+    ranks = [_rank_entry(cfg, r, played[r], per_tp_rank, calls_of) for r in range(cfg.world)]
     units = per_tp_rank[0][0]
     psi = sum(b.numel for u in units for b in u.layouts)  # what ZeRO shards on a rank
     itemsize = low.itemsize if low is not None else units[0].master if units else 4
@@ -224,7 +185,7 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
         "tp": cfg.tp,
         "buckets": sum(len(u.layouts) for u in units),
         "units": len(units),
-        "transient": transient,
+        "transient": transient_bytes(units, cfg.level),
         "paper_bytes_per_step": round(paper),
         "optimizer": cfg.optimizer,
         "optimizer_flops_rule": FLOPS_RULE,
@@ -232,6 +193,65 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
         "ranks": ranks,
         "played_ranks": sorted({run.rank for run in played.values()}),
     }, calls_of[id(played[0])]
+
+
+def _rank_entry(cfg: PlanConfig, rank: int, run: RankRun, per_tp_rank: dict, calls_of: dict):
+    """Rank ``rank``'s row of the report: what its run (its own, or an alike rank's) held and
+    sent, with the estimates."""
+    units, _, activations = per_tp_rank[_tp_class(rank, cfg.tp)]
+    memory = dict(run.memory)
+    memory.update(transient=transient_bytes(units, cfg.level)["total"], activations=activations)
+    calls = calls_of[id(run)]
+    return {
+        "rank": rank,
+        "memory": memory,
+        "collectives": aggregate(calls),
+        "bytes_per_step": round(sum(c.sent for c in calls)),
+        "optimizer_flops": run.flops,
+    }
+
+
+def _tp_splits(cfg: PlanConfig, degree: int, rows: int) -> tuple:
+    """The factory, the whole model's parameter count, and for each tp split planned (every
+    tp rank holds the first's but the last: tp ranks 0 and tp - 1) its (units, frozen bytes,
+    activations), built and run on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    policy = MixedPrecision(param_dtype=LOW[cfg.mixed_precision])
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        factory = load_factory(cfg.model)  # a ValueError: a usage error, as it is
+        if cfg.tp > 1 and not accepts_layout(factory):
+            raise ValueError(
+                f"--tp {cfg.tp}: the factory {cfg.model} takes no 'layout' keyword (see "
+                "zerokit.tools.workload: factory(layout=None) the plain model, "
+                "factory(layout=layout) the tensor-parallel one)"
+            )
+        plain = _fake_workload(factory, cfg.seq, cfg.tp)
+        psi_model = sum(p.numel() for p in plain.model.parameters())
+        if cfg.tp == 1:
+            return factory, psi_model, {0: _figures(plain, cfg, policy, degree, rows, mode)}
+    splits = {}
+    for t in sorted({0, cfg.tp - 1}):
+        # tp rank t of the stand-in world: the tp layers' groups record their collectives
+        # and the layers' own control values (the vocabulary ranges) are real, as in the dry run
+        with stand_in_world(t, cfg.world):
+            layout = init_hybrid_parallel(cfg.world // cfg.tp, cfg.tp)
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                work = _fake_tp_workload(factory, cfg, layout, plain)
+                splits[t] = _figures(work, cfg, policy, degree, rows, mode)
+    return factory, psi_model, splits
+
+
+def _figures(work, cfg: PlanConfig, policy: MixedPrecision, degree: int, rows: int, mode):
+    """(units, frozen bytes, activations) of one tp split's model, on fake tensors."""
+    units, frozen = _units(work.model, cfg, policy, degree)
+    try:
+        activations = _activation_bytes(work, rows, policy, mode, cfg.tp > 1)
+    except Exception as e:
+        raise DryRunError(
+            f"the forward on fake tensors failed: {type(e).__name__}: {e}. {NO_VALUES}"
+        ) from e
+    return units, frozen, activations
 
 
 def _imbalance(flops: list[int]) -> float:
@@ -323,9 +343,8 @@ def _fake_workload(factory, seq: int, tp: int):
         raise ValueError(f"--model: building it on fake tensors failed: {e}") from e
 
 
-def _fake_tp_workload(factory, cfg: PlanConfig, tp_rank: int, plain):
-    """tp rank ``tp_rank``'s model, built with a stand-in layout on fake tensors."""
-    layout = stand_in_layout(cfg.tp, tp_rank, cfg.world // cfg.tp)
+def _fake_tp_workload(factory, cfg: PlanConfig, layout: Layout, plain):
+    """tp rank ``layout.tp_rank``'s model, built on fake tensors."""
     torch.manual_seed(0)
     try:
         return tp_workload(factory, layout, plain)
@@ -494,24 +513,23 @@ def aggregate(collectives: list[Collective]) -> list[dict]:
     return list(rows.values())
 
 
-def _activation_bytes(work, per_rank: int, policy: MixedPrecision, mode, tp: bool):
+def _activation_bytes(work, per_rank: int, policy: MixedPrecision, mode, tp: bool) -> int:
     """What autograd saves for backward in one forward and loss of a rank's micro-batch, each
     storage once, the parameters left out: counted on fake tensors, so kernels save what they
     would on the device (the ``zerokit.memory.measure_activations`` way, for any model).
-    With ``tp``, also the tensor-parallel collectives of that forward, loss and backward."""
+    With ``tp`` the forward runs outside the fake mode (its tensors are still fake): a tensor
+    the tp layers make from nothing (a control value, over a stand-in group) is then real."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     model = work.model
     to_compute_dtype(model, policy)
     x, y = (mode.from_tensor(t[:per_rank]) for t in _real_batch(work, per_rank))
     if policy.param_dtype is not None and x.is_floating_point():
         x = x.to(policy.param_dtype)
-    calls: list[tuple[str, int, int]] = []
-    recording = recording_tp_collectives(calls) if tp else contextlib.nullcontext()
-    with recording:
+    with unset_fake_temporarily() if tp else contextlib.nullcontext():
         with saved_bytes(model) as seen:
-            loss = work.loss_fn(model(x), y)
-        if tp:
-            loss.backward()
-    return sum(seen.values()), calls
+            work.loss_fn(model(x), y)
+    return sum(seen.values())
 
 
 def to_compute_dtype(model: nn.Module, policy: MixedPrecision) -> None:
