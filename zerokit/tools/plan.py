@@ -35,7 +35,7 @@ from ..core.optimizer_needs import needs_of
 from ..core.stand_in import Call
 from ..core.units import UnitPlan, plan_groups, plan_units
 from ..layout import Layout, init_hybrid_parallel
-from ..memory import STATE_PER_PARAM
+from ..memory import STATE_PER_PARAM, paper_bytes_per_step
 from ..mixed_precision import MixedPrecision
 from .dry_run import NO_VALUES, DryRunError, Job, RankRun, run_rank, stand_in_world
 from .plan_optimizers import FLOPS_RULE, OPTIMIZERS, as_list
@@ -145,8 +145,8 @@ def check_config(cfg: PlanConfig) -> None:
         )
     if cfg.pp > 1 and cfg.optimizer not in STATE_PER_PARAM:
         raise ValueError(
-            f"--pp plans pipelines from zerokit's rules, which know elementwise optimizers only: "
-            f"--optimizer {cfg.optimizer} is planned by the dry run, without --pp"
+            f"--pp plans elementwise optimizers only: --optimizer {cfg.optimizer} is planned "
+            "without --pp"
         )
 
 
@@ -178,7 +178,6 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
     units = per_tp_rank[0][0]
     psi = sum(b.numel for u in units for b in u.layouts)  # what ZeRO shards on a rank
     itemsize = low.itemsize if low is not None else units[0].master if units else 4
-    paper = (3 if cfg.level == "p_g_os" else 2) * psi * (dp - 1) / dp * itemsize
     return {
         "params": psi_model if cfg.tp > 1 else psi,
         **report_head(cfg, degree, batch),
@@ -186,7 +185,7 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
         "buckets": sum(len(u.layouts) for u in units),
         "units": len(units),
         "transient": transient_bytes(units, cfg.level),
-        "paper_bytes_per_step": round(paper),
+        "paper_bytes_per_step": paper_bytes_per_step(cfg.level, psi, dp, itemsize),
         "optimizer": cfg.optimizer,
         "optimizer_flops_rule": FLOPS_RULE,
         "optimizer_flops_imbalance": _imbalance([r["optimizer_flops"] for r in ranks]),
@@ -280,25 +279,27 @@ def _tp_class(rank: int, tp: int) -> int:
 
 def _play_alike_once(job: Job, cfg: PlanConfig, factory, per_tp_rank: dict) -> dict:
     """Every rank's ``RankRun``, playing ranks the layout says are alike only once: alike
-    ranks hold the same tp split and the same amounts by ``rank_memory``. If the one played
-    holds other amounts than the layout says, every rank of its kind is played."""
+    ranks hold the same tp split and the same pieces of every bucket (``holding``)."""
     if cfg.optimizer not in STATE_PER_PARAM:  # the owner layout: each rank holds its own
         return {rank: run_rank(job, rank, factory) for rank in range(cfg.world)}
     alike: dict[tuple, list[int]] = {}
     for rank in range(cfg.world):
         t = _tp_class(rank, cfg.tp)
-        units, frozen, _ = per_tp_rank[t]
-        said = rank_memory(units, cfg.level, (rank // cfg.tp) % job.degree, frozen, cfg.optimizer)
-        alike.setdefault((t, tuple(sorted(said.items()))), []).append(rank)
+        units = per_tp_rank[t][0]
+        alike.setdefault((t, holding(units, (rank // cfg.tp) % job.degree)), []).append(rank)
     played = {}
-    for (_, said), ranks in alike.items():
-        run = run_rank(job, ranks[0], factory)
-        if run.memory != dict(said):
-            runs = [run] + [run_rank(job, r, factory) for r in ranks[1:]]
-        else:
-            runs = [run] * len(ranks)
-        played.update(zip(ranks, runs))
+    for ranks in alike.values():
+        played.update(dict.fromkeys(ranks, run_rank(job, ranks[0], factory)))
     return played
+
+
+def holding(units: list[_Unit], g: int) -> tuple:
+    """The sizes of what rank ``g`` of a shard group holds of each bucket under an elementwise
+    optimizer: its shard and its pieces. Ranks holding the same hold the same bytes at every
+    level, and send the same (every rank of a group takes part in each of its collectives)."""
+    return tuple(
+        (b.shard_numel, tuple(p.numel for p in b.pieces(g))) for u in units for b in u.layouts
+    )
 
 
 def _described(calls: list[tuple[str, Call]], level: str) -> list[Collective]:
@@ -392,29 +393,6 @@ def _unit(plan: UnitPlan, layouts, policy: MixedPrecision, model: nn.Module) -> 
     )
 
 
-def rank_memory(units: list[_Unit], level: str, g: int, frozen: int, optimizer: str) -> dict:
-    """Bytes rank ``g`` of the shard group holds after a backward, as ``measure`` counts them."""
-    params = grads = state = 0
-    per_element = 4 * STATE_PER_PARAM[optimizer]
-    for u in units:
-        for b in u.layouts:
-            full, shard = b.padded_numel, b.shard_numel
-            cast = u.compute != u.master
-            if level == "p_g_os":  # between uses only the master shard exists
-                params += shard * u.master
-            else:  # the full (compute) copy; a master shard of its own when cast
-                params += full * u.compute + (shard * u.master if cast else 0)
-            if level == "os":  # the full reduced gradient; the pieces' copy in fp32 if not
-                grads += full * u.reduce + (shard * u.master if u.reduce != u.master else 0)
-            else:
-                grads += shard * u.master
-            pieces = b.pieces(g)
-            state += sum(p.numel for p in pieces) * per_element
-            if optimizer in ("adam", "adamw"):
-                state += len(pieces) * _STEP_BYTES
-    return {"params": params + frozen, "grads": grads, "optimizer": state}
-
-
 def transient_bytes(units: list[_Unit], level: str) -> dict:
     """The largest transient of a step. 'p_g_os': the root unit (gathered from forward to the
     end of backward) and two units in a row (the one running and the one gathered ahead).
@@ -434,70 +412,6 @@ def _pair_max(sizes: list[int]) -> int:
     if len(sizes) < 2:
         return sum(sizes)
     return max(a + b for a, b in itertools.pairwise(sizes))
-
-
-class Ops:
-    """The core's collectives, as a list: what one rank of a shard group of ``degree`` ranks
-    (``replicas`` copies of it) issues for each event of a step."""
-
-    def __init__(self, degree: int, replicas: int):
-        self.degree, self.replicas = degree, replicas
-        self.data_groups = [degree] + ([replicas] if replicas > 1 else [])
-        self.out: list[Collective] = []
-
-    def add(self, op: str, size: int, nbytes: int, what: str) -> None:
-        if size > 1:  # the core's collectives do nothing at group size 1
-            self.out.append(Collective(op, size, nbytes, what))
-
-    def gather(self, u: _Unit, when: str) -> None:
-        # (the per-gather agreement is a debug option, ShardingConfig(debug_agreement=True):
-        # off the step's path, so not planned)
-        for b in u.layouts:
-            self.add(
-                "all_gather", self.degree, b.padded_numel * u.compute, f"gather parameters ({when})"
-            )
-
-    def agree_order(self) -> None:
-        """A forward whose output requires grad: the units' order agreed."""
-        for size in self.data_groups:
-            self.add("all_reduce", size, _AGREE_BYTES, "agree on the units' order")
-
-    def reduce(self, u: _Unit, level: str) -> None:
-        degree, replicas = self.degree, self.replicas
-        for b in u.layouts:
-            full, shard = b.padded_numel * u.reduce, b.shard_numel
-            if level == "os":
-                self.add("all_reduce", degree, full, "reduce gradients")
-                self.add(
-                    "all_reduce", replicas, shard * u.reduce, "replicas: reduce gradient shard"
-                )
-                if replicas > 1:
-                    self.add("all_gather", degree, full, "replicas: spread reduced gradients")
-            else:
-                self.add("reduce_scatter", degree, full, "reduce gradients")
-                self.add(
-                    "all_reduce", replicas, shard * u.master, "replicas: reduce gradient shard"
-                )
-
-    def end_of_backward(self, units: list[_Unit], low: torch.dtype | None) -> None:
-        """A synchronised backward's end: which parameters have gradients; fp16's inf check."""
-        flags = sum(len(b.slots) for u in units for b in u.layouts)
-        for size in self.data_groups:
-            self.add("all_reduce", size, flags, "agree which parameters have gradients")
-        if low == torch.float16:  # the loss scaler's inf/nan check
-            for size in self.data_groups:
-                self.add("all_reduce", size, 4, "loss scaler: agree on inf/nan")
-
-    def step(self, units: list[_Unit], level: str) -> None:
-        if level != "p_g_os":
-            for u in units:
-                for b in u.layouts:
-                    self.add(
-                        "all_gather",
-                        self.degree,
-                        b.padded_numel * u.compute,
-                        "gather updated shards",
-                    )
 
 
 def aggregate(collectives: list[Collective]) -> list[dict]:

@@ -2,53 +2,41 @@
 of one step of ``PipelineModule.forward_backward`` with ZeRO over the stage's data-parallel
 ranks, then ``optimizer.step()``.
 
-What is zerokit's own code run here: the layer list (``models.gpt.gpt_layers``), the split
-(``pipeline.partition``, ``PipelineModule``'s default ``"parameters"``), each stage's
-``PipelineStage`` built on fake tensors, its units and buckets (``core.units``, as in
-``zerokit.tools.plan``), the schedule's actions (``pipeline.schedules``), and each stage's forward on
-fake tensors, which gives the shapes sent between stages and the bytes autograd saves. What is
-written out from the pipeline's and the core's rules (``docs/ARCHITECTURE.md``, "Pipeline
-parallelism"), and held to real 2- and 4-rank steps by tests/test_plan.py:
-
-- per forward: the receive of the input (a 10-int64 header, then the tensor) on every stage
-  but the first, the units' gathers ('p_g_os': the root unit only if the last backward freed
-  it), the agreement on the units' order (below 'p_g_os'; stage 3 agrees it once, in the
-  first step), the send of the output on every stage but the last;
-- per backward: the receive of the output's gradient, the gathers of the backward ('p_g_os':
-  every unit but a still-gathered root), and, on the stage's last backward unless the stage
-  holds a copy of a weight tied across stages, the gradients' reduction; then every group is
-  freed; the input's gradient is sent back;
-- after the schedule: tied copies' gradients summed over the stages holding them, then the
-  deferred reduction; the loss broadcast from the last stage and averaged over the data
-  groups; the optimizer's step (below 'p_g_os': every bucket's updated shards gathered).
-
-Memory: each stage's parameters, gradients and optimizer state as ``zerokit.tools.plan`` counts them
-for the stage's own units; activations: one micro-batch's saved bytes times the most
-micro-batches the schedule holds at once (``schedules.peak_in_flight``); the transient adds
-what the mailbox holds until the schedule ends (every tensor the stage sent, with headers).
+Every figure of a rank is read from its dry run (``zerokit.tools.dry_run_pp``): the pipeline
+built on meta, its stage wrapped and trained two steps against stand-in groups, so the
+transfers, gathers, reductions, tied weights' sums and the loss are what the code issues, and
+the memory what ``measure`` counts. Ranks holding the same pieces of the same stage are played
+once. What is estimated on fake tensors, as without a pipeline: each stage's units and buckets
+(``core.units``), the largest transient (``zerokit.tools.plan.transient_bytes``, plus every
+tensor the stage sent, which the mailbox holds until the schedule ends) and the activations:
+one micro-batch's saved bytes (each stage's forward on fake tensors) times the most
+micro-batches the schedule holds at once (``schedules.peak_in_flight``).
+tests/test_plan.py holds the plan to real 2- and 4-rank steps.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..memory import paper_bytes_per_step
 from ..mixed_precision import MixedPrecision
 from ..models.gpt import gpt_layers
-from ..pipeline.describe import SharedLayerDesc
 from ..pipeline.module import PipelineStage
 from ..pipeline.partition import partition
 from ..pipeline.schedules import peak_in_flight, schedule
+from .dry_run import Job
+from .dry_run_pp import open_pipeline, run_stage_rank
 from .plan import (
     LOW,
     Collective,
-    Ops,
     _fake_workload,
+    _purpose,
     _real_batch,
     _Unit,
     _units,
     aggregate,
     check_config,
-    rank_memory,
+    holding,
     report_head,
     saved_bytes,
     to_compute_dtype,
@@ -56,9 +44,6 @@ from .plan import (
 )
 from .plan import plan_with_calls as plain_plan
 from .workload import check_pipeline_model, load_factory
-
-HEADER_BYTES = 80  # p2p.py: a header of 10 int64 before every tensor sent
-_LOSS_BYTES = 4  # the float32 mean loss, broadcast from the last stage and averaged
 
 
 @dataclass(frozen=True)
@@ -68,12 +53,8 @@ class StagePlan:
     stage: int
     layers: tuple[int, int]  # [first, end) in the whole model's layer list
     units: list[_Unit]
-    frozen: int
     params: int  # trainable parameters of the stage
     activations: int  # saved for backward by one micro-batch (the loss too on the last)
-    input_bytes: int  # the tensor received per micro-batch (its gradient is sent back)
-    output_bytes: int  # the tensor sent on per micro-batch (its gradient comes back)
-    tied: tuple[tuple[int, int], ...]  # (stages holding the copy, bytes of its gradient)
 
 
 def gpt_stage_layers(model, what: str) -> list:
@@ -89,98 +70,10 @@ def build_stages(layers: list, pp: int) -> tuple[list[int], list[PipelineStage]]
     return bounds, stages
 
 
-def tied_stages(layers: list, bounds: list[int]) -> dict[str, list[int]]:
-    """Each shared key on several stages -> those stages (as ``PipelineModule`` finds them)."""
-    where: dict[str, list[int]] = {}
-    for i, item in enumerate(layers):
-        if isinstance(item, SharedLayerDesc):
-            s = next(s for s in range(len(bounds) - 1) if i < bounds[s + 1])
-            if s not in where.setdefault(item.key, []):
-                where[item.key].append(s)
-    return {k: v for k, v in sorted(where.items()) if len(v) > 1}
-
-
-def stage_collectives(
-    plan: StagePlan,
-    num_stages: int,
-    level: str,
-    degree: int,
-    replicas: int,
-    actions_of: str,
-    micro_batches: int,
-) -> list[Collective]:
-    """Rank of stage ``plan.stage``: the logical collectives of one step, in order."""
-    s, units = plan.stage, plan.units
-    ops = Ops(degree, replicas)
-    first, last = s == 0, s == num_stages - 1
-    deferred = bool(plan.tied)
-    actions = schedule(actions_of, num_stages, s, micro_batches)
-    last_b = max(k for k, a in enumerate(actions) if a.kind == "B")
-    root_gathered = False
-    p2p = ops.out.append
-
-    def transfer(op: str, nbytes: int, what: str) -> None:
-        p2p(Collective(op, 2, HEADER_BYTES, f"{what} (header)"))
-        p2p(Collective(op, 2, nbytes, what))
-
-    def gathers(when: str) -> None:
-        nonlocal root_gathered
-        if level != "p_g_os":
-            return
-        others = [u for u in units if not u.is_root]  # forward in order, backward reversed
-        if not root_gathered:
-            for u in units:
-                if u.is_root:
-                    ops.gather(u, when)
-        for u in others if when == "forward" else reversed(others):
-            ops.gather(u, when)
-        root_gathered = True
-
-    for k, action in enumerate(actions):
-        if action.kind == "F":
-            if not first:
-                transfer("recv", plan.input_bytes, "receive activations")
-            gathers("forward")
-            if level != "p_g_os":  # stage 3 agrees once, then only when its order changes
-                ops.agree_order()
-            if not last:
-                transfer("send", plan.output_bytes, "send activations")
-        else:
-            if not last:
-                transfer("recv", plan.output_bytes, "receive gradients")
-            gathers("backward")
-            if k == last_b and not deferred:
-                for u in reversed(units):
-                    ops.reduce(u, level)
-                ops.end_of_backward(units, None)
-            root_gathered = False  # every backward ends by freeing every unit
-            if not first:
-                transfer("send", plan.input_bytes, "send gradients")
-    for stages, nbytes in plan.tied:
-        if stages > 1:
-            ops.out.append(Collective("all_reduce", stages, nbytes, "sum tied weights' gradients"))
-    if deferred:
-        for u in reversed(units):
-            ops.reduce(u, level)
-        ops.end_of_backward(units, None)
-    if num_stages > 1:
-        ops.out.append(
-            Collective("broadcast", num_stages, _LOSS_BYTES, "the loss, from the last stage")
-        )
-    for size in ops.data_groups:
-        ops.add("all_reduce", size, _LOSS_BYTES, "the loss, averaged")
-    ops.step(units, level)
-    return ops.out
-
-
-def stage_transient(plan: StagePlan, num_stages: int, level: str, micro_batches: int) -> dict:
-    """``zerokit.tools.plan.transient_bytes`` plus what the mailbox holds until the schedule ends."""
+def stage_transient(plan: StagePlan, level: str, sent: int) -> dict:
+    """``zerokit.tools.plan.transient_bytes`` plus what the mailbox holds until the schedule
+    ends: ``sent``, every tensor the stage sent (headers included), as its dry run sent them."""
     out = transient_bytes(plan.units, level)
-    sent = 0
-    if plan.stage < num_stages - 1:
-        sent += micro_batches * (plan.output_bytes + HEADER_BYTES)
-    if plan.stage > 0:
-        sent += micro_batches * (plan.input_bytes + HEADER_BYTES)
     out["sent"] = sent
     out["total"] += sent
     return out
@@ -221,16 +114,28 @@ def plan_with_calls(cfg) -> tuple[dict, dict[int, list[Collective]]]:
     if cfg.pp == 1:
         report, calls = plain_plan(cfg)
         return report, {0: calls}
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     check_config(cfg)
-    low = LOW[cfg.mixed_precision]
-    policy = MixedPrecision(param_dtype=low)
     per_stage = cfg.world // cfg.pp
     degree = cfg.sharding_degree or per_stage
     m = cfg.micro_batches or cfg.pp
     batch = cfg.batch if cfg.batch is not None else per_stage * m
     check_pp(cfg.pp, cfg.world, cfg.tp, m, batch // per_stage, cfg.mixed_precision)
+    factory, psi, plans = _stage_plans(cfg, degree, batch // per_stage // m)
+    job = Job(
+        world=cfg.world, level=cfg.level, tp=1, degree=degree, seq=cfg.seq,
+        rows=batch // per_stage, low=LOW[cfg.mixed_precision], optimizer=cfg.optimizer,
+        buffer_max_size=cfg.buffer_max_size, segment_size=cfg.segment_size, pp=cfg.pp,
+    )  # fmt: skip
+    played = _play_stages(job, cfg, factory, plans, m)
+    return _report(cfg, plans, played, psi, degree, batch, m)
+
+
+def _stage_plans(cfg, degree: int, rows: int) -> tuple:
+    """The factory, the whole model's parameter count and each stage's ``StagePlan``: the
+    split ``PipelineModule`` makes, each stage built and run forward on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    policy = MixedPrecision(param_dtype=LOW[cfg.mixed_precision])
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         factory = load_factory(cfg.model)
         plain = _fake_workload(factory, cfg.seq, 1)
@@ -238,73 +143,53 @@ def plan_with_calls(cfg) -> tuple[dict, dict[int, list[Collective]]]:
         layers = gpt_stage_layers(plain.model, cfg.model or "the built-in GPT")
         loss_fn = plain.loss_fn  # the workload's, as without a pipeline (fp32 cross-entropy)
         bounds, stages = build_stages(layers, cfg.pp)
-        tied = tied_stages(layers, bounds)
-        x, y = (mode.from_tensor(t) for t in _real_batch(plain, batch // per_stage // m))
+        x, y = (mode.from_tensor(t) for t in _real_batch(plain, rows))
         plans = []
         for s, stage in enumerate(stages):
-            units, frozen = _units(stage, cfg, policy, degree)
+            units, _ = _units(stage, cfg, policy, degree)
             saved, out = _stage_forward(stage, x, policy, loss_fn if s == cfg.pp - 1 else None, y)
-            copies = [key for key, where in tied.items() if s in where]
-            plans.append(
-                StagePlan(
-                    stage=s,
-                    layers=(bounds[s], bounds[s + 1]),
-                    units=units,
-                    frozen=frozen,
-                    params=sum(p.numel() for p in stage.parameters() if p.requires_grad),
-                    activations=saved,
-                    input_bytes=x.nbytes,
-                    output_bytes=out.nbytes if s < cfg.pp - 1 else 0,
-                    tied=tuple((len(tied[k]), _tied_grad_bytes(stage, k, layers)) for k in copies),
-                )
-            )
+            trainable = sum(p.numel() for p in stage.parameters() if p.requires_grad)
+            plans.append(StagePlan(s, (bounds[s], bounds[s + 1]), units, trainable, saved))
             x = out.detach()
-    return _report(cfg, plans, psi, degree, batch, m)
+    return factory, psi, plans
 
 
-def _report(cfg, plans: list[StagePlan], psi: int, degree: int, batch: int, m: int):
+def _play_stages(job: Job, cfg, factory, plans: list[StagePlan], m: int) -> dict:
+    """Every rank's ``RankRun``, the stages in order (a stage's receives are answered with
+    what the stage before it sent), ranks of a stage holding the same pieces played once."""
+    open_pipeline()
     per_stage = cfg.world // cfg.pp
-    replicas = per_stage // degree
-    calls, stages = {}, []
-    for p in plans:
-        calls[p.stage] = stage_collectives(p, cfg.pp, cfg.level, degree, replicas, cfg.schedule, m)
-        held = in_flight(cfg.schedule, cfg.pp, p.stage, m)
-        psi_stage = sum(b.numel for u in p.units for b in u.layouts)
-        itemsize = LOW[cfg.mixed_precision].itemsize if cfg.mixed_precision else 4
-        k = 3 if cfg.level == "p_g_os" else 2
-        stages.append(
-            {
-                "stage": p.stage,
-                "layers": list(p.layers),
-                "params": p.params,
-                "ranks": [p.stage * per_stage, (p.stage + 1) * per_stage - 1],
-                "units": len(p.units),
-                "buckets": sum(len(u.layouts) for u in p.units),
-                "activations_per_micro_batch": p.activations,
-                "micro_batches_in_flight": held,
-                "transient": stage_transient(p, cfg.pp, cfg.level, m),
-                "paper_bytes_per_step": round(
-                    k * psi_stage * (per_stage - 1) / per_stage * itemsize
-                ),
-            }
-        )
+    played = {}
+    for plan in plans:
+        alike: dict[tuple, list[int]] = {}
+        for rank in range(plan.stage * per_stage, (plan.stage + 1) * per_stage):
+            alike.setdefault(holding(plan.units, (rank % per_stage) % job.degree), []).append(rank)
+        for ranks in alike.values():
+            run = run_stage_rank(job, ranks[0], factory, cfg.schedule, m)
+            played.update(dict.fromkeys(ranks, run))
+    return played
+
+
+def _report(cfg, plans: list[StagePlan], played: dict, psi: int, degree: int, batch: int, m: int):
+    per_stage = cfg.world // cfg.pp
+    calls = {p.stage: _described(played[p.stage * per_stage], cfg.level) for p in plans}
+    stages = [_stage_entry(cfg, p, calls[p.stage], m) for p in plans]
     ranks = []
     for rank in range(cfg.world):
         p = plans[rank // per_stage]
-        memory = rank_memory(
-            p.units, cfg.level, (rank % per_stage) % degree, p.frozen, cfg.optimizer
-        )
+        memory = dict(played[rank].memory)
         memory.update(
             transient=stages[p.stage]["transient"]["total"],
             activations=p.activations * stages[p.stage]["micro_batches_in_flight"],
         )
+        described = _described(played[rank], cfg.level)
         ranks.append(
             {
                 "rank": rank,
                 "stage": p.stage,
                 "memory": memory,
-                "collectives": aggregate(calls[p.stage]),
-                "bytes_per_step": round(sum(c.sent for c in calls[p.stage])),
+                "collectives": aggregate(described),
+                "bytes_per_step": round(sum(c.sent for c in described)),
             }
         )
     report = {
@@ -324,6 +209,37 @@ def _report(cfg, plans: list[StagePlan], psi: int, degree: int, batch: int, m: i
     return report, calls
 
 
+def _stage_entry(cfg, p: StagePlan, calls: list[Collective], m: int) -> dict:
+    """A stage's row of the report."""
+    per_stage = cfg.world // cfg.pp
+    psi_stage = sum(b.numel for u in p.units for b in u.layouts)
+    itemsize = LOW[cfg.mixed_precision].itemsize if cfg.mixed_precision else 4
+    sent = sum(c.bytes for c in calls if c.op == "send")
+    return {
+        "stage": p.stage,
+        "layers": list(p.layers),
+        "params": p.params,
+        "ranks": [p.stage * per_stage, (p.stage + 1) * per_stage - 1],
+        "units": len(p.units),
+        "buckets": sum(len(u.layouts) for u in p.units),
+        "activations_per_micro_batch": p.activations,
+        "micro_batches_in_flight": in_flight(cfg.schedule, cfg.pp, p.stage, m),
+        "transient": stage_transient(p, cfg.level, sent),
+        "paper_bytes_per_step": paper_bytes_per_step(cfg.level, psi_stage, per_stage, itemsize),
+    }
+
+
+def _described(run, level: str) -> list[Collective]:
+    """A played rank's calls as ``Collective``s: the pipeline's own named by the dry run
+    (transfers, the tied weights' sum, the loss), zerokit's as without a pipeline."""
+    out = []
+    for role, c in run.calls:
+        what = role if role not in ("shard", "replicas", "model") else _purpose(role, c, level)
+        pair = c.op in ("send", "recv")  # point to point: between two ranks of the group
+        out.append(Collective(c.op, 2 if pair else c.group_size, c.bytes, what))
+    return out
+
+
 def _stage_forward(stage, x, policy: MixedPrecision, loss_fn, y):
     """One micro-batch through ``stage`` on fake tensors: the bytes autograd saves (each
     storage once, parameters left out; the loss too on the last stage) and the output."""
@@ -335,10 +251,3 @@ def _stage_forward(stage, x, policy: MixedPrecision, loss_fn, y):
         if loss_fn is not None:
             loss_fn(out, y)
     return sum(seen.values()), out
-
-
-def _tied_grad_bytes(stage, key: str, layers: list) -> int:
-    """The tied copy's gradient, summed across stages in the compute dtype (``finalize.py``)."""
-    attr = next(d.shared_weight_attr for d in layers if getattr(d, "key", None) == key)
-    weight = getattr(stage.shared[key], attr)
-    return weight.numel() * weight.element_size()

@@ -3,7 +3,7 @@ collectives, beside the ZeRO paper's volume."""
 
 from __future__ import annotations
 
-from ..memory import format_bytes
+from ..memory import format_bytes, paper_volume
 from .plan import summarize
 
 _MEMORY = ("params", "grads", "optimizer", "transient", "activations")
@@ -80,7 +80,7 @@ def format_plan(report: dict) -> str:
                 f"  {c['op']:<15}{c['group_size']:>6}{c['calls']:>7}"
                 f"{format_bytes(c['bytes']):>12}  {c['what']}"
             )
-        k = 3 if level == "p_g_os" else 2
+        k = paper_volume(level)
         psi = "Ψ/tp" if tp > 1 else "Ψ"
         lines.append(
             f"  sent per rank per step: {format_bytes(body['bytes_per_step'])} (ring algorithm); "
