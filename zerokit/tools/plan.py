@@ -30,6 +30,8 @@ from torch import nn
 
 from ..api import LEVELS
 from ..config import ShardingConfig
+from ..core.build import LevelPlan
+from ..core.gradients import ShardedGradients
 from ..core.layout import BucketLayout
 from ..core.optimizer_needs import needs_of
 from ..core.stand_in import Call
@@ -305,10 +307,16 @@ def holding(units: list[_Unit], g: int) -> tuple:
 def _described(calls: list[tuple[str, Call]], level: str) -> list[Collective]:
     """The recorded calls of a step as ``Collective``s, each with what it is for (read from
     the group's role, the phase, the op and the dtype: control values are integers)."""
-    return [Collective(c.op, c.group_size, c.bytes, _purpose(role, c, level)) for role, c in calls]
+    shard_params = LevelPlan.decode(level).shard_params
+    return [
+        Collective(c.op, c.group_size, c.bytes, _purpose(role, c, shard_params))
+        for role, c in calls
+    ]
 
 
-def _purpose(role: str, c: Call, level: str) -> str:
+def _purpose(role: str, c: Call, shard_params: bool) -> str:
+    """What a call of zerokit's (or the model's) is for; ``shard_params``: the level frees
+    parameters between uses (a backward all-gather gathers them, not spread gradients)."""
     if role == "model":  # a group zerokit was not given: the model's own (or the world)
         return f"{c.op} ({c.phase})"
     if role == "tp" and not (c.phase == "step" and c.op == "all_reduce"):
@@ -321,7 +329,7 @@ def _purpose(role: str, c: Call, level: str) -> str:
     if c.phase == "forward" and c.op == "all_gather":
         return "gather parameters (forward)"
     if c.phase == "backward" and c.op == "all_gather":
-        if level == "p_g_os":
+        if shard_params:
             return "gather parameters (backward)"
         return "replicas: spread reduced gradients"
     if c.phase == "backward" and c.op in ("reduce_scatter", "all_reduce"):
@@ -394,16 +402,18 @@ def _unit(plan: UnitPlan, layouts, policy: MixedPrecision, model: nn.Module) -> 
 
 
 def transient_bytes(units: list[_Unit], level: str) -> dict:
-    """The largest transient of a step. 'p_g_os': the root unit (gathered from forward to the
-    end of backward) and two units in a row (the one running and the one gathered ahead).
-    'os_g'/'p_g_os': the staged gradients of two groups in a row (one reducing, the next
+    """The largest transient of a step, as the core decodes ``level``. Parameters sharded
+    between uses (stage 3): the root unit (gathered from forward to the end of backward) and
+    two units in a row (the one running and the one gathered ahead). Gradients sharded
+    (stages 2, 3): the staged gradients of two groups in a row (one reducing, the next
     filling: ``MAX_GROUPS_IN_FLIGHT`` is 1)."""
+    decoded = LevelPlan.decode(level)
     others = [u for u in units if not u.is_root]
     gathered = staging = 0
-    if level == "p_g_os":
+    if decoded.shard_params:
         root = sum(u.full(u.compute) for u in units if u.is_root)
         gathered = root + _pair_max([u.full(u.compute) for u in others])
-    if level != "os":
+    if issubclass(decoded.gradients, ShardedGradients):
         staging = _pair_max([u.full(u.reduce) for u in units])
     return {"gathered": gathered, "staging": staging, "total": gathered + staging}
 

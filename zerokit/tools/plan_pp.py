@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.build import LevelPlan
 from ..memory import paper_bytes_per_step
 from ..mixed_precision import MixedPrecision
 from ..models.gpt import gpt_layers
@@ -232,9 +233,11 @@ def _stage_entry(cfg, p: StagePlan, calls: list[Collective], m: int) -> dict:
 def _described(run, level: str) -> list[Collective]:
     """A played rank's calls as ``Collective``s: the pipeline's own named by the dry run
     (transfers, the tied weights' sum, the loss), zerokit's as without a pipeline."""
+    shard_params = LevelPlan.decode(level).shard_params
     out = []
     for role, c in run.calls:
-        what = role if role not in ("shard", "replicas", "model") else _purpose(role, c, level)
+        zerokits = role in ("shard", "replicas", "model")
+        what = _purpose(role, c, shard_params) if zerokits else role
         pair = c.op in ("send", "recv")  # point to point: between two ranks of the group
         out.append(Collective(c.op, 2 if pair else c.group_size, c.bytes, what))
     return out
