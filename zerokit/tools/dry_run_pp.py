@@ -12,6 +12,7 @@ stage with the headers this rank sent to it (a gradient is shaped as its activat
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -40,6 +41,7 @@ from .plan_optimizers import OPTIMIZERS, as_list, step_flops
 from .workload import as_workload
 
 BACKEND = "zerokit-plan-pipeline"
+_ISSUED = itertools.count()  # the order of calls across groups
 _HEADER = (torch.int64, 10)  # pipeline/p2p.py: dtype, ndim and up to 8 sizes, before a tensor
 
 
@@ -54,6 +56,7 @@ class PipelineStandIn(stand_in.RecordingGroup):
     def __init__(self, rank: int, size: int, name: str):
         super().__init__(rank, size, name)
         self.labels: dict[int, str] = {}  # index in ``calls`` -> what the call is for
+        self.issued: list[int] = []  # each call's place among every group's calls
         self._received: dict[int, int] = {}
         self._posted: set[tuple[int, int]] = set()
 
@@ -61,9 +64,14 @@ class PipelineStandIn(stand_in.RecordingGroup):
         """A new step: the record, and what this rank posted, start again."""
         self.calls.clear()
         self.labels.clear()
+        self.issued.clear()
         self._received.clear()
         for key in self._posted:
             self.headers[key] = []
+
+    def _record(self, op: str, tensors):
+        self.issued.append(next(_ISSUED))
+        return super()._record(op, tensors)
 
     def send(self, tensors, dst, tag=0):
         header = _is_header(tensors[0])
@@ -156,11 +164,12 @@ def _play(job: Job, rank: int, factory: Callable, schedule: str, micro_batches: 
         set_phase("step")
         with meta_scalars():
             step_and_zero(opt, None)
-    calls = [
-        (g.labels.get(i) or roles.get(id(g), "model"), c)
+    issued = [
+        (g.issued[i], g.labels.get(i) or roles.get(id(g), "model"), c)
         for g in recording_groups()
         for i, c in enumerate(g.calls)
     ]
+    calls = [(role, c) for _, role, c in sorted(issued, key=lambda t: t[0])]  # as issued
     memory = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer}
     return RankRun(rank, memory, calls, step_flops(as_list(opt)))
 

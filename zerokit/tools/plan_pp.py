@@ -206,6 +206,7 @@ def _report(cfg, plans: list[StagePlan], played: dict, psi: int, degree: int, ba
         "paper_bytes_per_step": max(s["paper_bytes_per_step"] for s in stages),
         "stages": stages,
         "ranks": ranks,
+        "played_ranks": sorted({run.rank for run in played.values()}),
     }
     return report, calls
 

@@ -133,9 +133,7 @@ def _flops(report: dict) -> list[str]:
 
 
 def _how(report: dict) -> str:
-    played = report.get("played_ranks")
-    if played is None:  # a pipeline: its stages planned on fake tensors
-        return "planned on fake tensors: nothing allocated"
+    played = report["played_ranks"]
     return (
         f"wrapped and stepped for real on meta tensors, nothing allocated, by "
         f"{'rank' if len(played) == 1 else 'ranks'} {_span(played)} against stand-in process "
