@@ -57,7 +57,7 @@ class PipelineStandIn(stand_in.RecordingGroup):
         super().__init__(rank, size, name)
         self.labels: dict[int, str] = {}  # index in ``calls`` -> what the call is for
         self.issued: list[int] = []  # each call's place among every group's calls
-        self._received: dict[int, int] = {}
+        self._received: dict[int, int] = {}  # source -> receives from it in this step
         self._posted: set[tuple[int, int]] = set()
 
     def start_step(self) -> None:
@@ -82,10 +82,11 @@ class PipelineStandIn(stand_in.RecordingGroup):
         return self._labelled(super().send(tensors, dst, tag), what, header)
 
     def recv(self, tensors, src, tag=0):
-        header = _is_header(tensors[0])
+        # a transfer is a header then its tensor (a CPU tensor too, made from the header)
+        k = self._received.get(src, 0)
+        self._received[src] = k + 1
+        header, k = k % 2 == 0, k // 2
         if header:
-            k = self._received.get(src, 0)
-            self._received[src] = k + 1
             posted = (src, self._rank) if src < self._rank else (self._rank, src)
             tensors[0].copy_(torch.tensor(self.headers[posted][k]))
         what = "receive activations" if src < self._rank else "receive gradients"
@@ -110,7 +111,7 @@ class PipelineStandIn(stand_in.RecordingGroup):
 
 
 def _is_header(t: torch.Tensor) -> bool:
-    """A transfer's header: the only real tensor a stage on meta sends or receives."""
+    """A header sent: the only real tensor a stage on meta sends."""
     return not t.is_meta and (t.dtype, t.numel()) == _HEADER
 
 

@@ -9,13 +9,12 @@ own included), each a logical collective over a group (the stand-ins take the pa
 one reduce-scatter, one all-gather; on gloo the core runs those as one reduce or broadcast per
 rank, still one logical collective), its bytes counted as a ring would send them.
 
-Ranks the layout says are alike (the same tp split and the same amounts by ``rank_memory``,
-the core's rules written out) are played once; if the rank played holds other amounts than
-the rules say, every rank of its kind is played. The largest transient (gathered units and
-staged gradients at once, ``transient_bytes``) and the activations (what autograd saves in a
-forward on fake tensors) are estimated, not measured. Pipelines (``--pp``) are still planned
-from the rules (``zerokit.tools.plan_pp``). tests/test_plan.py holds the plan to real 2- and 3-rank
-steps: the same ops, calls, bytes and memory.
+Ranks the layout says are alike (the same tp split, the same pieces of every bucket:
+``holding``) are played once. The largest transient (gathered units and staged gradients at
+once, ``transient_bytes``, from the core's decoding of the level) and the activations (what
+autograd saves in a forward on fake tensors) are estimated, not measured. Pipelines (``--pp``)
+are played by ``zerokit.tools.dry_run_pp`` (``zerokit.tools.plan_pp``). tests/test_plan.py
+holds the plan to real 2- and 3-rank steps: the same ops, calls, bytes and memory.
 """
 
 from __future__ import annotations
@@ -148,7 +147,7 @@ def check_config(cfg: PlanConfig) -> None:
     if cfg.pp > 1 and cfg.optimizer not in STATE_PER_PARAM:
         raise ValueError(
             f"--pp plans elementwise optimizers only: --optimizer {cfg.optimizer} is planned "
-            "without --pp"
+            "by the dry run, without --pp"
         )
 
 
