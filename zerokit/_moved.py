@@ -62,6 +62,7 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install() -> None:
-    """Put the finder on ``sys.meta_path`` (once)."""
+    """Put the finder first on ``sys.meta_path`` (once): the old names are ours to answer, not
+    another finder's (an editable install's would find a stale copy of the old file)."""
     if not any(isinstance(f, _MovedFinder) for f in sys.meta_path):
-        sys.meta_path.append(_MovedFinder())
+        sys.meta_path.insert(0, _MovedFinder())
