@@ -52,9 +52,9 @@ from torch.distributed.fsdp import fully_shard
 
 import zerokit
 from zerokit.checkpoint import pretrained
-from zerokit.launch import _entry
 from zerokit.meta_init import reset_parameters
 from zerokit.models.gpt import GPT, GPTConfig
+from zerokit.tools.launch import _entry
 
 MIB = 2**20
 

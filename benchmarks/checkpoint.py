@@ -31,8 +31,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import zerokit
-from zerokit.launch import spawn_local
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
+from zerokit.tools.launch import spawn_local
 
 
 def _stepped(runner: str, base, x, y):

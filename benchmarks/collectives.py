@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from zerokit.launch import spawn_local
+from zerokit.tools.launch import spawn_local
 
 
 def worker(rank: int, world_size: int, args) -> None:

@@ -365,7 +365,7 @@ def _offload_syncs(device: torch.device, model, opt, batch, level: str) -> Row:
 def check_compare(device: torch.device, sizes: Sizes) -> list[Row]:
     """``zerokit compare``'s own runner on one rank (NCCL on a GPU, gloo on the CPU): bytes
     measured per category vs the estimate, and the peak."""
-    from zerokit.compare import CompareConfig, run_compare
+    from zerokit.tools.compare import CompareConfig, run_compare
 
     cfg = CompareConfig(nproc=1, steps=2, batch=2, seq=sizes.seq)
     report = run_compare(cfg, progress=lambda line: None)

@@ -37,9 +37,9 @@ import torch.distributed as dist
 from torch import nn
 
 import zerokit
-from zerokit.launch import spawn_local
 from zerokit.memory import measure
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
+from zerokit.tools.launch import spawn_local
 
 MIB = 2**20
 

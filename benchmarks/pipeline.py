@@ -264,7 +264,7 @@ def main() -> None:
         p.error(f"unknown schedules {sorted(unknown)}; choose from {', '.join(SCHEDULE_NAMES)}")
     if args.layers < args.pp:
         p.error(f"--layers {args.layers} cannot be split into --pp {args.pp} stages")
-    from zerokit.launch import spawn_local  # imports torch: after parsing, so --help is cheap
+    from zerokit.tools.launch import spawn_local  # imports torch: after parsing, so --help is cheap
 
     spawn_local(worker, args.pp, args)
 

@@ -22,9 +22,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import zerokit
-from zerokit.launch import spawn_local
 from zerokit.memory import measure
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
+from zerokit.tools.launch import spawn_local
 
 # "local" trains each rank alone with no communication: the floor no data-parallel runner can beat.
 # "<level>_sib": that zerokit level with step_in_backward=True (each unit stepped as soon as its

@@ -24,7 +24,7 @@ from torch import nn
 
 import zerokit
 from zerokit import tensor_parallel as tp
-from zerokit.launch import spawn_local
+from zerokit.tools.launch import spawn_local
 
 IMAGE = 16  # pixels a side; three 2x2 poolings leave 2x2
 

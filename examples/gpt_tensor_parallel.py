@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 import zerokit
 from zerokit import tensor_parallel as tp
-from zerokit.launch import spawn_local
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
+from zerokit.tools.launch import spawn_local
 
 TOLERANCE, FACTOR = 2e-5, 2.0
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import zerokit
-from zerokit.launch import spawn_local
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
+from zerokit.tools.launch import spawn_local
 
 LEVELS = zerokit.LEVELS  # "os", "os_g", "p_g_os"
 

@@ -25,8 +25,8 @@ from torch import nn
 import zerokit
 from zerokit import checkpoint
 from zerokit import tensor_parallel as tp
-from zerokit.cli import main as cli
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss
+from zerokit.tools.cli import main as cli
 
 ATOL = 2e-5
 BEFORE, AFTER = 3, 3  # steps before the save, and after the load

@@ -15,7 +15,7 @@ from torch import nn
 
 from zerokit import checkpoint
 from zerokit.checkpoint import load_consolidated
-from zerokit.cli import main as cli
+from zerokit.tools.cli import main as cli
 
 LONG = "a_rather_long_module_name_that_is_longer_than_forty_characters"
 

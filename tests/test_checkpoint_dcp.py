@@ -185,7 +185,7 @@ def _resumes_in_one_process(path: str, what: str) -> None:
 def test_convert_between_dcp_zerokit_and_hf(fsdp2_dcp, tmp_path):
     from safetensors.torch import load_model
 
-    from zerokit.cli import main as cli
+    from zerokit.tools.cli import main as cli
 
     as_zerokit, as_dcp = str(tmp_path / "zk"), str(tmp_path / "dcp")
     assert cli(["ckpt", "convert", fsdp2_dcp, as_zerokit, "--to", "zerokit"]) == 0
@@ -231,7 +231,7 @@ def test_fsdp2_dcp_checkpoint_resumes_tensor_parallel(fsdp2_dcp):
 def test_inspect_summarises_a_dcp_directory_and_finds_a_truncated_file(fsdp2_dcp, tmp_path, capsys):
     import shutil
 
-    from zerokit.cli import main as cli
+    from zerokit.tools.cli import main as cli
 
     assert cli(["ckpt", "inspect", fsdp2_dcp]) == 0
     out = capsys.readouterr().out

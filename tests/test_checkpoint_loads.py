@@ -16,7 +16,7 @@ from zerokit import checkpoint
 from zerokit.checkpoint import CheckpointError
 from zerokit.checkpoint.index import seal
 from zerokit.checkpoint.reading import ShardFile
-from zerokit.cli import main as cli
+from zerokit.tools.cli import main as cli
 
 
 class Tied(nn.Module):

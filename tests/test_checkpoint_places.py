@@ -15,7 +15,7 @@ from torch import nn
 from zerokit import checkpoint
 from zerokit.checkpoint import CheckpointError
 from zerokit.checkpoint.places import SaveLock
-from zerokit.cli import main as cli
+from zerokit.tools.cli import main as cli
 
 
 def _model(value: float = 1.0) -> nn.Module:

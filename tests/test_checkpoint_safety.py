@@ -122,7 +122,7 @@ def test_bad_checkpoint_is_refused_and_nothing_changes(good, how):
 
 
 def test_inspect_says_when_a_checkpoint_is_not_usable(good, capsys):
-    from zerokit.cli import main as cli
+    from zerokit.tools.cli import main as cli
 
     assert cli(["ckpt", "inspect", str(good)]) == 0
     _break(good, "truncated")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from zerokit import cli
 from zerokit.memory import estimate_activations
+from zerokit.tools import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")

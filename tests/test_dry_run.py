@@ -1,4 +1,4 @@
-"""``zerokit plan``'s dry run (``zerokit.dry_run``, ``core.stand_in``): one process plays a rank
+"""``zerokit plan``'s dry run (``zerokit.tools.dry_run``, ``core.stand_in``): one process plays a rank
 of an N-rank job through zerokit's real wrapping and step, so what the plan reports is what
 the code does, collectives the model itself makes included; the stand-in groups answer as if
 every rank held this rank's values; a plan inside a running job is refused."""
@@ -15,8 +15,8 @@ from dist_helpers import run_distributed
 
 from zerokit.core import agreement, stand_in
 from zerokit.core.collectives import all_gather_bytes, communication_device
-from zerokit.dry_run import DryRunError
-from zerokit.plan import PlanConfig, make_plan
+from zerokit.tools.dry_run import DryRunError
+from zerokit.tools.plan import PlanConfig, make_plan
 
 
 @pytest.fixture
@@ -104,7 +104,7 @@ def test_a_plan_inside_a_running_job_is_refused():
 
 
 def test_a_model_that_reads_values_is_refused_saying_why(capsys):
-    from zerokit import cli
+    from zerokit.tools import cli
 
     code = cli.main(["plan", "--model", "verify_models:reads_values", "--world", "2",
                      "--level", "os"])  # fmt: skip

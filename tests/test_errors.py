@@ -163,7 +163,7 @@ def test_the_lightning_strategy_takes_the_precision_names_too():
 
 
 def test_the_cli_takes_stage_numbers_as_python_does(capsys):
-    from zerokit import cli
+    from zerokit.tools import cli
 
     args = ["plan", "--model", "verify_models:tiny_gpt", "--world", "2", "--seq", "8"]
     assert cli.main([*args, "--level", "3"]) == 0
@@ -176,7 +176,7 @@ def test_the_cli_takes_stage_numbers_as_python_does(capsys):
 
 
 def test_an_unknown_preset_lists_the_presets(capsys):
-    from zerokit import cli
+    from zerokit.tools import cli
 
     code = cli.main(["plan", "--model", "zerokit.models.presets:gpt_7b", "--world", "2",
                      "--level", "os"])  # fmt: skip

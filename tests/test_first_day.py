@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import zerokit
-from zerokit import cli
-from zerokit import compare as compare_mod
-from zerokit.compare import LEVELS, CompareConfig, run_compare
-from zerokit.compare_report import format_bytes, format_table, write_plot
 from zerokit.memory import estimate
+from zerokit.tools import cli
+from zerokit.tools import compare as compare_mod
+from zerokit.tools.compare import LEVELS, CompareConfig, run_compare
+from zerokit.tools.compare_report import format_bytes, format_table, write_plot
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")

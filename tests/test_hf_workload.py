@@ -5,8 +5,8 @@ refused with what a factory must return."""
 import pytest
 import torch
 
-from zerokit import cli
-from zerokit.workload import CONTRACT, default_loss, output_tensor
+from zerokit.tools import cli
+from zerokit.tools.workload import CONTRACT, default_loss, output_tensor
 
 pytest.importorskip("transformers")
 

@@ -220,7 +220,7 @@ def test_estimate_shows_what_hybrid_sharding_holds(level):
 
 @pytest.mark.slow
 def test_compare_shows_what_hybrid_sharding_holds():
-    from zerokit.compare import CompareConfig, run_compare
+    from zerokit.tools.compare import CompareConfig, run_compare
 
     cfg = {"model": "models:tiny_gpt", "nproc": 4, "steps": 2, "batch": 4}
     full = run_compare(CompareConfig(**cfg), progress=lambda _: None)

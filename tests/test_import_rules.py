@@ -7,11 +7,11 @@
   ``zerokit.mixed_precision`` (the policy it is given).
 - Outside the core, the core is used only through its face, ``zerokit.core``'s ``__all__``;
   the one exception is the dry run's stand-in backend, ``zerokit.core.stand_in``, which the
-  dry-run tools (``dry_run.py``, ``plan.py``, anything under ``zerokit/tools/``) may import.
+  dry-run tools (under ``zerokit/tools/``) may import.
 - Tensor parallelism asks the core two things only (is a parameter rank-local, is a model
   wrapped); its waits and its exit are the runtime's.
 - Nothing outside ``zerokit/tools/`` imports ``zerokit.tools``: the library never needs its
-  command-line tools.
+  command-line tools (``zerokit/__main__.py``, the command's entry point, aside).
 """
 
 import ast
@@ -23,7 +23,6 @@ import zerokit.core
 ROOT = pathlib.Path(zerokit.__file__).parent
 FACE = set(zerokit.core.__all__)
 STAND_IN = "zerokit.core.stand_in"
-DRY_RUN_TOOLS = {"zerokit.dry_run", "zerokit.plan"}
 TP_NEEDS = {"is_distributed", "state_of"}
 
 
@@ -62,12 +61,12 @@ def breaks(module: str, what: str) -> str | None:
         if not any(_inside(what, a) for a in allowed):
             return "the core imports only itself, zerokit.runtime and zerokit.mixed_precision"
         return None
-    if _inside(what, "zerokit.tools") and not _inside(module, "zerokit.tools"):
+    entry_point = module == "zerokit.__main__"
+    if _inside(what, "zerokit.tools") and not (_inside(module, "zerokit.tools") or entry_point):
         return "only zerokit/tools imports zerokit.tools"
     if _inside(what, "zerokit.core") and what != "zerokit.core":
         name = what.removeprefix("zerokit.core.")
-        dry_run_tool = module in DRY_RUN_TOOLS or _inside(module, "zerokit.tools")
-        if _inside(what, STAND_IN) and dry_run_tool:
+        if _inside(what, STAND_IN) and _inside(module, "zerokit.tools"):
             return None
         if "." in name or name not in FACE:
             return f"{what} is inside the core: use a name of zerokit.core.__all__"
@@ -104,9 +103,10 @@ def test_the_rules_catch_what_they_name():
     assert why("from . import build\n", "zerokit.core", is_package=True) == [None]
     assert why("from ..core import all_reduce_\n", "zerokit.tensor_parallel.layers")[0]
     assert why("from ..core import is_distributed\n", "zerokit.tensor_parallel.x") == [None]
-    assert why("from .core.stand_in import Call\n", "zerokit.plan") == [None]
+    assert why("from ..core.stand_in import Call\n", "zerokit.tools.plan") == [None]
     assert why("from .core.stand_in import Call\n", "zerokit.memory")[0]
     assert why("from .tools import plan\n", "zerokit.cli")[0]
+    assert why("from .tools.cli import main\n", "zerokit.__main__") == [None]
     assert why("from ..core import stand_in\n", "zerokit.tools.dry_run") == [None]
 
 

@@ -101,7 +101,7 @@ def test_consolidated_for_one_process(two_ranks, reference, tmp_path):
     """`zerokit ckpt consolidate DIR --lightning OUT` of a checkpoint ModelCheckpoint wrote at
     2 ranks, level 'p_g_os': Lightning's one-file format, read by load_from_checkpoint and by
     a one-process Trainer's fit(ckpt_path=...), as Lightning's own file from one process is."""
-    from zerokit.cli import main as cli
+    from zerokit.tools.cli import main as cli
 
     one = str(tmp_path / "one.ckpt")
     saved = two_ranks[1] / "ckpt-p_g_os" / "epoch=0-step=2.ckpt"
@@ -160,7 +160,7 @@ def test_trainer_under_torchrun(tmp_path, reference):
 
 def test_import_zerokit_imports_no_lightning():
     code = (
-        "import sys, zerokit, zerokit.integrations, zerokit.cli, zerokit.checkpoint.lightning_file; "
+        "import sys, zerokit, zerokit.integrations, zerokit.tools.cli, zerokit.checkpoint.lightning_file; "
         "bad = [m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')]; "
         "assert not bad, bad"
     )

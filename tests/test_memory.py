@@ -6,9 +6,9 @@ import json
 import pytest
 from models import make_model
 
-from zerokit import cli
-from zerokit.compare import CompareConfig, run_compare
 from zerokit.memory import MemoryEstimate, estimate
+from zerokit.tools import cli
+from zerokit.tools.compare import CompareConfig, run_compare
 
 
 def test_estimate_reproduces_the_zero_paper():

@@ -35,7 +35,7 @@ import zerokit
 from zerokit.core.bucket_layout import ParamSpec, plan_buckets
 from zerokit.core.optimizer_needs import muon_cost
 from zerokit.core.state import state_of
-from zerokit.plan_optimizers import newton_schulz_fp32
+from zerokit.tools.plan_optimizers import newton_schulz_fp32
 
 STEPS = 4
 ATOL = 2e-5

@@ -13,7 +13,7 @@ from dist_helpers import run_distributed
 import zerokit
 from zerokit import plans
 from zerokit import tensor_parallel as tp
-from zerokit.cli import main as cli
+from zerokit.tools.cli import main as cli
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()

@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 from dist_helpers import run_distributed
 
-from zerokit import LEVELS, MixedPrecision, ShardedGradScaler, cli, group_sharded_parallel
+from zerokit import LEVELS, MixedPrecision, ShardedGradScaler, group_sharded_parallel
 from zerokit.layout import init_hybrid_parallel
 from zerokit.memory import format_bytes, measure
-from zerokit.plan import LOW, PlanConfig, plan_with_calls
-from zerokit.workload import build_workload, load_factory
+from zerokit.tools import cli
+from zerokit.tools.plan import LOW, PlanConfig, plan_with_calls
+from zerokit.tools.workload import build_workload, load_factory
 
 MODEL = "verify_models:tiny_gpt"
 BUFFER = 600  # elements: the embedding and each block span several buckets
@@ -389,31 +390,42 @@ class SavedMeter:
         return held.tensor if isinstance(held, _Saved) else held
 
 
-def _pipeline_step_equals_plan(
-    rank, world_size, pp, levels, schedule, micro_batches, segment, precision=None
-):
+def _pipe_model(segment: int) -> str:
     """``segment``: the unit size; small, a stage is several units (the linears, embeddings)
     instead of one root unit, so the gathers of forward and backward differ. Then the model is
     untied (the tied head uses the embedding's weight without calling its module, which at
     'p_g_os' needs the embedding in the root unit); tied, the stages with a copy defer their
     reduction until the copies are summed."""
-    model = MODEL if segment == 2**20 else "verify_models:tiny_gpt_untied"
+    return MODEL if segment == 2**20 else "verify_models:tiny_gpt_untied"
+
+
+def _pipe_plans(world_size, pp, schedule, micro_batches, segment, precision=None):
+    """Every level's pipeline plan, made here (its dry run plays the ranks in this process:
+    before the ranks of the real run start)."""
+    from zerokit.tools.plan_pp import plan_with_calls as plan_pipeline
+
+    batch = 2 * micro_batches * (world_size // pp)
+    config = {
+        "world": world_size, "model": _pipe_model(segment), "batch": batch, "seq": SEQ,
+        "pp": pp, "micro_batches": micro_batches, "schedule": schedule,
+        "buffer_max_size": BUFFER, "segment_size": segment, "mixed_precision": precision,
+    }  # fmt: skip
+    return {level: plan_pipeline(PlanConfig(level=level, **config)) for level in LEVELS}
+
+
+def _pipeline_step_equals_plan(
+    rank, world_size, pp, plans, schedule, micro_batches, segment, precision=None
+):
+    model = _pipe_model(segment)
     from zerokit.models.gpt import gpt_layers
     from zerokit.pipeline import PipelineModule
-    from zerokit.plan_pp import plan_with_calls as plan_pipeline
 
     dp = world_size // pp
     layout = init_hybrid_parallel(dp, 1, pp_degree=pp)
     recorder = PipeRecorder()
     recorder.install()
     per_rank, batch = 2 * micro_batches, 2 * micro_batches * dp
-    for level in levels:
-        cfg = PlanConfig(
-            world=world_size, level=level, model=model, batch=batch, seq=SEQ, pp=pp,
-            micro_batches=micro_batches, schedule=schedule, buffer_max_size=BUFFER,
-            segment_size=segment, mixed_precision=precision,
-        )  # fmt: skip
-        report, planned = plan_pipeline(cfg)
+    for level, (report, planned) in plans.items():
         torch.manual_seed(0)
         work = build_workload(load_factory(model), batch=batch, seq=SEQ, per_rank=per_rank)
         pipe = PipelineModule(gpt_layers(work.model.cfg), work.loss_fn, layout=layout)
@@ -451,18 +463,21 @@ def _pipeline_step_equals_plan(
 
 
 def test_a_real_pipeline_step_sends_and_holds_what_the_plan_says():
-    run_distributed(_pipeline_step_equals_plan, 2, 2, LEVELS, "1f1b", 2, 2**20)
+    plans = _pipe_plans(2, 2, "1f1b", 2, 2**20)
+    run_distributed(_pipeline_step_equals_plan, 2, 2, plans, "1f1b", 2, 2**20)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, segment", [("1f1b", 200), ("fthenb", 200), ("1f1b", 2**20)])
 def test_a_real_pp2_x_dp2_step_sends_and_holds_what_the_plan_says(schedule, segment):
-    run_distributed(_pipeline_step_equals_plan, 4, 2, LEVELS, schedule, 3, segment)
+    plans = _pipe_plans(4, 2, schedule, 3, segment)
+    run_distributed(_pipeline_step_equals_plan, 4, 2, plans, schedule, 3, segment)
 
 
 @pytest.mark.slow
 def test_a_real_bf16_pipeline_step_sends_and_holds_what_the_plan_says():
-    run_distributed(_pipeline_step_equals_plan, 4, 2, LEVELS, "1f1b", 2, 200, "bf16")
+    plans = _pipe_plans(4, 2, "1f1b", 2, 200, "bf16")
+    run_distributed(_pipeline_step_equals_plan, 4, 2, plans, "1f1b", 2, 200, "bf16")
 
 
 def test_pipeline_json_and_printout_group_ranks_by_stage(capsys, tmp_path):

@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from zerokit import LEVELS, cli
+from zerokit import LEVELS
 from zerokit.models import presets
-from zerokit.plan import PlanConfig, make_plan
-from zerokit.plan_optimizers import ELEMENT_FLOPS, NEWTON_SCHULZ_STEPS
+from zerokit.tools import cli
+from zerokit.tools.plan import PlanConfig, make_plan
+from zerokit.tools.plan_optimizers import ELEMENT_FLOPS, NEWTON_SCHULZ_STEPS
 
 SMALL = "verify_models:tiny_gpt"
 

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from zerokit import cli
-from zerokit.verify import FP32_TOLERANCE, format_report, judge
+from zerokit.tools import cli
+from zerokit.tools.verify import FP32_TOLERANCE, format_report, judge
 
 
 def _verify(capsys, *args: str) -> tuple[int, str, str]:

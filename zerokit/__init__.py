@@ -5,7 +5,7 @@
 ('os', 'os_g', 'p_g_os')
 """
 
-from . import checkpoint, data, pipeline, plans
+from . import _moved, checkpoint, data, pipeline, plans
 from .api import LEVELS, group_sharded_parallel, num_params
 from .clip import clip_grad_norm_
 from .config import ShardingConfig, load_config
@@ -17,6 +17,8 @@ from .parallelize import parallelize
 from .scaler import ShardedGradScaler
 from .strategy import Strategy
 from .unwrap import unwrap
+
+_moved.install()  # the tools' old module names (zerokit.compare, ...), deprecated
 
 
 def save_group_sharded_model(model, output: str, optimizer=None) -> None:

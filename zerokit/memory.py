@@ -139,6 +139,23 @@ def _estimate_plain(level, full: int, shard: int, optimizer, mixed: bool) -> Mem
     return MemoryEstimate(shard * param_bytes, shard * grad_bytes, shard * state_bytes)
 
 
+def paper_volume(level: str) -> int:
+    """The ZeRO paper's communication volume of a step, in multiples of Ψ(N-1)/N elements
+    (Ψ parameters over N ranks): 2 at stages 1 and 2 (a reduce-scatter and an all-gather, as
+    an all-reduce), 3 at stage 3 (the parameters gathered once more, for backward).
+
+    >>> [paper_volume(level) for level in ("os", "os_g", "p_g_os")]
+    [2, 2, 3]
+    """
+    return 3 if level == "p_g_os" else 2
+
+
+def paper_bytes_per_step(level: str, numel: int, world_size: int, itemsize: int) -> int:
+    """What a rank sends in a step by the ZeRO paper: ``paper_volume(level)`` Ψ(N-1)/N
+    elements of ``itemsize`` bytes."""
+    return round(paper_volume(level) * numel * (world_size - 1) / world_size * itemsize)
+
+
 def _estimate_policy(mp, level, world_size, full, shard, optimizer) -> MemoryEstimate:
     compute = mp.param_dtype.itemsize
     reduce = mp.gradient_reduce_dtype().itemsize

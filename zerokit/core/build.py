@@ -73,6 +73,11 @@ class LevelRules:
         """Buckets free their full parameters between uses (stage 3)."""
         return self.params is ShardedParams
 
+    @property
+    def shard_grads(self) -> bool:
+        """Each rank keeps only its shard of the reduced gradients (stages 2 and 3)."""
+        return self.gradients is ShardedGradients
+
     @staticmethod
     def decode(level: str) -> LevelRules:
         if level == "os":  # stage 1: full gradients, all-reduced

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..clip import clip_grad_norm_
-from ..core import state_of
+from ..core import is_stand_in, state_of
 from ..grad_scope import GradScope
 from ..layout import Layout, as_layout
 from ..runtime.teardown import hand
@@ -186,7 +186,8 @@ class PipelineModule(nn.Module):
         """For each shared key on several stages: see ``tie_across_stages``."""
         if not tied:
             return {}
-        if any(p.is_meta for p in self.stage.parameters()):  # every rank built on meta
+        # every rank built on meta (zerokit plan's dry run plays a rank on meta: no values)
+        if any(p.is_meta for p in self.stage.parameters()) and not is_stand_in(self.group):
             raise ValueError(
                 f"layers {sorted(tied)} are tied across pipeline stages, whose copies start "
                 "equal by a broadcast, which a model on meta cannot do (no values yet); build "
@@ -280,7 +281,7 @@ class PipelineModule(nn.Module):
             x, out = held.pop(i)
             quiet = state is not None and (not last or deferred)
             with self.stage.no_sync() if quiet else contextlib.nullcontext():
-                grad = None if self.is_last else self.mailbox.recv(self.stage_id + 1)
+                grad = None if self.is_last else self._receive(self.stage_id + 1)
                 torch.autograd.backward(out, grad)
             if not self.is_first:
                 grad_in = x.grad if x.grad is not None else torch.zeros_like(x)
@@ -349,8 +350,13 @@ class PipelineModule(nn.Module):
     def _device(self) -> torch.device:
         return next((p.device for p in self.stage.parameters()), torch.device("cpu"))
 
+    def _receive(self, stage: int) -> torch.Tensor:
+        """What ``stage`` sent, on this stage's device (transfers are on the CPU; a dry run's
+        stage is on meta)."""
+        return self.mailbox.recv(stage).to(self._device())
+
     def _receive_activation(self) -> torch.Tensor:
-        x = self.mailbox.recv(self.stage_id - 1)
+        x = self._receive(self.stage_id - 1)
         return x.requires_grad_() if x.is_floating_point() else x
 
     def _data_groups(self) -> list[dist.ProcessGroup]:

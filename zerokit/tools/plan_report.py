@@ -3,7 +3,7 @@ collectives, beside the ZeRO paper's volume."""
 
 from __future__ import annotations
 
-from .memory import format_bytes
+from ..memory import format_bytes, paper_volume
 from .plan import summarize
 
 _MEMORY = ("params", "grads", "optimizer", "transient", "activations")
@@ -11,6 +11,22 @@ _MEMORY = ("params", "grads", "optimizer", "transient", "activations")
 
 def format_plan(report: dict) -> str:
     groups = summarize(report)
+    lines = [*_head(report), *_memory_rows(report, groups)]
+    distinct: dict[str, tuple[list[int], dict]] = {}  # ranks sending alike share a table
+    for ranks, body in groups:
+        key = repr((body.get("stage"), body["collectives"]))
+        distinct.setdefault(key, ([], body))[0].extend(ranks)
+    for ranks, body in distinct.values():
+        ranks.sort()
+        who = "every rank alike" if len(distinct) == 1 else f"ranks {_span(ranks)}"
+        if "stage" in body:
+            who += f", stage {body['stage']}"
+        lines += _collectives(report, body, who)
+    return "\n".join(lines + _flops(report))
+
+
+def _head(report: dict) -> list[str]:
+    """The job in one line, then the memory table's header."""
     n, level = report["world"], report["level"]
     shards, tp = report["sharding_degree"], report.get("tp", 1)
     pp = report.get("pp", 1)
@@ -39,6 +55,12 @@ def format_plan(report: dict) -> str:
     ]
     if pp > 1:
         lines[2:2] = _stages(report)
+    return lines
+
+
+def _memory_rows(report: dict, groups: list) -> list[str]:
+    """One row per set of ranks whose printed figures are equal; then each transient."""
+    lines = []
     rows: dict[str, list[int]] = {}  # ranks whose printed figures are equal share a row
     for ranks, body in groups:
         memory = body["memory"]
@@ -61,38 +83,38 @@ def format_plan(report: dict) -> str:
                 else ""
             )
         )
-    distinct: dict[str, tuple[list[int], dict]] = {}  # ranks sending alike share a table
-    for ranks, body in groups:
-        key = repr((body.get("stage"), body["collectives"]))
-        distinct.setdefault(key, ([], body))[0].extend(ranks)
-    for ranks, body in distinct.values():
-        ranks.sort()
-        who = "every rank alike" if len(distinct) == 1 else f"ranks {_span(ranks)}"
-        if "stage" in body:
-            who += f", stage {body['stage']}"
-            paper = report["stages"][body["stage"]]["paper_bytes_per_step"]
-        else:
-            paper = report["paper_bytes_per_step"]
-        lines += ["", f"collectives of one training step ({who}):"]
-        lines.append(f"  {'op':<15}{'group':>6}{'calls':>7}{'bytes':>12}  purpose")
-        for c in body["collectives"]:
-            lines.append(
-                f"  {c['op']:<15}{c['group_size']:>6}{c['calls']:>7}"
-                f"{format_bytes(c['bytes']):>12}  {c['what']}"
-            )
-        k = 3 if level == "p_g_os" else 2
-        psi = "Ψ/tp" if tp > 1 else "Ψ"
+    return lines
+
+
+def _collectives(report: dict, body: dict, who: str) -> list[str]:
+    """One table of a step's collectives (of the ranks ``who``), and the volume beside the
+    ZeRO paper's."""
+    tp, pp = report.get("tp", 1), report.get("pp", 1)
+    dp = report["world"] // tp // pp
+    if "stage" in body:
+        paper = report["stages"][body["stage"]]["paper_bytes_per_step"]
+    else:
+        paper = report["paper_bytes_per_step"]
+    lines = ["", f"collectives of one training step ({who}):"]
+    lines.append(f"  {'op':<15}{'group':>6}{'calls':>7}{'bytes':>12}  purpose")
+    for c in body["collectives"]:
         lines.append(
-            f"  sent per rank per step: {format_bytes(body['bytes_per_step'])} (ring algorithm); "
-            f"ZeRO paper {k}{psi}(N-1)/N over the {dp} data-parallel ranks: "
-            f"{format_bytes(report['paper_bytes_per_step'])}"
-            if tp > 1
-            else f"  sent per rank per step: {format_bytes(body['bytes_per_step'])} (ring "
-            f"algorithm); ZeRO paper {k}Ψ(N-1)/N"
-            + (" (Ψ the stage's, N its ranks)" if pp > 1 else "")
-            + f": {format_bytes(paper)}"
+            f"  {c['op']:<15}{c['group_size']:>6}{c['calls']:>7}"
+            f"{format_bytes(c['bytes']):>12}  {c['what']}"
         )
-    return "\n".join(lines + _flops(report))
+    k = paper_volume(report["level"])
+    psi = "Ψ/tp" if tp > 1 else "Ψ"
+    lines.append(
+        f"  sent per rank per step: {format_bytes(body['bytes_per_step'])} (ring algorithm); "
+        f"ZeRO paper {k}{psi}(N-1)/N over the {dp} data-parallel ranks: "
+        f"{format_bytes(report['paper_bytes_per_step'])}"
+        if tp > 1
+        else f"  sent per rank per step: {format_bytes(body['bytes_per_step'])} (ring "
+        f"algorithm); ZeRO paper {k}Ψ(N-1)/N"
+        + (" (Ψ the stage's, N its ranks)" if pp > 1 else "")
+        + f": {format_bytes(paper)}"
+    )
+    return lines
 
 
 def _flops(report: dict) -> list[str]:
@@ -111,9 +133,7 @@ def _flops(report: dict) -> list[str]:
 
 
 def _how(report: dict) -> str:
-    played = report.get("played_ranks")
-    if played is None:  # a pipeline: its stages planned on fake tensors
-        return "planned on fake tensors: nothing allocated"
+    played = report["played_ranks"]
     return (
         f"wrapped and stepped for real on meta tensors, nothing allocated, by "
         f"{'rank' if len(played) == 1 else 'ranks'} {_span(played)} against stand-in process "

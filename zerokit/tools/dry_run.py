@@ -21,19 +21,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .api import group_sharded_parallel
-from .core import stand_in
-from .layout import init_hybrid_parallel
-from .memory import measure
-from .mixed_precision import MixedPrecision
+from ..api import group_sharded_parallel
+from ..core import stand_in
+from ..layout import init_hybrid_parallel
+from ..memory import measure
+from ..mixed_precision import MixedPrecision
+from ..scaler import ShardedGradScaler, step_and_zero
 from .plan_optimizers import OPTIMIZERS, as_list, step_flops
-from .scaler import ShardedGradScaler, step_and_zero
 from .workload import Workload, as_workload, tp_workload
 
 
 @dataclass(frozen=True, kw_only=True)
 class Job:
-    """The job a rank belongs to (``zerokit.plan.PlanConfig``'s degrees, resolved)."""
+    """The job a rank belongs to (``zerokit.tools.plan.PlanConfig``'s degrees, resolved)."""
 
     world: int
     level: str
@@ -45,9 +45,11 @@ class Job:
     """Rows of this rank's batch."""
     low: torch.dtype | None
     optimizer: str
-    """A key of ``zerokit.plan_optimizers.OPTIMIZERS``."""
+    """A key of ``zerokit.tools.plan_optimizers.OPTIMIZERS``."""
     buffer_max_size: int
     segment_size: int
+    pp: int = 1
+    """Pipeline stages (``zerokit.tools.dry_run_pp`` plays a rank of one)."""
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,10 @@ class RankRun:
     rank: int
     memory: dict[str, int]
     calls: list[tuple[str, stand_in.Call]]
-    """(the group's role: "shard", "replicas" or "tp"; the call), in the order issued."""
+    """(the group's role: "shard", "replicas", "tp", or a pipeline's: "send activations",
+    "the loss, averaged", ... (``dry_run_pp``); the call), in the order issued."""
     flops: int = 0
-    """The optimizer step's FLOPs on this rank (``zerokit.plan_optimizers.FLOPS_RULE``)."""
+    """The optimizer step's FLOPs on this rank (``zerokit.tools.plan_optimizers.FLOPS_RULE``)."""
 
 
 NO_VALUES = (
@@ -78,6 +81,22 @@ class DryRunError(ValueError):
 def run_rank(job: Job, rank: int, factory: Callable) -> RankRun:
     """Play rank ``rank`` of ``job``: build the model on meta, wrap it, train two steps.
     The process is left as it was found: no process group, the same excepthook and logger."""
+    with stand_in_world(rank, job.world):
+        try:
+            return _play(job, rank, factory)
+        except Exception as e:
+            hint = f" {NO_VALUES}" if "meta" in str(e) else ""  # a value read, or a device
+            raise DryRunError(
+                f"playing rank {rank} of {job.world} failed: {type(e).__name__}: {e}.{hint}"
+            ) from e
+
+
+@contextlib.contextmanager
+def stand_in_world(rank: int, world: int, backend: str = stand_in.BACKEND) -> Iterator[None]:
+    """Within: this process is rank ``rank`` of ``world``, every process group (the world and
+    those made inside, such as a layout's) a stand-in that records (``backend``: the core's,
+    or a registered kind of it). After: no process group, and the process as it was found
+    (``_left_as_found``)."""
     if dist.is_initialized():
         raise DryRunError(
             "zerokit plan plays each rank of its job in this process with stand-in process "
@@ -87,22 +106,15 @@ def run_rank(job: Job, rank: int, factory: Callable) -> RankRun:
     stand_in.register()
     with _left_as_found():
         try:
-            dist.init_process_group(
-                stand_in.BACKEND, store=dist.HashStore(), rank=rank, world_size=job.world
-            )
-            return _play(job, rank, factory)
-        except Exception as e:
-            hint = f" {NO_VALUES}" if "meta" in str(e) else ""  # a value read, or a device
-            raise DryRunError(
-                f"playing rank {rank} of {job.world} failed: {type(e).__name__}: {e}.{hint}"
-            ) from e
+            dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world)
+            yield
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
 
 
 def _play(job: Job, rank: int, factory: Callable) -> RankRun:
-    roles, kwargs, layout = _groups(job, rank)
+    roles, kwargs, layout = job_groups(job, rank)
     work = _meta_workload(factory, job, layout)
     opt = OPTIMIZERS[job.optimizer](work.model)
     model, opt, scaler = group_sharded_parallel(
@@ -112,32 +124,34 @@ def _play(job: Job, rank: int, factory: Callable) -> RankRun:
     )  # fmt: skip
     x, y = (t.to("meta") for t in work.make_batch(0, job.rows))
     for _step in range(2):  # the second step is the steady one
-        for g in _recording_groups():
+        for g in recording_groups():
             g.calls.clear()
-        _phase("forward")
+        set_phase("forward")
         loss = work.loss_fn(model(x), y)
-        _phase("backward")
+        set_phase("backward")
         (scaler.scale(loss) if scaler else loss).backward()
         held = measure(model, opt)
-        _phase("step")
-        with _meta_scalars():
+        set_phase("step")
+        with meta_scalars():
             step_and_zero(opt, scaler)
-    calls = [(roles.get(id(g), "model"), c) for g in _recording_groups() for c in g.calls]
+    calls = [(roles.get(id(g), "model"), c) for g in recording_groups() for c in g.calls]
     memory = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer}
     return RankRun(rank, memory, calls, step_flops(as_list(opt)))
 
 
-def _groups(job: Job, rank: int) -> tuple[dict[int, str], dict, object]:
+def job_groups(job: Job, rank: int) -> tuple[dict[int, str], dict, object]:
     """The job's groups as the real run builds them: each one's role (by id), the keywords
-    for ``group_sharded_parallel`` and the layout (None without tp or hybrid sharding)."""
-    dp = job.world // job.tp
+    for ``group_sharded_parallel`` and the layout (None without tp, pp or hybrid sharding)."""
+    dp = job.world // (job.tp * job.pp)
     layout = None
     if job.degree < dp and job.degree > 1:
-        layout = init_hybrid_parallel(dp // job.degree, job.tp, sharding_degree=job.degree)
+        layout = init_hybrid_parallel(
+            dp // job.degree, job.tp, sharding_degree=job.degree, pp_degree=job.pp
+        )
         shard, replicas = layout.sharding_group, layout.dp_group
     else:
-        if job.tp > 1:
-            layout = init_hybrid_parallel(dp, job.tp)
+        if job.tp > 1 or job.pp > 1:
+            layout = init_hybrid_parallel(dp, job.tp, pp_degree=job.pp)
         data = layout.dp_group if layout is not None else dist.group.WORLD
         # ZeRO over one rank (--sharding-degree 1): each rank alone, replicated over the rest
         shard, replicas = (data, None) if job.degree == dp else (dist.new_group([rank]), data)
@@ -161,19 +175,19 @@ def _meta_workload(factory: Callable, job: Job, layout) -> Workload:
         return tp_workload(factory, layout, plain)
 
 
-def _recording_groups() -> list[stand_in.RecordingGroup]:
+def recording_groups() -> list[stand_in.RecordingGroup]:
     """Every stand-in group this rank belongs to."""
     groups = dist.distributed_c10d._world.pg_map  # torch's registry of this process's groups
     return [g for g in groups if stand_in.is_stand_in(g)]
 
 
-def _phase(phase: str) -> None:
-    for g in _recording_groups():
+def set_phase(phase: str) -> None:
+    for g in recording_groups():
         g.phase = phase
 
 
 @contextlib.contextmanager
-def _meta_scalars() -> Iterator[None]:
+def meta_scalars() -> Iterator[None]:
     """Within: ``.item()`` of a meta tensor is 1.0. Some optimizers read scalars in their step
     (Adafactor: its step count and the parameter's norm, for the step size); on meta there are
     no values, and the step's shapes, state and collectives do not depend on them."""

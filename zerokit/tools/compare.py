@@ -1,7 +1,7 @@
 """``zerokit compare``: train one model under torch DDP and every zerokit level, and print per
 level the measured and estimated bytes per rank, the peak, the step time and the final loss.
 
-The model contract (``--model pkg.module:factory``) is ``zerokit.workload``'s.
+The model contract (``--model pkg.module:factory``) is ``zerokit.tools.workload``'s.
 
 Every rank trains on its slice of the global batch, so the final loss must be equal across
 levels (a visible check of equivalence). Each level runs in fresh processes, under torchrun
@@ -26,13 +26,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from .api import group_sharded_parallel
+from ..api import group_sharded_parallel
+from ..layout import init_hybrid_parallel
+from ..memory import PeakMemory, estimate, estimate_activations, measure, measure_activations
+from ..mixed_precision import MixedPrecision
+from ..runtime.teardown import hand
+from ..scaler import ShardedGradScaler, step_and_zero
 from .launch import local_backend, spawn_local
-from .layout import init_hybrid_parallel
-from .memory import PeakMemory, estimate, estimate_activations, measure, measure_activations
-from .mixed_precision import MixedPrecision
-from .runtime.teardown import hand
-from .scaler import ShardedGradScaler, step_and_zero
 from .workload import (  # noqa: F401  (the contract, importable from here as before)
     Workload,
     build_workload,
@@ -340,8 +340,8 @@ def activation_estimate_options(options: dict, tp_degree: int) -> dict:
 
 def _measure_activations_rank(rank: int, world_size: int, cfg: ActivationsConfig, out: str):
     """Every rank of the tp group measures each setting; rank 0 writes the largest per layer."""
-    from . import tensor_parallel as tp
-    from .models.gpt import GPT, GPTConfig
+    from .. import tensor_parallel as tp
+    from ..models.gpt import GPT, GPTConfig
 
     layout = init_hybrid_parallel(1, world_size)
     tp.model_parallel_random_seed(7, layout)  # the dropouts draw from the tracker's streams

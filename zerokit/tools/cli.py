@@ -6,10 +6,12 @@ import argparse
 import json
 import sys
 
-from . import __version__
-from .api import LEVELS
-from .checkpoint.cli import add_parser as add_ckpt_parser
-from .checkpoint.cli import run as run_ckpt
+from .. import __version__
+from ..api import LEVELS
+from ..config import LEVEL_ALIASES
+from ..mixed_precision import PRECISIONS
+from .checkpoint_cli import add_parser as add_ckpt_parser
+from .checkpoint_cli import run as run_ckpt
 from .compare import (
     ActivationsConfig,
     CompareConfig,
@@ -25,8 +27,6 @@ from .compare_report import (
     write_activations_plot,
     write_plot,
 )
-from .config import LEVEL_ALIASES
-from .mixed_precision import PRECISIONS
 from .plan import PlanConfig
 from .plan_optimizers import OPTIMIZERS as PLAN_OPTIMIZERS
 from .plan_pp import make_plan
@@ -73,6 +73,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--version", action="version", version=f"zerokit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_compare_parser(commands)
+    add_ckpt_parser(commands)
+    _add_verify_parser(commands)
+    _add_plan_parser(commands)
+    _add_launch_parser(commands)
+    args = parser.parse_args(argv)
+    if args.command == "launch":
+        return _launch(args)
+    if args.command == "ckpt":
+        return run_ckpt(args)
+    if args.command == "verify":
+        return _verify(args)
+    if args.command == "plan":
+        return _plan(args)
+
+    if args.activations:
+        return _activations(args)
+    return _compare(args)
+
+
+def _add_compare_parser(commands) -> None:
     compare = commands.add_parser(
         "compare",
         help="train a model under DDP and every level; memory measured and estimated, side by side",
@@ -133,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         "the peak (with --activations: activation bytes per layer, measured beside estimated); "
         "needs matplotlib (default: none)",
     )
+    _add_activation_flags(compare)
+
+
+def _add_activation_flags(compare) -> None:
     activations = compare.add_argument_group(
         "activation memory (--activations)",
     )
@@ -155,23 +180,6 @@ def main(argv: list[str] | None = None) -> int:
             default=getattr(ActivationsConfig, field),
             help=f"with --activations: {what} (default %(default)s)",
         )
-    add_ckpt_parser(commands)
-    _add_verify_parser(commands)
-    _add_plan_parser(commands)
-    _add_launch_parser(commands)
-    args = parser.parse_args(argv)
-    if args.command == "launch":
-        return _launch(args)
-    if args.command == "ckpt":
-        return run_ckpt(args)
-    if args.command == "verify":
-        return _verify(args)
-    if args.command == "plan":
-        return _plan(args)
-
-    if args.activations:
-        return _activations(args)
-    return _compare(args)
 
 
 def _activations(args) -> int:

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from .core import muon_cost
+from ..core import muon_cost
 
 NEWTON_SCHULZ_STEPS = 5
 ELEMENT_FLOPS = 10

@@ -1,6 +1,6 @@
 """``zerokit plan``: what an N-rank job will hold and send, worked out on one CPU in seconds.
 
-The ranks are played by ``zerokit.dry_run``: this process becomes rank r of the job against
+The ranks are played by ``zerokit.tools.dry_run``: this process becomes rank r of the job against
 stand-in process groups (``core.stand_in``, which record every collective and complete it at
 once), builds the model on ``meta`` (no bytes), and runs ``group_sharded_parallel`` and two
 training steps, the real code. A rank's memory is what ``zerokit.memory.measure`` counts after
@@ -9,13 +9,12 @@ own included), each a logical collective over a group (the stand-ins take the pa
 one reduce-scatter, one all-gather; on gloo the core runs those as one reduce or broadcast per
 rank, still one logical collective), its bytes counted as a ring would send them.
 
-Ranks the layout says are alike (the same tp split and the same amounts by ``rank_memory``,
-the core's rules written out) are played once; if the rank played holds other amounts than
-the rules say, every rank of its kind is played. The largest transient (gathered units and
-staged gradients at once, ``transient_bytes``) and the activations (what autograd saves in a
-forward on fake tensors) are estimated, not measured. Pipelines (``--pp``) are still planned
-from the rules (``zerokit.plan_pp``). tests/test_plan.py holds the plan to real 2- and 3-rank
-steps: the same ops, calls, bytes and memory.
+Ranks the layout says are alike (the same tp split, the same pieces of every bucket:
+``holding``) are played once. The largest transient (gathered units and staged gradients at
+once, ``transient_bytes``, from the core's decoding of the level) and the activations (what
+autograd saves in a forward on fake tensors) are estimated, not measured. Pipelines (``--pp``)
+are played by ``zerokit.tools.dry_run_pp`` (``zerokit.tools.plan_pp``). tests/test_plan.py
+holds the plan to real 2- and 3-rank steps: the same ops, calls, bytes and memory.
 """
 
 from __future__ import annotations
@@ -28,15 +27,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .api import LEVELS
-from .config import ShardingConfig
-from .core import BucketLayout, UnitPlan, needs_of, plan_groups, plan_units
-from .core.stand_in import Call  # the dry run's records: the one deep import of the tools
-from .dry_run import NO_VALUES, DryRunError, Job, run_rank
-from .memory import STATE_PER_PARAM
-from .mixed_precision import MixedPrecision
+from ..api import LEVELS
+from ..config import ShardingConfig
+from ..core import BucketLayout, LevelRules, UnitPlan, needs_of, plan_groups, plan_units
+from ..core.stand_in import Call  # the dry run's records: the one deep import of the tools
+from ..layout import Layout, init_hybrid_parallel
+from ..memory import STATE_PER_PARAM, paper_bytes_per_step
+from ..mixed_precision import MixedPrecision
+from .dry_run import NO_VALUES, DryRunError, Job, RankRun, run_rank, stand_in_world
 from .plan_optimizers import FLOPS_RULE, OPTIMIZERS, as_list
-from .plan_tp import recording_tp_collectives, stand_in_layout
 from .workload import accepts_layout, as_workload, load_factory, tp_workload
 
 LOW = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,14 +50,14 @@ class PlanConfig:
     level: str
     """'os', 'os_g' or 'p_g_os'."""
     model: str | None = None
-    """``pkg.module:factory`` (``zerokit.workload``); None: ``zerokit compare``'s GPT."""
+    """``pkg.module:factory`` (``zerokit.tools.workload``); None: ``zerokit compare``'s GPT."""
     sharding_degree: int | None = None
     """Hybrid sharding: shard over groups of this many ranks, replicate across the groups."""
     tp: int = 1
     """Tensor-parallel degree: each rank holds its tp slice; ZeRO over the world / tp ranks
     holding the same slice (the factory takes ``layout``, as for ``zerokit verify --tp``)."""
     pp: int = 1
-    """Pipeline stages (``zerokit.plan_pp``): the built-in GPT or a preset, split as
+    """Pipeline stages (``zerokit.tools.plan_pp``): the built-in GPT or a preset, split as
     ``PipelineModule`` splits ``models.gpt.gpt_layers``; ZeRO over each stage's world / pp ranks."""
     micro_batches: int | None = None
     """Micro-batches of a pipeline step (None: ``pp``)."""
@@ -72,7 +71,7 @@ class PlanConfig:
     mixed_precision: str | None = None
     """'bf16' or 'fp16': compute copies in it, fp32 master shards (fp16: a loss scaler)."""
     optimizer: str = "adamw"
-    """Which optimizer the ranks step (``zerokit.plan_optimizers.OPTIMIZERS``: ``adamw``,
+    """Which optimizer the ranks step (``zerokit.tools.plan_optimizers.OPTIMIZERS``: ``adamw``,
     ``sgd``, ..., ``muon`` (Muon for the blocks' matrices beside AdamW), ``adafactor``,
     ``adamw8bit``); its state is what ``measure`` counts, its step's FLOPs are reported."""
     buffer_max_size: int = 2**23
@@ -143,8 +142,8 @@ def check_config(cfg: PlanConfig) -> None:
         )
     if cfg.pp > 1 and cfg.optimizer not in STATE_PER_PARAM:
         raise ValueError(
-            f"--pp plans pipelines from zerokit's rules, which know elementwise optimizers only: "
-            f"--optimizer {cfg.optimizer} is planned by the dry run, without --pp"
+            f"--pp plans elementwise optimizers only: --optimizer {cfg.optimizer} is planned "
+            "by the dry run, without --pp"
         )
 
 
@@ -156,80 +155,99 @@ def make_plan(cfg: PlanConfig) -> dict:
 
 def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
     """The report and rank 0's step collectives one by one (the report aggregates them)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     check_config(cfg)
     if cfg.pp > 1:
-        raise ValueError("--pp: use zerokit.plan_pp.plan_with_calls, which plans pipelines")
+        raise ValueError("--pp: use zerokit.tools.plan_pp.plan_with_calls, which plans pipelines")
     low = LOW[cfg.mixed_precision]
-    policy = MixedPrecision(param_dtype=low)
     dp = cfg.world // cfg.tp
     degree = cfg.sharding_degree or dp
     batch = cfg.batch if cfg.batch is not None else dp
-    per_tp_rank = {}  # tp rank -> (units, frozen, activations)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        factory = load_factory(cfg.model)  # a ValueError: a usage error, as it is
-        if cfg.tp > 1 and not accepts_layout(factory):
-            raise ValueError(
-                f"--tp {cfg.tp}: the factory {cfg.model} takes no 'layout' keyword (see "
-                "zerokit.workload: factory(layout=None) the plain model, factory(layout=layout) "
-                "the tensor-parallel one)"
-            )
-        plain = _fake_workload(factory, cfg.seq, cfg.tp)
-        psi_model = sum(p.numel() for p in plain.model.parameters())
-        for t in sorted({0, cfg.tp - 1}):  # tp splits: all ranks alike but the last
-            work = plain if cfg.tp == 1 else _fake_tp_workload(factory, cfg, t, plain)
-            units, frozen = _units(work.model, cfg, policy, degree)
-            try:
-                activations, _ = _activation_bytes(work, batch // dp, policy, mode, cfg.tp > 1)
-            except Exception as e:
-                raise DryRunError(
-                    f"the forward on fake tensors failed: {type(e).__name__}: {e}. {NO_VALUES}"
-                ) from e
-            per_tp_rank[t] = (units, frozen, activations)
+    factory, psi_model, per_tp_rank = _tp_splits(cfg, degree, batch // dp)
     job = Job(
         world=cfg.world, level=cfg.level, tp=cfg.tp, degree=degree, seq=cfg.seq,
         rows=batch // dp, low=low, optimizer=cfg.optimizer, buffer_max_size=cfg.buffer_max_size,
         segment_size=cfg.segment_size,
     )  # fmt: skip
     played = _play_alike_once(job, cfg, factory, per_tp_rank)
-    transient = transient_bytes(per_tp_rank[0][0], cfg.level)
     # alike ranks share their run: describe each once
     calls_of = {id(run): _described(run.calls, cfg.level) for run in played.values()}
-    ranks = []
-    for rank in range(cfg.world):
-        run = played[rank]
-        units, _, activations = per_tp_rank[_tp_class(rank, cfg.tp)]
-        memory = dict(run.memory)
-        memory.update(transient=transient_bytes(units, cfg.level)["total"], activations=activations)
-        calls = calls_of[id(run)]
-        ranks.append(
-            {
-                "rank": rank,
-                "memory": memory,
-                "collectives": aggregate(calls),
-                "bytes_per_step": round(sum(c.sent for c in calls)),
-                "optimizer_flops": run.flops,
-            }
-        )
+    ranks = [_rank_entry(cfg, r, played[r], per_tp_rank, calls_of) for r in range(cfg.world)]
     units = per_tp_rank[0][0]
     psi = sum(b.numel for u in units for b in u.layouts)  # what ZeRO shards on a rank
     itemsize = low.itemsize if low is not None else units[0].master if units else 4
-    paper = (3 if cfg.level == "p_g_os" else 2) * psi * (dp - 1) / dp * itemsize
     return {
         "params": psi_model if cfg.tp > 1 else psi,
         **report_head(cfg, degree, batch),
         "tp": cfg.tp,
         "buckets": sum(len(u.layouts) for u in units),
         "units": len(units),
-        "transient": transient,
-        "paper_bytes_per_step": round(paper),
+        "transient": transient_bytes(units, cfg.level),
+        "paper_bytes_per_step": paper_bytes_per_step(cfg.level, psi, dp, itemsize),
         "optimizer": cfg.optimizer,
         "optimizer_flops_rule": FLOPS_RULE,
         "optimizer_flops_imbalance": _imbalance([r["optimizer_flops"] for r in ranks]),
         "ranks": ranks,
         "played_ranks": sorted({run.rank for run in played.values()}),
     }, calls_of[id(played[0])]
+
+
+def _rank_entry(cfg: PlanConfig, rank: int, run: RankRun, per_tp_rank: dict, calls_of: dict):
+    """Rank ``rank``'s row of the report: what its run (its own, or an alike rank's) held and
+    sent, with the estimates."""
+    units, _, activations = per_tp_rank[_tp_class(rank, cfg.tp)]
+    memory = dict(run.memory)
+    memory.update(transient=transient_bytes(units, cfg.level)["total"], activations=activations)
+    calls = calls_of[id(run)]
+    return {
+        "rank": rank,
+        "memory": memory,
+        "collectives": aggregate(calls),
+        "bytes_per_step": round(sum(c.sent for c in calls)),
+        "optimizer_flops": run.flops,
+    }
+
+
+def _tp_splits(cfg: PlanConfig, degree: int, rows: int) -> tuple:
+    """The factory, the whole model's parameter count, and for each tp split planned (every
+    tp rank holds the first's but the last: tp ranks 0 and tp - 1) its (units, frozen bytes,
+    activations), built and run on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    policy = MixedPrecision(param_dtype=LOW[cfg.mixed_precision])
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        factory = load_factory(cfg.model)  # a ValueError: a usage error, as it is
+        if cfg.tp > 1 and not accepts_layout(factory):
+            raise ValueError(
+                f"--tp {cfg.tp}: the factory {cfg.model} takes no 'layout' keyword (see "
+                "zerokit.tools.workload: factory(layout=None) the plain model, "
+                "factory(layout=layout) the tensor-parallel one)"
+            )
+        plain = _fake_workload(factory, cfg.seq, cfg.tp)
+        psi_model = sum(p.numel() for p in plain.model.parameters())
+        if cfg.tp == 1:
+            return factory, psi_model, {0: _figures(plain, cfg, policy, degree, rows, mode)}
+    splits = {}
+    for t in sorted({0, cfg.tp - 1}):
+        # tp rank t of the stand-in world: the tp layers' groups record their collectives
+        # and the layers' own control values (the vocabulary ranges) are real, as in the dry run
+        with stand_in_world(t, cfg.world):
+            layout = init_hybrid_parallel(cfg.world // cfg.tp, cfg.tp)
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                work = _fake_tp_workload(factory, cfg, layout, plain)
+                splits[t] = _figures(work, cfg, policy, degree, rows, mode)
+    return factory, psi_model, splits
+
+
+def _figures(work, cfg: PlanConfig, policy: MixedPrecision, degree: int, rows: int, mode):
+    """(units, frozen bytes, activations) of one tp split's model, on fake tensors."""
+    units, frozen = _units(work.model, cfg, policy, degree)
+    try:
+        activations = _activation_bytes(work, rows, policy, mode, cfg.tp > 1)
+    except Exception as e:
+        raise DryRunError(
+            f"the forward on fake tensors failed: {type(e).__name__}: {e}. {NO_VALUES}"
+        ) from e
+    return units, frozen, activations
 
 
 def _imbalance(flops: list[int]) -> float:
@@ -258,34 +276,42 @@ def _tp_class(rank: int, tp: int) -> int:
 
 def _play_alike_once(job: Job, cfg: PlanConfig, factory, per_tp_rank: dict) -> dict:
     """Every rank's ``RankRun``, playing ranks the layout says are alike only once: alike
-    ranks hold the same tp split and the same amounts by ``rank_memory``. If the one played
-    holds other amounts than the layout says, every rank of its kind is played."""
+    ranks hold the same tp split and the same pieces of every bucket (``holding``)."""
     if cfg.optimizer not in STATE_PER_PARAM:  # the owner layout: each rank holds its own
         return {rank: run_rank(job, rank, factory) for rank in range(cfg.world)}
     alike: dict[tuple, list[int]] = {}
     for rank in range(cfg.world):
         t = _tp_class(rank, cfg.tp)
-        units, frozen, _ = per_tp_rank[t]
-        said = rank_memory(units, cfg.level, (rank // cfg.tp) % job.degree, frozen, cfg.optimizer)
-        alike.setdefault((t, tuple(sorted(said.items()))), []).append(rank)
+        units = per_tp_rank[t][0]
+        alike.setdefault((t, holding(units, (rank // cfg.tp) % job.degree)), []).append(rank)
     played = {}
-    for (_, said), ranks in alike.items():
-        run = run_rank(job, ranks[0], factory)
-        if run.memory != dict(said):
-            runs = [run] + [run_rank(job, r, factory) for r in ranks[1:]]
-        else:
-            runs = [run] * len(ranks)
-        played.update(zip(ranks, runs))
+    for ranks in alike.values():
+        played.update(dict.fromkeys(ranks, run_rank(job, ranks[0], factory)))
     return played
+
+
+def holding(units: list[_Unit], g: int) -> tuple:
+    """The sizes of what rank ``g`` of a shard group holds of each bucket under an elementwise
+    optimizer: its shard and its pieces. Ranks holding the same hold the same bytes at every
+    level, and send the same (every rank of a group takes part in each of its collectives)."""
+    return tuple(
+        (b.shard_numel, tuple(p.numel for p in b.pieces(g))) for u in units for b in u.layouts
+    )
 
 
 def _described(calls: list[tuple[str, Call]], level: str) -> list[Collective]:
     """The recorded calls of a step as ``Collective``s, each with what it is for (read from
     the group's role, the phase, the op and the dtype: control values are integers)."""
-    return [Collective(c.op, c.group_size, c.bytes, _purpose(role, c, level)) for role, c in calls]
+    shard_params = LevelRules.decode(level).shard_params
+    return [
+        Collective(c.op, c.group_size, c.bytes, _purpose(role, c, shard_params))
+        for role, c in calls
+    ]
 
 
-def _purpose(role: str, c: Call, level: str) -> str:
+def _purpose(role: str, c: Call, shard_params: bool) -> str:
+    """What a call of zerokit's (or the model's) is for; ``shard_params``: the level frees
+    parameters between uses (a backward all-gather gathers them, not spread gradients)."""
     if role == "model":  # a group zerokit was not given: the model's own (or the world)
         return f"{c.op} ({c.phase})"
     if role == "tp" and not (c.phase == "step" and c.op == "all_reduce"):
@@ -298,7 +324,7 @@ def _purpose(role: str, c: Call, level: str) -> str:
     if c.phase == "forward" and c.op == "all_gather":
         return "gather parameters (forward)"
     if c.phase == "backward" and c.op == "all_gather":
-        if level == "p_g_os":
+        if shard_params:
             return "gather parameters (backward)"
         return "replicas: spread reduced gradients"
     if c.phase == "backward" and c.op in ("reduce_scatter", "all_reduce"):
@@ -321,9 +347,8 @@ def _fake_workload(factory, seq: int, tp: int):
         raise ValueError(f"--model: building it on fake tensors failed: {e}") from e
 
 
-def _fake_tp_workload(factory, cfg: PlanConfig, tp_rank: int, plain):
-    """tp rank ``tp_rank``'s model, built with a stand-in layout on fake tensors."""
-    layout = stand_in_layout(cfg.tp, tp_rank, cfg.world // cfg.tp)
+def _fake_tp_workload(factory, cfg: PlanConfig, layout: Layout, plain):
+    """tp rank ``layout.tp_rank``'s model, built on fake tensors."""
     torch.manual_seed(0)
     try:
         return tp_workload(factory, layout, plain)
@@ -371,40 +396,19 @@ def _unit(plan: UnitPlan, layouts, policy: MixedPrecision, model: nn.Module) -> 
     )
 
 
-def rank_memory(units: list[_Unit], level: str, g: int, frozen: int, optimizer: str) -> dict:
-    """Bytes rank ``g`` of the shard group holds after a backward, as ``measure`` counts them."""
-    params = grads = state = 0
-    per_element = 4 * STATE_PER_PARAM[optimizer]
-    for u in units:
-        for b in u.layouts:
-            full, shard = b.padded_numel, b.shard_numel
-            cast = u.compute != u.master
-            if level == "p_g_os":  # between uses only the master shard exists
-                params += shard * u.master
-            else:  # the full (compute) copy; a master shard of its own when cast
-                params += full * u.compute + (shard * u.master if cast else 0)
-            if level == "os":  # the full reduced gradient; the pieces' copy in fp32 if not
-                grads += full * u.reduce + (shard * u.master if u.reduce != u.master else 0)
-            else:
-                grads += shard * u.master
-            pieces = b.pieces(g)
-            state += sum(p.numel for p in pieces) * per_element
-            if optimizer in ("adam", "adamw"):
-                state += len(pieces) * _STEP_BYTES
-    return {"params": params + frozen, "grads": grads, "optimizer": state}
-
-
 def transient_bytes(units: list[_Unit], level: str) -> dict:
-    """The largest transient of a step. 'p_g_os': the root unit (gathered from forward to the
-    end of backward) and two units in a row (the one running and the one gathered ahead).
-    'os_g'/'p_g_os': the staged gradients of two groups in a row (one reducing, the next
+    """The largest transient of a step, as the core decodes ``level``. Parameters sharded
+    between uses (stage 3): the root unit (gathered from forward to the end of backward) and
+    two units in a row (the one running and the one gathered ahead). Gradients sharded
+    (stages 2, 3): the staged gradients of two groups in a row (one reducing, the next
     filling: ``MAX_GROUPS_IN_FLIGHT`` is 1)."""
+    decoded = LevelRules.decode(level)
     others = [u for u in units if not u.is_root]
     gathered = staging = 0
-    if level == "p_g_os":
+    if decoded.shard_params:
         root = sum(u.full(u.compute) for u in units if u.is_root)
         gathered = root + _pair_max([u.full(u.compute) for u in others])
-    if level != "os":
+    if decoded.shard_grads:
         staging = _pair_max([u.full(u.reduce) for u in units])
     return {"gathered": gathered, "staging": staging, "total": gathered + staging}
 
@@ -413,70 +417,6 @@ def _pair_max(sizes: list[int]) -> int:
     if len(sizes) < 2:
         return sum(sizes)
     return max(a + b for a, b in itertools.pairwise(sizes))
-
-
-class Ops:
-    """The core's collectives, as a list: what one rank of a shard group of ``degree`` ranks
-    (``replicas`` copies of it) issues for each event of a step."""
-
-    def __init__(self, degree: int, replicas: int):
-        self.degree, self.replicas = degree, replicas
-        self.data_groups = [degree] + ([replicas] if replicas > 1 else [])
-        self.out: list[Collective] = []
-
-    def add(self, op: str, size: int, nbytes: int, what: str) -> None:
-        if size > 1:  # the core's collectives do nothing at group size 1
-            self.out.append(Collective(op, size, nbytes, what))
-
-    def gather(self, u: _Unit, when: str) -> None:
-        # (the per-gather agreement is a debug option, ShardingConfig(debug_agreement=True):
-        # off the step's path, so not planned)
-        for b in u.layouts:
-            self.add(
-                "all_gather", self.degree, b.padded_numel * u.compute, f"gather parameters ({when})"
-            )
-
-    def agree_order(self) -> None:
-        """A forward whose output requires grad: the units' order agreed."""
-        for size in self.data_groups:
-            self.add("all_reduce", size, _AGREE_BYTES, "agree on the units' order")
-
-    def reduce(self, u: _Unit, level: str) -> None:
-        degree, replicas = self.degree, self.replicas
-        for b in u.layouts:
-            full, shard = b.padded_numel * u.reduce, b.shard_numel
-            if level == "os":
-                self.add("all_reduce", degree, full, "reduce gradients")
-                self.add(
-                    "all_reduce", replicas, shard * u.reduce, "replicas: reduce gradient shard"
-                )
-                if replicas > 1:
-                    self.add("all_gather", degree, full, "replicas: spread reduced gradients")
-            else:
-                self.add("reduce_scatter", degree, full, "reduce gradients")
-                self.add(
-                    "all_reduce", replicas, shard * u.master, "replicas: reduce gradient shard"
-                )
-
-    def end_of_backward(self, units: list[_Unit], low: torch.dtype | None) -> None:
-        """A synchronised backward's end: which parameters have gradients; fp16's inf check."""
-        flags = sum(len(b.slots) for u in units for b in u.layouts)
-        for size in self.data_groups:
-            self.add("all_reduce", size, flags, "agree which parameters have gradients")
-        if low == torch.float16:  # the loss scaler's inf/nan check
-            for size in self.data_groups:
-                self.add("all_reduce", size, 4, "loss scaler: agree on inf/nan")
-
-    def step(self, units: list[_Unit], level: str) -> None:
-        if level != "p_g_os":
-            for u in units:
-                for b in u.layouts:
-                    self.add(
-                        "all_gather",
-                        self.degree,
-                        b.padded_numel * u.compute,
-                        "gather updated shards",
-                    )
 
 
 def aggregate(collectives: list[Collective]) -> list[dict]:
@@ -492,24 +432,23 @@ def aggregate(collectives: list[Collective]) -> list[dict]:
     return list(rows.values())
 
 
-def _activation_bytes(work, per_rank: int, policy: MixedPrecision, mode, tp: bool):
+def _activation_bytes(work, per_rank: int, policy: MixedPrecision, mode, tp: bool) -> int:
     """What autograd saves for backward in one forward and loss of a rank's micro-batch, each
     storage once, the parameters left out: counted on fake tensors, so kernels save what they
     would on the device (the ``zerokit.memory.measure_activations`` way, for any model).
-    With ``tp``, also the tensor-parallel collectives of that forward, loss and backward."""
+    With ``tp`` the forward runs outside the fake mode (its tensors are still fake): a tensor
+    the tp layers make from nothing (a control value, over a stand-in group) is then real."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     model = work.model
     to_compute_dtype(model, policy)
     x, y = (mode.from_tensor(t[:per_rank]) for t in _real_batch(work, per_rank))
     if policy.param_dtype is not None and x.is_floating_point():
         x = x.to(policy.param_dtype)
-    calls: list[tuple[str, int, int]] = []
-    recording = recording_tp_collectives(calls) if tp else contextlib.nullcontext()
-    with recording:
+    with unset_fake_temporarily() if tp else contextlib.nullcontext():
         with saved_bytes(model) as seen:
-            loss = work.loss_fn(model(x), y)
-        if tp:
-            loss.backward()
-    return sum(seen.values()), calls
+            work.loss_fn(model(x), y)
+    return sum(seen.values())
 
 
 def to_compute_dtype(model: nn.Module, policy: MixedPrecision) -> None:

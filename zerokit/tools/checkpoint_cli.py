@@ -6,10 +6,10 @@ import argparse
 import os
 import sys
 
-from .consolidate import consolidate, describe, parse_size
-from .convert import convert
-from .index import CheckpointError
-from .lightning_file import consolidate_lightning
+from ..checkpoint.consolidate import consolidate, describe, parse_size
+from ..checkpoint.convert import convert
+from ..checkpoint.index import CheckpointError
+from ..checkpoint.lightning_file import consolidate_lightning
 
 _CHECKPOINT_HELP = "the checkpoint directory zerokit.checkpoint.save wrote"
 

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .models.gpt import GPT, synthetic_batch
+from ..models.gpt import GPT, synthetic_batch
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def factories_of(module) -> list[str]:
 def default_model(layout=None) -> nn.Module:
     """``zerokit compare``'s GPT; with a layout, its tensor-parallel twin (same seed, same
     full parameters)."""
-    from .models.gpt import GPTConfig
+    from ..models.gpt import GPTConfig
 
     cfg = GPTConfig(
         vocab_size=2048,
@@ -131,7 +131,7 @@ def accepts_layout(factory: Callable) -> bool:
 def tp_workload(factory: Callable, layout, plain: Workload) -> Workload:
     """The tensor-parallel workload: ``factory(layout=layout)``; a token model trains on the
     plain model's batches with ``ParallelCrossEntropy`` (its logits are a vocabulary slice)."""
-    from .tensor_parallel import ParallelCrossEntropy
+    from ..tensor_parallel import ParallelCrossEntropy
 
     made = factory(layout=layout)
     if isinstance(made, nn.Module):
@@ -143,7 +143,7 @@ CONTRACT = (
     "a factory returns an nn.Module mapping token ids [batch, seq] to logits [batch, seq, vocab] "
     "(a tensor, or an output with .logits such as a Hugging Face CausalLMOutput), or a tuple "
     "(model, make_batch) or (model, make_batch, loss_fn) for any other model (see "
-    "zerokit.workload)"
+    "zerokit.tools.workload)"
 )
 
 

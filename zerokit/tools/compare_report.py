@@ -9,7 +9,7 @@ row per level with ``measured`` (params, grads, optimizer, total, peak) and ``es
 
 from __future__ import annotations
 
-from .memory import format_bytes
+from ..memory import format_bytes
 
 CATEGORIES = ("params", "grads", "optimizer")
 
@@ -91,13 +91,27 @@ def write_plot(report: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
 
     rows = report["rows"]
-    xs = list(range(len(rows)))
-    levels = [r["level"] for r in rows]
     fig, (state_ax, peak_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
+    _state_panel(state_ax, rows)
+    _peak_panel(peak_ax, rows)
+    fig.suptitle(
+        f"zerokit compare: {report['model']}, {_ranks(report['world_size'])} "
+        f"({report['backend']}), {report['precision']}, {report['steps']} steps; the largest "
+        "rank's bytes",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
+
+def _state_panel(ax, rows: list[dict]) -> None:
+    """Model state by category per level, measured (solid) beside estimated (hatched)."""
+    from matplotlib.patches import Patch
+
+    xs = list(range(len(rows)))
     unit, scale = _unit(max(max(r["measured"]["total"], r["estimated"]["total"]) for r in rows))
     colors = dict(zip(CATEGORIES, ("tab:blue", "tab:orange", "tab:green")))
     for offset, kind, style in ((-0.2, "measured", {}), (0.2, "estimated", {"hatch": "//"})):
@@ -105,7 +119,7 @@ def write_plot(report: dict, path: str) -> None:
         for category in CATEGORIES:
             values = [r[kind][category] / scale for r in rows]
             label = category if kind == "measured" else None
-            state_ax.bar(
+            ax.bar(
                 [x + offset for x in xs],
                 values,
                 0.38,
@@ -120,52 +134,44 @@ def write_plot(report: dict, path: str) -> None:
             bottom = [b + v for b, v in zip(bottom, values)]
         for x, row in zip(xs, rows):
             total = row[kind]["total"]
-            state_ax.annotate(
+            ax.annotate(
                 format_bytes(total),
                 (x + offset, total / scale),
                 ha="center",
                 va="bottom",
                 fontsize=7,
             )
-    handles = state_ax.get_legend_handles_labels()[0] + [
+    handles = ax.get_legend_handles_labels()[0] + [
         Patch(facecolor="white", edgecolor="black", label="solid: measured"),
         Patch(facecolor="white", edgecolor="black", hatch="//", label="hatched: estimated"),
     ]
-    state_ax.set_xticks(xs, levels)
-    state_ax.set_ylabel(f"{unit} per rank")
-    state_ax.set_title("model state per rank, with totals")
-    state_ax.legend(handles=handles, fontsize=7)
+    ax.set_xticks(xs, [r["level"] for r in rows])
+    ax.set_ylabel(f"{unit} per rank")
+    ax.set_title("model state per rank, with totals")
+    ax.legend(handles=handles, fontsize=7)
 
+
+def _peak_panel(ax, rows: list[dict]) -> None:
+    """The measured peak per level, DDP's marked across."""
+    xs = list(range(len(rows)))
+    levels = [r["level"] for r in rows]
     peaks = [r["measured"]["peak"] for r in rows]
     unit, scale = _unit(max(peaks))
-    peak_ax.bar(
-        xs, [p / scale for p in peaks], 0.5, color="tab:gray", edgecolor="black", linewidth=0.5
-    )
+    ax.bar(xs, [p / scale for p in peaks], 0.5, color="tab:gray", edgecolor="black", linewidth=0.5)
     for x, peak in zip(xs, peaks):
-        peak_ax.annotate(
-            format_bytes(peak), (x, peak / scale), ha="center", va="bottom", fontsize=7
-        )
+        ax.annotate(format_bytes(peak), (x, peak / scale), ha="center", va="bottom", fontsize=7)
     if "ddp" in levels:
-        peak_ax.axhline(
+        ax.axhline(
             peaks[levels.index("ddp")] / scale,
             color="black",
             linestyle="--",
             linewidth=0.8,
             label="ddp's peak",
         )
-        peak_ax.legend(fontsize=7, loc="lower right")
-    peak_ax.set_xticks(xs, levels)
-    peak_ax.set_ylabel(f"{unit} per rank")
-    peak_ax.set_title("peak while building and training (measured only)")
-    fig.suptitle(
-        f"zerokit compare: {report['model']}, {_ranks(report['world_size'])} "
-        f"({report['backend']}), {report['precision']}, {report['steps']} steps; the largest "
-        "rank's bytes",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+        ax.legend(fontsize=7, loc="lower right")
+    ax.set_xticks(xs, levels)
+    ax.set_ylabel(f"{unit} per rank")
+    ax.set_title("peak while building and training (measured only)")
 
 
 # -- zerokit compare --activations ------------------------------------------------------------

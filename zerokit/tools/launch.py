@@ -76,7 +76,7 @@ def launch_script(
     ``zerokit.parallelize`` (given no mesh) read it. Returns torchrun's exit status."""
     import subprocess
 
-    from .strategy import ENV, Strategy
+    from ..strategy import ENV, Strategy
 
     strategy = Strategy.load(strategy_path)  # a bad file fails here, before any rank starts
     nproc = strategy.world_size if nproc is None else nproc

@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .api import group_sharded_parallel
-from .layout import Layout
-from .mixed_precision import MixedPrecision
-from .models.gpt import GPT, gpt_layers, gpt_pipeline_state_dict
-from .pipeline import PipelineModule
-from .scaler import ShardedGradScaler, step_and_zero
-from .tensor_parallel import gather_full_state_dict
+from ..api import group_sharded_parallel
+from ..layout import Layout
+from ..mixed_precision import MixedPrecision
+from ..models.gpt import GPT, gpt_layers, gpt_pipeline_state_dict
+from ..pipeline import PipelineModule
+from ..scaler import ShardedGradScaler, step_and_zero
+from ..tensor_parallel import gather_full_state_dict
 
 
 class PipelineTrainer:

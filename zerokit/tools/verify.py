@@ -1,6 +1,6 @@
 """``zerokit verify``: the equivalence principle as a command.
 
-Trains the model (``zerokit.workload``'s contract) on ``nproc`` ranks at a level, each rank on
+Trains the model (``zerokit.tools.workload``'s contract) on ``nproc`` ranks at a level, each rank on
 its slice of the global batch, and beside it, on rank 0, the same model on one process on the
 whole global batch; after every step the full parameters of both are compared.
 
@@ -45,15 +45,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .api import LEVELS, group_sharded_parallel
+from ..api import LEVELS, group_sharded_parallel
+from ..layout import init_hybrid_parallel
+from ..mixed_precision import PRECISIONS, MixedPrecision
+from ..pipeline.schedules import SCHEDULES
+from ..runtime.teardown import hand
+from ..scaler import ShardedGradScaler, step_and_zero
+from ..tensor_parallel import gather_full_state_dict
 from .launch import local_backend, spawn_local
-from .layout import init_hybrid_parallel
-from .mixed_precision import PRECISIONS, MixedPrecision
-from .pipeline.schedules import SCHEDULES
 from .plan_optimizers import muon_and_adamw, newton_schulz_in_fp32
-from .runtime.teardown import hand
-from .scaler import ShardedGradScaler, step_and_zero
-from .tensor_parallel import gather_full_state_dict
 from .verify_pp import PipelineTrainer
 from .workload import (
     Workload,
@@ -74,7 +74,7 @@ OPTIMIZERS = {
     "sgd": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
     "adamw": lambda params, lr: torch.optim.AdamW(params, lr=lr),
 }
-# built from the model (``zerokit.plan_optimizers``): Muon for the blocks' matrices, AdamW else
+# built from the model (``zerokit.tools.plan_optimizers``): Muon for the blocks' matrices, AdamW else
 WHOLE_MODEL_OPTIMIZERS = {"muon": muon_and_adamw}
 LOW = {None: None, **PRECISIONS}
 _RMS_FLOOR = 1e-9  # a one-process run that stayed exact: the distributed one must nearly too
@@ -85,14 +85,14 @@ class VerifyConfig:
     level: str
     """'os', 'os_g' or 'p_g_os'."""
     model: str | None = None
-    """``pkg.module:factory`` (``zerokit.workload``); None: the built-in small GPT."""
+    """``pkg.module:factory`` (``zerokit.tools.workload``); None: the built-in small GPT."""
     nproc: int = 2
     """Ranks to start."""
     tp: int = 1
     """Tensor-parallel degree: ``nproc // tp`` data-parallel replicas of ``tp`` ranks, ZeRO
-    over each tp rank's dp group (``zerokit.workload``: the factory takes ``layout``)."""
+    over each tp rank's dp group (``zerokit.tools.workload``: the factory takes ``layout``)."""
     pp: int = 1
-    """Pipeline stages (``zerokit.verify_pp``): the model, a ``zerokit.models.gpt.GPT``, as a
+    """Pipeline stages (``zerokit.tools.verify_pp``): the model, a ``zerokit.models.gpt.GPT``, as a
     ``PipelineModule`` of ``gpt_layers``; ZeRO over each stage's ``nproc // pp`` ranks."""
     micro_batches: int | None = None
     """Micro-batches of a pipeline step (None: ``pp``)."""
@@ -166,7 +166,7 @@ def check_config(cfg: VerifyConfig) -> None:
                 f"--tp {cfg.tp}: the factory {cfg.model} takes no 'layout' keyword. A factory "
                 "for tensor parallelism is called factory(layout=None) for the plain model and "
                 "factory(layout=layout) for the tensor-parallel one, built from the same seed "
-                "(see zerokit.workload)"
+                "(see zerokit.tools.workload)"
             )
         factory = functools.partial(factory, layout=None)
         if cfg.model is None:
