@@ -240,9 +240,15 @@ class ShardedGradients(_Gradients):
         # reduced (after its parameters were freed: group.accumulate).
         self._defer = defer_staging
         self._deferred: list[dict[int, torch.Tensor | None]] = [{} for _ in buckets]
+        # decided once, here: the receive buffer each bucket's reduction borrows (0: none)
+        self._scratch = [
+            reduction.scratch_numel(b.layout.padded_numel, b.data.device, b.ranges) for b in buckets
+        ]
 
     def staging_requests(self) -> list[tuple[int, torch.dtype]]:
-        return [(b.layout.padded_numel, self._dtype(k)) for k, b in enumerate(self.buckets)]
+        staged = [(b.layout.padded_numel, self._dtype(k)) for k, b in enumerate(self.buckets)]
+        scratch = [(n, self._dtype(k)) for k, n in enumerate(self._scratch) if n]
+        return staged + scratch
 
     def _staged_buffer(self, b: int) -> torch.Tensor:
         if self._staged[b] is None:
@@ -287,8 +293,16 @@ class ShardedGradients(_Gradients):
         full, self._staged[b] = self._staged_buffer(b), None
         if self.grads[b] is None:  # in the masters' dtype and device (fp32, offload: the CPU)
             self.grads[b] = torch.zeros_like(self.buckets[b].shard_data)
-        pending = self._reduction.start(full, self.grads[b], self.buckets[b].ranges)
-        return pending.then(lambda: self._staging.release(full))
+        scratch = (
+            self._staging.acquire(self._scratch[b], self._dtype(b)) if self._scratch[b] else None
+        )
+        pending = self._reduction.start(full, self.grads[b], self.buckets[b].ranges, scratch)
+        return pending.then(lambda: self._release(full, scratch))
+
+    def _release(self, full: torch.Tensor, scratch: torch.Tensor | None) -> None:
+        self._staging.release(full)
+        if scratch is not None:
+            self._staging.release(scratch)
 
     def _param_grad(self, b: int, i: int) -> None:
         return None  # no tensor of the parameter's shape holds its gradient
