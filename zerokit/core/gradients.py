@@ -40,6 +40,7 @@ class _Gradients:
         # Persistent gradient per bucket (full, or this rank's shard); None until the first
         # reduction after zero_grad(set_to_none=True), which frees it (torch's contract).
         self.grads: list[torch.Tensor | None] = [None] * len(buckets)
+        self._placeholders: dict[tuple[int, int], GradPlaceholder] = {}
 
     def _dtype(self, b: int) -> torch.dtype:
         return self._reduce_dtype or self.buckets[b].data.dtype
@@ -48,7 +49,7 @@ class _Gradients:
         """What one reduction of every bucket asks the staging pool for: (elements, dtype)."""
         return []
 
-    def publish(self, b: int, flags: torch.Tensor, owner) -> None:
+    def publish(self, b: int, flags: list[bool], owner) -> None:
         """Reductions are done: ``param.grad`` and the pieces' ``.grad`` as the step reads
         them (``flags[i]``: parameter ``i`` holds a gradient on some rank)."""
         bucket = self.buckets[b]
@@ -64,6 +65,14 @@ class _Gradients:
             piece_param.grad = view if view is not None and flags[piece.slot] else None
 
     def _placeholder(self, b: int, i: int, owner) -> GradPlaceholder:
+        """Made once per parameter and published again at every step (it reads its parts when
+        used), not rebuilt per parameter per step."""
+        made = self._placeholders.get((b, i))
+        if made is None or made._owner is not owner:
+            made = self._placeholders[(b, i)] = self._new_placeholder(b, i, owner)
+        return made
+
+    def _new_placeholder(self, b: int, i: int, owner) -> GradPlaceholder:
         ref = weakref.ref(self)  # param -> .grad -> self -> param would be a cycle
 
         def parts() -> list[torch.Tensor]:
