@@ -80,7 +80,8 @@ def _run(rank, world_size, level, out):
     sent = collections.Counter()
     for op, nbytes in calls:
         sent[op] += nbytes
-    out.put((rank, padded, dict(sent), len(buckets)))
+    params = sum(len(b.params) for b in buckets)
+    out.put((rank, padded, dict(sent), len(buckets), params))
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -91,7 +92,7 @@ def test_reduce_scatter_sends_ring_bytes(world_size):
     for level in ("os_g", "p_g_os"):
         run_distributed(_run, world_size, level, queue)
         for _ in range(world_size):
-            rank, padded, sent, buckets = queue.get()
+            rank, padded, sent, buckets, params = queue.get()
             assert buckets > 1, "several buckets: each is reduced on its own"
             # A ring reduce-scatter: each rank sends every peer that peer's chunk once,
             # Psi (N-1)/N bytes of fp32 gradients, and receives as much; nothing else reduces.
@@ -100,3 +101,8 @@ def test_reduce_scatter_sends_ring_bytes(world_size):
             assert sent.get("irecv") == ring, (level, rank, sent, ring)
             for op in ("reduce", "reduce_scatter", "reduce_scatter_tensor", "all_to_all_single"):
                 assert op not in sent, (level, rank, sent)
+            # The only all-reduce: which parameters hold a gradient, one byte each. At
+            # 'os_g' the forward also agrees the unit order (two int64s, every step); at
+            # 'p_g_os' only when a rank's order changed, so not in this steady step.
+            order = 16 if level == "os_g" else 0
+            assert sent.get("all_reduce") == params + order, (level, rank, sent, params)
