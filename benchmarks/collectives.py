@@ -26,6 +26,17 @@ def worker(rank: int, world_size: int, args) -> None:
         dist.all_to_all_single(recv, full)
         torch.sum(recv.view(world_size, -1), 0, out=shard)
 
+    def peer_reduce_scatter():  # zerokit's on gloo: one send and one receive per peer, a sum
+        chunks, parts = full.view(world_size, -1), recv.view(world_size, -1)
+        works = []
+        for k in range(1, world_size):
+            to, source = (rank + k) % world_size, (rank - k) % world_size
+            works += [dist.isend(chunks[to], to), dist.irecv(parts[source], source)]
+        for work in works:
+            work.wait()
+        parts[rank].copy_(chunks[rank])
+        torch.sum(parts, 0, out=shard)
+
     def reduce_per_owner():  # no receive buffer: each chunk is summed in place on its owner
         staged = full.view(world_size, -1)
         works = [dist.reduce(staged[r], group_dst=r, async_op=True) for r in range(world_size)]
@@ -37,6 +48,7 @@ def worker(rank: int, world_size: int, args) -> None:
         "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(shard, full),
         "all_to_all + sum (reduce-scatter)": a2a_reduce_scatter,
         "reduce per owner (reduce-scatter)": reduce_per_owner,
+        "send/receive per peer (reduce-scatter)": peer_reduce_scatter,
         "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(out, shard),
         "all_to_all (all-gather)": lambda: dist.all_to_all_single(out, replicated),
         "broadcast per rank (all-gather)": lambda: [

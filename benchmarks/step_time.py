@@ -5,13 +5,20 @@ by side in one run on gloo CPU ranks, alternating so every runner sees the same 
     MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/step_time.py   # freed memory back to the OS
     python benchmarks/step_time.py --mixed-precision bf16   # zerokit and FSDP2 policies,
                                                             # DDP/ZeRO-1/local under autocast
+    python benchmarks/step_time.py --model mlp --breakdown  # 8 MLP blocks; where time goes
+
+Run it in a network namespace of its own (``unshare -n sh -c 'ip link set lo up; python ...'``)
+for ``sent/step`` to count only its own ranks' bytes: loopback is shared by every process of
+the host.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
+import functools
 import statistics
 import time
 
@@ -25,6 +32,11 @@ import zerokit
 from zerokit.memory import measure
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss, synthetic_batch
 from zerokit.tools.launch import spawn_local
+
+try:  # run as a script (benchmarks/ on the path) or as benchmarks.step_time
+    from breakdown import PHASES, Breakdown
+except ImportError:
+    from benchmarks.breakdown import PHASES, Breakdown
 
 # "local" trains each rank alone with no communication: the floor no data-parallel runner can beat.
 # "<level>_sib": that zerokit level with step_in_backward=True (each unit stepped as soon as its
@@ -89,13 +101,42 @@ def loopback_tx_bytes() -> int:
 AUTOCAST = ("ddp", "zero_redundancy", "local")  # no policy of their own: torch.autocast
 
 
-def train_step(model, opt, x, y, autocast=None) -> float:
-    with autocast or contextlib.nullcontext():
+class MLP(torch.nn.Module):
+    """``--model mlp``: residual blocks of Linear(w, 4w), GELU, Linear(4w, w) on rows of width
+    w, a mean-squared-error loss (``blocks``: what FSDP2 shards one by one)."""
+
+    def __init__(self, layers: int, width: int):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.Linear(width, 4 * width),
+                torch.nn.GELU(),
+                torch.nn.Linear(4 * width, width),
+            )
+            for _ in range(layers)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def mlp_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def train_step(model, opt, x, y, autocast=None, loss_fn=lm_loss, timer=None) -> float:
+    phase = timer.timing if timer is not None else lambda _: contextlib.nullcontext()
+    with phase("forward"), autocast or contextlib.nullcontext():
         logits = model(x)
-    loss = lm_loss(logits.float(), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(logits.float(), y)
+    with phase("backward"):
+        loss.backward()
+    with phase("step"):
+        opt.step()
+    with phase("zero_grad"):
+        opt.zero_grad(set_to_none=True)
     return loss.item()
 
 
@@ -104,7 +145,8 @@ def worker(rank: int, world_size: int, args) -> None:
         vocab_size=4096, block_size=args.seq, n_layer=args.layers, n_head=8, n_embd=args.width
     )
     torch.manual_seed(0)
-    base = GPT(cfg)
+    base = GPT(cfg) if args.model == "gpt" else MLP(args.layers, args.width)
+    loss_fn = lm_loss if args.model == "gpt" else mlp_loss
     n_params = sum(p.numel() for p in base.parameters())
     runners = args.runners.split(",")
     low = {"bf16": torch.bfloat16, None: None}[args.mixed_precision]
@@ -113,13 +155,18 @@ def worker(rank: int, world_size: int, args) -> None:
         r: torch.autocast("cpu", dtype=low) if low is not None and r in AUTOCAST else None
         for r in runners
     }
-    x, y = synthetic_batch(cfg.vocab_size, args.batch, args.seq, seed=rank)
+    if args.model == "gpt":
+        x, y = synthetic_batch(cfg.vocab_size, args.batch, args.seq, seed=rank)
+    else:
+        gen = torch.Generator().manual_seed(rank)
+        x, y = torch.randn(2, args.batch * args.seq, args.width, generator=gen)
+    step = functools.partial(train_step, loss_fn=loss_fn)
     memory = {}
     for r, (model, opt) in built.items():  # warm-up; measure held bytes after a step + backward
-        train_step(model, opt, x, y, autocast[r])
+        step(model, opt, x, y, autocast[r])
         with autocast[r] or contextlib.nullcontext():
             logits = model(x)
-        lm_loss(logits.float(), y).backward()
+        loss_fn(logits.float(), y).backward()
         m = measure(model, opt)
         memory[r] = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer}
         opt.zero_grad(set_to_none=True)
@@ -132,27 +179,29 @@ def worker(rank: int, world_size: int, args) -> None:
             for _ in range(args.steps):
                 dist.barrier()
                 start = time.perf_counter()
-                train_step(model, opt, x, y, autocast[r])
+                step(model, opt, x, y, autocast[r])
                 times[r].append(time.perf_counter() - start)
             dist.barrier()
             sent[r] += loopback_tx_bytes() - before
     # the slowest rank decides a step: take each step's max over ranks
     stacked = torch.tensor([times[r] for r in runners], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    phases = breakdown_rounds(built, x, y, step, autocast, args) if args.breakdown else None
     if rank != 0:
         return
     medians = {r: statistics.median(stacked[i].tolist()) for i, r in enumerate(runners)}
     base_time = medians.get("ddp", next(iter(medians.values())))
+    fsdp2 = medians.get("fsdp2")
     mib = 2**20
     steps = args.rounds * args.steps
     param_bytes = n_params * 4
     print(
-        f"GPT {n_params / 1e6:.1f}M params, {world_size} gloo ranks, AdamW "
+        f"{args.model.upper()} {n_params / 1e6:.1f}M params, {world_size} gloo ranks, AdamW "
         f"{args.mixed_precision or 'fp32'}, batch "
         f"{args.batch}x{args.seq} per rank, zerokit buckets of {args.bucket_elems} elements"
     )
     print(
-        f"{'runner':<16}{'step s':>9}{'vs ddp':>8}{'params MiB':>12}{'grads MiB':>11}"
+        f"{'runner':<16}{'step s':>9}{'vs ddp':>8}{'vs fsdp2':>9}{'params MiB':>12}{'grads MiB':>11}"
         f"{'optim MiB':>11}{'total MiB':>11}{'sent/step':>11}"
     )
     for r in runners:
@@ -161,6 +210,7 @@ def worker(rank: int, world_size: int, args) -> None:
         per_rank_step = sent[r] / world_size / steps  # barriers included: negligible
         print(
             f"{r:<16}{medians[r]:>9.3f}{medians[r] / base_time:>7.2f}x"
+            f"{'' if fsdp2 is None else f'{medians[r] / fsdp2:.2f}x':>9}"
             f"{m['params'] / mib:>12.1f}{m['grads'] / mib:>11.1f}{m['optimizer'] / mib:>11.1f}"
             f"{total / mib:>11.1f}{per_rank_step / param_bytes:>10.2f}P"
         )
@@ -168,6 +218,39 @@ def worker(rank: int, world_size: int, args) -> None:
         "sent/step: bytes one rank sent per step over loopback TCP (gloo's transport), read from\n"
         "/proc/net/dev around each runner's steps, in units of P = the model's fp32 bytes."
     )
+    if phases is not None:
+        print_breakdown(phases)
+
+
+def breakdown_rounds(built, x, y, step, autocast, args) -> dict[str, dict[str, float]]:
+    """Each runner's step time per phase (ms per step, this rank's, exclusive: they add up to
+    the step), from rounds of their own after the timed ones (the timers cost ~1 us a call)."""
+    timer = Breakdown()
+    phases = {r: collections.Counter() for r in built}
+    try:
+        for _ in range(args.rounds):
+            for r, (model, opt) in built.items():
+                dist.barrier()
+                timer.reset()
+                for _ in range(args.steps):
+                    dist.barrier()
+                    step(model, opt, x, y, autocast[r], timer=timer)
+                    timer.steps += 1
+                phases[r].update(timer.per_step_ms())
+    finally:
+        timer.close()
+    return {r: {k: v / args.rounds for k, v in c.items()} for r, c in phases.items()}
+
+
+def print_breakdown(phases: dict[str, dict[str, float]]) -> None:
+    names = list(PHASES) + sorted({k for c in phases.values() for k in c} - set(PHASES))
+    print("\nms per step on rank 0, exclusive (a phase: what no timer inside it covers)")
+    print(f"{'':<30}" + "".join(f"{r:>12}" for r in phases))
+    for name in names:
+        label = f"{name} (rest)" if name in PHASES else name
+        row = "".join(f"{phases[r].get(name, 0.0):>12.1f}" for r in phases)
+        print(f"{label:<30}{row}")
+    print(f"{'total':<30}" + "".join(f"{sum(phases[r].values()):>12.1f}" for r in phases))
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -188,6 +271,10 @@ def main() -> None:
         "--mixed-precision", choices=["bf16"], help="compute in bf16; None: fp32 throughout"
     )
     p.add_argument("--steps", type=int, default=3, help="timed steps per runner per round")
+    p.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="what to train")
+    p.add_argument(
+        "--breakdown", action="store_true", help="then time each phase of the step, per runner"
+    )
     args = p.parse_args()
     spawn_local(worker, args.nproc, args)
 

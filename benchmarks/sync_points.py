@@ -13,7 +13,8 @@ zerokit's own code makes them (the caller's frame is a file of the ``zerokit`` p
 
 Note: reads of ``torch.bool`` tensors are not counted. zerokit keeps its per-parameter
 bookkeeping (which parameters delivered or hold a gradient: ``ShardGroup.contributed`` and
-``has_grad``) in CPU bool tensors on every device, so reading them is never a device sync; the
+``has_grad``) in Python lists, made a CPU tensor once per step to agree it, and the agreed
+flags come back as a CPU bool tensor read with ``tolist()``: never a device sync; the
 control values that do travel through a device (the order digest, int64; the "holds a
 gradient" flags, reduced as uint8; a norm or an inf flag, float) are of other dtypes, and
 ``.cpu()`` is counted whatever the dtype. A Python value made into a tensor on a device

@@ -109,7 +109,9 @@ def _run(rank, world_size, level, order_kind, reentrant=None, widths=None, **wra
         xs, ys = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
         loss_fn(model(xs), ys).backward()
         ahead = 0 if wrap.get("sync_comm") else 1  # sync_comm: nothing in flight or prefetched
-        bound = 4 * (root + (1 + ahead) * unit)  # staging, derived below
+        # gloo's reduce-scatter receives the peers' chunks of the group it reduces: (N-1)/N of it
+        receive = 0 if level == "os" else (world_size - 1) * max(root, unit) // world_size
+        bound = 4 * (root + (1 + ahead) * unit + receive)  # staging, derived below
         assert state.staging.peak_bytes <= bound, (level, step, state.staging.peak_bytes, bound)
         if level == "os":  # full averaged gradients on every rank, as one process has them
             for name, p in model.named_parameters():
@@ -126,9 +128,10 @@ def _run(rank, world_size, level, order_kind, reentrant=None, widths=None, **wra
             # to the last), one block filling, and at most 1 group in flight (none under
             # sync_comm: finished when launched; the documented
             # MAX_GROUPS_IN_FLIGHT, written out so that raising it fails here) with its
-            # gradients, which its reduce-scatter sums in place (no receive buffer); released
+            # gradients and the buffer its reduce-scatter receives the peers' chunks into
+            # ((N-1)/N of the group, on gloo; under sync_comm too, while it runs); released
             # buffers never add to that.
-            bound = 4 * (root + (1 + ahead) * unit)
+            bound = 4 * (root + (1 + ahead) * unit + receive)
             assert staging <= bound, (level, step, block, staging, bound)
         # As the embedding's backward starts every block's reduction is over (the root unit is
         # the next to launch: the last block's is finished at its launch) and no block's

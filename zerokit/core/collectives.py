@@ -3,16 +3,23 @@
 Every function takes the process group explicitly and does no communication at world size 1.
 
 Note: on gloo (CPU) the textbook collectives are the slow path. torch 2.13's gloo
-``reduce_scatter`` clones its input, runs a full all-reduce and copies one chunk out, and its
-``all_gather_into_tensor`` gathers into a temporary list. Measured on 2 ranks of this machine
-(``benchmarks/collectives.py``), 13 MB fp32, one 'p_g_os' block: reduce_scatter 46 ms,
-all-to-all + a local sum 30 ms, one in-place reduce per owner 29 ms; all_gather_into_tensor
-24 ms, one in-place broadcast per rank 15 ms. So on gloo a reduce-scatter is one reduce per
-owner, in place in the staged gradients (no receive buffer: memory is what the core is for;
-the all-to-all, which needs one, is 20-30% faster only at 3 ranks or 100 MB buckets; gloo's
-reduce sends 1.5x the all-to-all's bytes at 2 ranks, in the same time on loopback), and an
-all-gather is one broadcast per rank straight into the full buffer. Other backends (NCCL) use
-their native reduce-scatter and all-gather.
+``reduce_scatter`` clones its input, runs a full all-reduce and copies one chunk out: twice a
+ring reduce-scatter's bytes. Its ``all_gather_into_tensor`` gathers into a temporary list.
+Measured on 2 ranks of this machine (``benchmarks/collectives.py``, 16 MB fp32 at 2 and
+3 ranks, bytes from ``/proc/net/dev``): reduce_scatter 44 ms and 1.00x the buffer sent per
+rank; one in-place reduce per owner 19 ms, 1.00x; all-to-all + a local sum 15 ms, 0.50x;
+one send and one receive per peer 9 ms, 0.50x (at 3 ranks: 61, 31, 22, 20 ms; 1.34x, 0.89x,
+0.68x, 0.67x). So on gloo a reduce-scatter is one ``isend`` of each peer's chunk and one
+``irecv`` of this rank's chunk from each peer into a receive buffer of (N-1) chunks, then a
+local sum: the ring's bytes, Psi(N-1)/N per rank, and (N-1)/N of the bucket to receive into
+(the staging pool lends it: ``reduce_scatter_scratch_numel``). An all-gather is one broadcast
+per rank straight into the full buffer (all_gather_into_tensor 24 ms, broadcasts 15 ms at
+13 MB). Other backends (NCCL) use their native reduce-scatter and all-gather.
+
+Note: the order of the gloo sum is defined: each chunk is summed over ranks 0..N-1 in rank
+order, in the buffer's dtype (the reduce dtype), then divided by N. At 2 ranks that is the
+one addition gloo's reduce made (a + b == b + a exactly), so results are bitwise those of the
+per-owner reduce it replaces; at 3 or more ranks gloo's own order was not defined.
 """
 
 from __future__ import annotations
@@ -109,6 +116,21 @@ def _chunks(full: torch.Tensor, size: int, ranges: Ranges) -> list[torch.Tensor]
     return [full[start:end] for start, end in ranges]
 
 
+def reduce_scatter_scratch_numel(
+    group: ProcessGroup, numel: int, device: torch.device, ranges: Ranges = None
+) -> int:
+    """Elements of the receive buffer ``start_reduce_scatter_mean`` needs for a ``numel``-element
+    buffer on ``device``: (N-1) of this rank's chunk on gloo, none elsewhere (NCCL receives
+    into the shard-sized output) or at world size 1."""
+    size = group.size()
+    if size == 1 or is_stand_in(group) or not _is_gloo(group, device):
+        return 0
+    if ranges is None:
+        return numel // size * (size - 1)
+    start, end = ranges[group.rank()]
+    return (end - start) * (size - 1)
+
+
 @eager
 def start_reduce_scatter_mean(
     full: torch.Tensor,
@@ -117,42 +139,78 @@ def start_reduce_scatter_mean(
     accumulate: bool,
     *,
     ranges: Ranges = None,
+    scratch: torch.Tensor | None = None,
 ) -> Pending:
     """Average the 1-D ``full`` across ``group`` and write (or add) this rank's chunk to ``shard``.
 
     ``full`` holds ``group.size()`` equal chunks, or the chunks ``ranges`` gives (uneven: the
     owner layout); it is the collective's scratch: its contents are undefined once the work is
-    started, and it must stay alive until ``finish()``.
+    started, and it must stay alive until ``finish()``. ``scratch``: where gloo receives the
+    peers' chunks (``reduce_scatter_scratch_numel`` elements of ``full``'s dtype, alive until
+    ``finish()``); None: allocated here.
     """
     size = group.size()
     chunks = _chunks(full, size, ranges)
     if size == 1:
-        works, reduced = [], chunks[0]
+        works, reduced = [], lambda: chunks[0]
     elif _is_gloo(group, full.device):
-        # One in-place reduce per owner: each chunk is summed into its owner's copy of it, so no
-        # receive buffer exists (an all-to-all would need one of (N-1)/N the bucket's size).
-        # An empty chunk (an owner with nothing in this bucket) is skipped by every rank alike.
-        works = [
-            dist.reduce(hand(chunks[r]), group_dst=r, group=group, async_op=True)
-            for r in range(size)
-            if chunks[r].numel()
-        ]
-        reduced = chunks[group.rank()]
+        works, reduced = _start_peer_reduce_scatter(chunks, group, scratch)
     else:
-        reduced = torch.empty(shard.numel(), dtype=full.dtype, device=full.device)
+        out = torch.empty(shard.numel(), dtype=full.dtype, device=full.device)
         if ranges is None:
-            works = [_reduce_scatter(hand(reduced), hand(full), group=group, async_op=True)]
+            works = [_reduce_scatter(hand(out), hand(full), group=group, async_op=True)]
         else:  # uneven chunks: torch's list form (NCCL runs it as grouped reduces)
             chunk_list = teardown.hand_all(chunks)
-            works = [dist.reduce_scatter(hand(reduced), chunk_list, group=group, async_op=True)]
+            works = [dist.reduce_scatter(hand(out), chunk_list, group=group, async_op=True)]
+        reduced = lambda: out  # noqa: E731
 
     def epilogue() -> None:
+        total = reduced()  # this rank's summed chunk
         if size > 1:
-            reduced.div_(size)  # in place: the chunk is ours to overwrite
-        local = reduced.to(shard.device)  # offload: the gradient shard is in CPU memory
+            total.div_(size)  # in place: the chunk is ours to overwrite
+        local = total.to(shard.device)  # offload: the gradient shard is in CPU memory
         shard.add_(local) if accumulate else shard.copy_(local)
 
     return Pending(works, epilogue, group)
+
+
+def _start_peer_reduce_scatter(
+    chunks: list[torch.Tensor], group: ProcessGroup, scratch: torch.Tensor | None
+) -> tuple[list, Callable[[], torch.Tensor]]:
+    """gloo: send each peer its chunk, receive this rank's chunk from each peer (ring bytes,
+    module note); returns the works and the local sum to run once they finish."""
+    size, rank = group.size(), group.rank()
+    own = chunks[rank]
+    if not own.numel():  # an owner with nothing in this bucket receives nothing
+        received = [own] * size
+    else:
+        need = own.numel() * (size - 1)
+        if scratch is None:
+            scratch = torch.empty(need, dtype=own.dtype, device=own.device)
+        parts = iter(scratch[:need].view(size - 1, -1))
+        received = [own if r == rank else next(parts) for r in range(size)]
+    works = []
+    for k in range(1, size):  # peer rank+k first: every pair exchanges in one step
+        to, source = (rank + k) % size, (rank - k) % size
+        if chunks[to].numel():
+            works.append(dist.isend(hand(chunks[to]), group_dst=to, group=group))
+        if own.numel():
+            works.append(dist.irecv(hand(received[source]), group_src=source, group=group))
+
+    def rank_order_sum() -> torch.Tensor:
+        """Sum over ranks 0..N-1 in rank order into ``own`` (the ranks before this one are
+        summed into the first received part, then added to ``own``: a + b == b + a)."""
+        if own.numel():
+            if rank > 0:
+                before = received[0]
+                for part in received[1:rank]:
+                    before.add_(part)
+                own.add_(before)
+            for part in received[rank + 1 :]:
+                own.add_(part)
+        return own
+
+    return works, rank_order_sum
 
 
 @eager

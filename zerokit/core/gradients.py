@@ -40,6 +40,7 @@ class _Gradients:
         # Persistent gradient per bucket (full, or this rank's shard); None until the first
         # reduction after zero_grad(set_to_none=True), which frees it (torch's contract).
         self.grads: list[torch.Tensor | None] = [None] * len(buckets)
+        self._placeholders: dict[tuple[int, int], GradPlaceholder] = {}
 
     def _dtype(self, b: int) -> torch.dtype:
         return self._reduce_dtype or self.buckets[b].data.dtype
@@ -48,7 +49,7 @@ class _Gradients:
         """What one reduction of every bucket asks the staging pool for: (elements, dtype)."""
         return []
 
-    def publish(self, b: int, flags: torch.Tensor, owner) -> None:
+    def publish(self, b: int, flags: list[bool], owner) -> None:
         """Reductions are done: ``param.grad`` and the pieces' ``.grad`` as the step reads
         them (``flags[i]``: parameter ``i`` holds a gradient on some rank)."""
         bucket = self.buckets[b]
@@ -64,6 +65,14 @@ class _Gradients:
             piece_param.grad = view if view is not None and flags[piece.slot] else None
 
     def _placeholder(self, b: int, i: int, owner) -> GradPlaceholder:
+        """Made once per parameter and published again at every step (it reads its parts when
+        used), not rebuilt per parameter per step."""
+        made = self._placeholders.get((b, i))
+        if made is None or made._owner is not owner:
+            made = self._placeholders[(b, i)] = self._new_placeholder(b, i, owner)
+        return made
+
+    def _new_placeholder(self, b: int, i: int, owner) -> GradPlaceholder:
         ref = weakref.ref(self)  # param -> .grad -> self -> param would be a cycle
 
         def parts() -> list[torch.Tensor]:
@@ -240,9 +249,15 @@ class ShardedGradients(_Gradients):
         # reduced (after its parameters were freed: group.accumulate).
         self._defer = defer_staging
         self._deferred: list[dict[int, torch.Tensor | None]] = [{} for _ in buckets]
+        # decided once, here: the receive buffer each bucket's reduction borrows (0: none)
+        self._scratch = [
+            reduction.scratch_numel(b.layout.padded_numel, b.data.device, b.ranges) for b in buckets
+        ]
 
     def staging_requests(self) -> list[tuple[int, torch.dtype]]:
-        return [(b.layout.padded_numel, self._dtype(k)) for k, b in enumerate(self.buckets)]
+        staged = [(b.layout.padded_numel, self._dtype(k)) for k, b in enumerate(self.buckets)]
+        scratch = [(n, self._dtype(k)) for k, n in enumerate(self._scratch) if n]
+        return staged + scratch
 
     def _staged_buffer(self, b: int) -> torch.Tensor:
         if self._staged[b] is None:
@@ -287,8 +302,16 @@ class ShardedGradients(_Gradients):
         full, self._staged[b] = self._staged_buffer(b), None
         if self.grads[b] is None:  # in the masters' dtype and device (fp32, offload: the CPU)
             self.grads[b] = torch.zeros_like(self.buckets[b].shard_data)
-        pending = self._reduction.start(full, self.grads[b], self.buckets[b].ranges)
-        return pending.then(lambda: self._staging.release(full))
+        scratch = (
+            self._staging.acquire(self._scratch[b], self._dtype(b)) if self._scratch[b] else None
+        )
+        pending = self._reduction.start(full, self.grads[b], self.buckets[b].ranges, scratch)
+        return pending.then(lambda: self._release(full, scratch))
+
+    def _release(self, full: torch.Tensor, scratch: torch.Tensor | None) -> None:
+        self._staging.release(full)
+        if scratch is not None:
+            self._staging.release(scratch)
 
     def _param_grad(self, b: int, i: int) -> None:
         return None  # no tensor of the parameter's shape holds its gradient

@@ -53,9 +53,11 @@ class ShardGroup:
         self.keep_whole = keep_whole  # an exclude_layer: gathered once, never freed
         self.phase = Phase.IDLE
         n = len(buckets)
-        # has_grad[b][i]: parameter i of bucket b holds a gradient (agreed across ranks)
-        self.has_grad = [torch.zeros(len(b.params), dtype=torch.bool) for b in buckets]
-        self.contributed = [torch.zeros(len(b.params), dtype=torch.bool) for b in buckets]
+        # has_grad[b][i]: parameter i of bucket b holds a gradient (agreed across ranks).
+        # Python lists, not tensors: read and written once per parameter in every backward,
+        # where indexing a tensor costs microseconds each (made a tensor once per step to agree)
+        self.has_grad = self._no_flags()
+        self.contributed = self._no_flags()
         self._arrived = [0] * n
         self._missing_total = sum(len(b.params) for b in buckets)
         self.post_backward_signalled = False  # its inputs' gradients are done (module units)
@@ -194,17 +196,19 @@ class ShardGroup:
         self.reshard()
         return pending
 
-    def finish_backward(self, contributed: list[torch.Tensor]) -> None:
+    def _no_flags(self) -> list[list[bool]]:
+        return [[False] * len(b.params) for b in self.buckets]
+
+    def finish_backward(self, contributed: list[list[bool]]) -> None:
         """Reductions are done and ``contributed`` is agreed: expose gradients, reset."""
         for b in range(len(self.buckets)):
-            self.has_grad[b] |= contributed[b]
+            self.has_grad[b] = [h or c for h, c in zip(self.has_grad[b], contributed[b])]
             self.gradients.publish(b, self.has_grad[b], self.owner)
         self.reset()
 
     def reset(self) -> None:
         """Back to IDLE and sharded, forgetting this backward's bookkeeping (not gradients)."""
-        for flags in self.contributed:
-            flags.zero_()
+        self.contributed = self._no_flags()
         self._arrived = [0] * len(self.buckets)
         self._missing_total = sum(len(b.params) for b in self.buckets)
         self._taken = None
@@ -223,12 +227,12 @@ class ShardGroup:
         if self._taken is None:
             self._taken = set()
         self._taken.add((b, i))
-        return self.gradients.take(b, i, param, accumulated=bool(self.has_grad[b][i]))
+        return self.gradients.take(b, i, param, accumulated=self.has_grad[b][i])
 
     def release_stepped(self) -> None:
         """step_in_backward: the group's gradients were applied; free them. A parameter that
         had one keeps a placeholder that refuses a later clip (the update already happened)."""
-        had = [flags.clone() for flags in self.has_grad]
+        had = self.has_grad
         self.zero_grad(set_to_none=True)
         why = "step_in_backward already applied this gradient during backward and freed it"
         for bucket, flags in zip(self.buckets, had):
@@ -239,8 +243,7 @@ class ShardGroup:
     # -- between steps -------------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool) -> None:
         if set_to_none:
-            for flags in self.has_grad:
-                flags.zero_()
+            self.has_grad = self._no_flags()
             for bucket in self.buckets:
                 for param in bucket.params:
                     param.grad = None

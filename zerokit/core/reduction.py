@@ -3,8 +3,8 @@
 
 * ``AllReduce`` (``FullGradients``, 'os'): every rank keeps the full averaged gradient.
 * ``ReduceScatter`` (``ShardedGradients``, 'os_g', 'p_g_os'): every rank keeps only its shard
-  of the average; the staged full-size bucket is the collective's scratch (no receive buffer
-  on gloo).
+  of the average; the staged full-size bucket is the collective's input, and on gloo a
+  receive buffer of (N-1)/N of it (``scratch_numel``) takes the peers' chunks.
 * ``ReduceScatterThenAllReduce``: reduce-scatter inside the shard group, then all-reduce the
   shard across replicas (hybrid sharding: shard inside a host, replicate across hosts).
 
@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 from .collectives import (
     Pending,
     Ranges,
+    reduce_scatter_scratch_numel,
     start_all_gather_,
     start_all_reduce_mean,
     start_reduce_scatter_mean,
@@ -57,9 +58,21 @@ class ReduceScatter:
 
     group: ProcessGroup
 
-    def start(self, full: torch.Tensor, shard: torch.Tensor, ranges: Ranges = None) -> Pending:
+    def scratch_numel(self, numel: int, device: torch.device, ranges: Ranges = None) -> int:
+        """Elements of the receive buffer ``start`` needs for a bucket of ``numel`` (0: none)."""
+        return reduce_scatter_scratch_numel(self.group, numel, device, ranges)
+
+    def start(
+        self,
+        full: torch.Tensor,
+        shard: torch.Tensor,
+        ranges: Ranges = None,
+        scratch: torch.Tensor | None = None,
+    ) -> Pending:
         # Always accumulate: zero_grad() zeroes the shard, and backwards between steps add up.
-        return start_reduce_scatter_mean(full, shard, self.group, accumulate=True, ranges=ranges)
+        return start_reduce_scatter_mean(
+            full, shard, self.group, accumulate=True, ranges=ranges, scratch=scratch
+        )
 
 
 @dataclass(frozen=True)
@@ -73,8 +86,14 @@ class ReduceScatterThenAllReduce(ReduceScatter):
 
     replicas: ProcessGroup | None = None
 
-    def start(self, full: torch.Tensor, shard: torch.Tensor, ranges: Ranges = None) -> Pending:
-        pending = super().start(full, shard, ranges)
+    def start(
+        self,
+        full: torch.Tensor,
+        shard: torch.Tensor,
+        ranges: Ranges = None,
+        scratch: torch.Tensor | None = None,
+    ) -> Pending:
+        pending = super().start(full, shard, ranges, scratch)
         if self.replicas is None or self.replicas.size() == 1:
             return pending
         return pending.then(lambda: start_all_reduce_mean(shard, self.replicas).finish())

@@ -430,15 +430,18 @@ class ShardState:
     def _agree_contributed(self, groups: list[ShardGroup]):
         """Which parameters of ``groups`` hold a gradient on any rank that splits the batch:
         one MAX all-reduce, one byte each. Each bucket's flags, in order."""
-        flags = torch.cat([f for g in groups for f in g.contributed])  # host bookkeeping
-        sizes = [len(b.params) for g in groups for b in g.buckets]
+        flags = [f for g in groups for bucket in g.contributed for f in bucket]  # host lists
         data_groups = [g for g in self._data_groups() if g.size() > 1]
         if data_groups:  # on the control device: no device-to-host read where gloo can reduce
-            contributed = flags.to(device=self.control_device, dtype=torch.uint8)
+            contributed = torch.tensor(flags, dtype=torch.uint8).to(self.control_device)
             for group in data_groups:
                 all_reduce_(contributed, group, op=dist.ReduceOp.MAX)
-            flags = contributed.bool() if contributed.is_cpu else contributed.cpu().bool()
-        return iter(flags.split(sizes))
+            flags = (contributed if contributed.is_cpu else contributed.cpu()).bool().tolist()
+        each, start = [], 0
+        for size in (len(b.params) for g in groups for b in g.buckets):
+            each.append(flags[start : start + size])
+            start += size
+        return iter(each)
 
     def _end_of_backward(self) -> None:
         if self.sync_enabled and self._steppers is not None:

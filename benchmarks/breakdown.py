@@ -1,0 +1,89 @@
+"""Where a training step's time goes, per phase, for ``benchmarks/step_time.py --breakdown``.
+
+A ``Breakdown`` wraps zerokit's entry points (the hooks' state calls, the waits on
+collectives, the collectives' launches, the optimizer step) with timers that keep *exclusive*
+time: a call's time less the time of the timed calls nested in it, so the categories add up to
+the step. What no timer covers inside ``forward``/``backward``/``step`` is the model's own
+compute (and, for DDP and FSDP2, their hooks and waits, which run in C++ or are not wrapped).
+
+It patches classes and modules for the whole process: build it after every runner is built,
+and use it for timing the breakdown only (the timers cost about a microsecond a call).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import time
+
+from zerokit.core import collectives, flat_param, gradients, optimizer, presence, state
+
+# (object, attribute, category): what is timed, and which category its exclusive time joins
+_TIMED = [
+    (state.ShardState, "root_pre_forward", "forward hooks"),
+    (state.ShardState, "unit_pre_forward", "forward hooks"),
+    (state.ShardState, "unit_post_forward", "forward hooks"),
+    (state.ShardState, "root_post_forward", "forward hooks"),
+    (state.ShardState, "begin_backward", "backward hooks"),
+    (state.ShardState, "unit_pre_backward", "backward hooks"),
+    (state.ShardState, "grad_ready", "backward hooks"),
+    (state.ShardState, "unit_post_backward", "backward hooks"),
+    (state.ShardState, "_end_of_backward", "backward hooks"),
+    (state.ShardState, "zero_grad", "zero_grad"),
+    (presence, "wait", "waits on collectives"),
+    (presence.Presence, "mark", "store marks"),
+    (gradients.ShardedGradients, "start_reduce", "gradient reduction launch"),
+    (gradients.FullGradients, "start_reduce", "gradient reduction launch"),
+    (collectives.Pending, "finish", "collective epilogues"),
+    (flat_param.FlatParamBucket, "start_unshard", "parameter all-gather launch"),
+    (flat_param.FlatParamBucket, "start_gather_updated", "parameter all-gather launch"),
+    (state.ShardState, "refresh_params", "after-step parameter refresh"),
+    (optimizer.ShardedOptimizer, "step", "optimizer step"),
+]
+PHASES = ("forward", "backward", "step", "zero_grad")
+
+
+class Breakdown:
+    """Exclusive seconds per category, summed over the steps timed since ``reset()``."""
+
+    def __init__(self):
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.steps = 0
+        self._children = [0.0]  # per open timer: time of the timed calls nested in it
+        self._restore = []
+        for owner, name, category in _TIMED:
+            original = getattr(owner, name)
+            self._restore.append((owner, name, original))
+            setattr(owner, name, self._timed(original, category))
+
+    def _timed(self, fn, category: str):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with self.timing(category):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    @contextlib.contextmanager
+    def timing(self, category: str):
+        self._children.append(0.0)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            nested = self._children.pop()
+            self.seconds[category] += spent - nested
+            self._children[-1] += spent
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.steps = 0
+
+    def per_step_ms(self) -> dict[str, float]:
+        return {k: v * 1e3 / max(self.steps, 1) for k, v in self.seconds.items()}
+
+    def close(self) -> None:
+        for owner, name, original in self._restore:
+            setattr(owner, name, original)
