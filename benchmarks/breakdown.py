@@ -17,7 +17,8 @@ import contextlib
 import functools
 import time
 
-from zerokit.core import collectives, flat_param, gradients, optimizer, presence, state
+from zerokit.core import collectives, flat_param, gradients, optimizer, state
+from zerokit.runtime import presence
 
 # (object, attribute, category): what is timed, and which category its exclusive time joins
 _TIMED = [
