@@ -12,7 +12,7 @@ zerokit's own code makes them (the caller's frame is a file of the ``zerokit`` p
     assert not syncs.seen, syncs.seen
 
 Note: reads of ``torch.bool`` tensors are not counted. zerokit keeps its per-parameter
-bookkeeping (which parameters delivered or hold a gradient: ``ShardGroup.contributed`` and
+bookkeeping (which parameters delivered or hold a gradient: ``UnitGroup.contributed`` and
 ``has_grad``) in Python lists, made a CPU tensor once per step to agree it, and the agreed
 flags come back as a CPU bool tensor read with ``tolist()``: never a device sync; the
 control values that do travel through a device (the order digest, int64; the "holds a

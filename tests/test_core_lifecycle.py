@@ -149,7 +149,7 @@ def _layer_order_cases(rank, world_size):
         for order_kind in ("reverse", "input"):
             _run(rank, world_size, level, order_kind)
     # Reentrant and non-reentrant checkpointing: each group reduced once per backward
-    # (ShardGroup.post_backward raises on a second reduction), still equivalent.
+    # (UnitGroup.post_backward raises on a second reduction), still equivalent.
     for reentrant in (True, False):
         _run(rank, world_size, "p_g_os", "input", reentrant=reentrant)
         _run(rank, world_size, "os_g", "reverse", reentrant=reentrant)

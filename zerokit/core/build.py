@@ -20,7 +20,7 @@ from ..mixed_precision import MixedPrecision
 from . import checks
 from .flat_param import FlatParamBucket
 from .gradients import FullGradients, ShardedGradients
-from .group import ShardGroup
+from .group import UnitGroup
 from .hooks import register_hooks
 from .module import broadcast_module_state, convert_module_
 from .optimizer import shard_optimizer_
@@ -173,7 +173,7 @@ def build(
 
 
 def _build_groups(model: nn.Module, plans: list[UnitPlan], opts: CoreOptions, staging):
-    """One ``ShardGroup`` per unit (its buckets, its gradients), the root unit's, and the
+    """One ``UnitGroup`` per unit (its buckets, its gradients), the root unit's, and the
     (module, index) of every other unit, for the hooks."""
     mp, group, rules = opts.mixed_precision, opts.group, opts.rules
     reduce_dtype = mp.gradient_reduce_dtype()  # None: the parameters' own dtype
@@ -192,7 +192,7 @@ def _build_groups(model: nn.Module, plans: list[UnitPlan], opts: CoreOptions, st
             )
             for layout in layouts
         ]
-        shard_group = ShardGroup(
+        shard_group = UnitGroup(
             plan.name,
             buckets,
             rules.gradients(

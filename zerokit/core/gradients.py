@@ -8,7 +8,7 @@
   the ``StagingPool``, which the reduce-scatter reads (and, hybrid, then all-reduces the shard
   across replicas: ``ReduceScatterThenAllReduce``); the staging goes back to the pool.
 
-``core/build.py`` picks one class per model, once; a ``ShardGroup`` holds one instance and
+``core/build.py`` picks one class per model, once; a ``UnitGroup`` holds one instance and
 never asks which. Each owns its buffers, makes ``param.grad`` what it should be after a
 backward (``publish``) and says which buffers hold a parameter's gradient (``parts``), for a
 ``GradPlaceholder`` where torch cannot read one tensor.

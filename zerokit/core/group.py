@@ -37,7 +37,7 @@ class TransitionError(RuntimeError):
     """A shard group was asked to do something its state does not allow."""
 
 
-class ShardGroup:
+class UnitGroup:
     def __init__(
         self,
         name: str,

@@ -56,7 +56,7 @@ from ..mixed_precision import MixedPrecision
 from .compiled import add_inner_prefix, drop_inner_prefix
 from .eager import eager
 from .grad_placeholder import is_placeholder
-from .group import ShardGroup
+from .group import UnitGroup
 from .master_state import MasterStateDict
 from .module import broadcast_module_state
 from .params import ShardedParams
@@ -242,7 +242,7 @@ def _unit_pre_forward(ref, k: int, module, args, kwargs):
     state = ref()
     if state is None:
         return None
-    group: ShardGroup = state.groups[k]
+    group: UnitGroup = state.groups[k]
     state.unit_pre_forward(group)
     if state.in_backward or not torch.is_grad_enabled():
         return None

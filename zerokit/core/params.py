@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .agreement import meet
 from .collectives import all_reduce_
-from .group import Phase, ShardGroup
+from .group import Phase, UnitGroup
 
 _FORWARD = "the model's forward"
 _NO_GRAD_FORWARD = "the model's forward under torch.no_grad()"
@@ -67,13 +67,13 @@ class WholeParams:
     def root_forward(self, state) -> None:
         pass
 
-    def unit_forward(self, state, group: ShardGroup) -> None:
+    def unit_forward(self, state, group: UnitGroup) -> None:
         pass
 
-    def unit_backward(self, state, group: ShardGroup) -> None:
+    def unit_backward(self, state, group: UnitGroup) -> None:
         pass
 
-    def unit_paused(self, group: ShardGroup) -> None:
+    def unit_paused(self, group: UnitGroup) -> None:
         pass  # under no_sync(): nothing to free
 
     def order_check_needed(self, state, groups) -> bool:
@@ -110,12 +110,12 @@ class ShardedParams:
     gathers alone is caught by the bounded wait (``CollectiveTimeout`` naming the call)."""
 
     def __init__(
-        self, groups: list[ShardGroup], *, sync_comm: bool = False, debug_agreement: bool = False
+        self, groups: list[UnitGroup], *, sync_comm: bool = False, debug_agreement: bool = False
     ):
         self._groups = groups
         self._sync_comm = sync_comm
-        self._prefetched: ShardGroup | None = None  # gathered ahead of its use
-        self._was_sharded: list[ShardGroup] = []  # state_dict(): the units to free again
+        self._prefetched: UnitGroup | None = None  # gathered ahead of its use
+        self._was_sharded: list[UnitGroup] = []  # state_dict(): the units to free again
         if debug_agreement:
             check = functools.partial(_check_same_gather, weakref.ref(self))  # no cycle
             for g in groups:
@@ -158,16 +158,16 @@ class ShardedParams:
         if first is not root:
             self._prefetch(first)
 
-    def unit_forward(self, state, group: ShardGroup) -> None:
+    def unit_forward(self, state, group: UnitGroup) -> None:
         self._prefetch(_neighbour(state, group, +1, state.prefetch_order), using=group)
 
-    def unit_backward(self, state, group: ShardGroup) -> None:
+    def unit_backward(self, state, group: UnitGroup) -> None:
         previous = _neighbour(state, group, -1, state.forward_order)
         if previous is not None and previous.phase is Phase.POST_BACKWARD:
             previous = None
         self._prefetch(previous, using=group)
 
-    def unit_paused(self, group: ShardGroup) -> None:
+    def unit_paused(self, group: UnitGroup) -> None:
         """no_sync(): nothing is reduced, but this backward no longer reads the unit's
         parameters. Free them, as a synchronised backward does; another call's or graph's
         backward gathers them again (a pipeline keeps several graphs in flight)."""
@@ -208,7 +208,7 @@ class ShardedParams:
     def backward_done(self) -> None:
         self._prefetched = None  # every unit was freed by its reduction
 
-    def _prefetch(self, group: ShardGroup | None, using: ShardGroup | None = None) -> None:
+    def _prefetch(self, group: UnitGroup | None, using: UnitGroup | None = None) -> None:
         """Gather ``group`` ahead of its use; free the previous guess if it was wrong (the
         order changed since it was recorded) and nothing is using it now. Under ``sync_comm``
         nothing is gathered ahead: each unit is gathered when it runs, so one unit (besides the
@@ -223,7 +223,7 @@ class ShardedParams:
             group.unshard()
 
     # -- state_dict / load_state_dict ----------------------------------------------------------
-    def before_io(self, state, call: str, groups: list[ShardGroup] | None = None) -> None:
+    def before_io(self, state, call: str, groups: list[UnitGroup] | None = None) -> None:
         """Full tensors under the original keys, gathered on demand and freed again: every
         unit, or ``groups`` (those holding a submodule's parameters, for its state_dict())."""
         groups = state.groups if groups is None else groups
@@ -256,7 +256,7 @@ class ShardedParams:
         self._was_sharded = []
 
 
-def _neighbour(state, group: ShardGroup, step: int, order: list[int]) -> ShardGroup | None:
+def _neighbour(state, group: UnitGroup, step: int, order: list[int]) -> UnitGroup | None:
     k = state.index_of(group)
     if k not in order:
         return None
@@ -266,7 +266,7 @@ def _neighbour(state, group: ShardGroup, step: int, order: list[int]) -> ShardGr
     return None
 
 
-def _check_same_gather(params_ref, group: ShardGroup) -> None:
+def _check_same_gather(params_ref, group: UnitGroup) -> None:
     """Every rank must gather the same unit now: one all-reduce of its index (MAX of
     ``[k, -k]``) before the gather. Without it a rank-dependent branch pairs one rank's
     gather with another unit's on another rank: mixed parameters for units of one shape,

@@ -31,7 +31,7 @@ from ..runtime import presence
 from . import checks
 from .collectives import Pending, all_reduce_, communication_device
 from .flat_param import FlatParamBucket, Storage
-from .group import Phase, ShardGroup
+from .group import Phase, UnitGroup
 from .params import ShardedParams, WholeParams
 from .stand_in import is_stand_in
 
@@ -46,8 +46,8 @@ class ShardState:
         model: nn.Module,
         level: str,
         process_group: ProcessGroup,
-        groups: list[ShardGroup],
-        root_group: ShardGroup | None,
+        groups: list[UnitGroup],
+        root_group: UnitGroup | None,
         staging,
         params: WholeParams | ShardedParams,
         *,
@@ -87,7 +87,7 @@ class ShardState:
         self._order_agreed = False
         self._launch_order: list[int] = self._static_order
         self._next_launch = 0
-        self._in_flight: collections.deque[tuple[ShardGroup, list[Pending]]] = collections.deque()
+        self._in_flight: collections.deque[tuple[UnitGroup, list[Pending]]] = collections.deque()
         # step_in_backward: the sharded optimizers (weakly: they hold this state weakly too)
         # that step each group as soon as its reduction finishes, so that its gradient shard is
         # freed before the next group's is made
@@ -280,7 +280,7 @@ class ShardState:
         if self.root_group is not None:
             self.root_group.wait_for_unshard()
 
-    def unit_pre_forward(self, group: ShardGroup) -> None:
+    def unit_pre_forward(self, group: UnitGroup) -> None:
         if self.in_backward:  # recomputation (activation checkpointing): backward follows
             group.wait_for_unshard()
             return
@@ -288,14 +288,14 @@ class ShardState:
         group.pre_forward()
         self.params.unit_forward(self, group)
 
-    def unit_post_forward(self, group: ShardGroup) -> None:
+    def unit_post_forward(self, group: UnitGroup) -> None:
         if not self.in_backward:
             group.post_forward()
 
-    def index_of(self, group: ShardGroup) -> int:
+    def index_of(self, group: UnitGroup) -> int:
         return self._index[id(group)]
 
-    def _note_call(self, group: ShardGroup) -> None:
+    def _note_call(self, group: UnitGroup) -> None:
         k = self._index[id(group)]
         if k not in self.forward_order:
             self.forward_order.append(k)
@@ -352,14 +352,14 @@ class ShardState:
         # each bucket asks once: a returned buffer no later bucket can reuse is dropped at once
         self.staging.expect(r for g in self.groups for r in g.gradients.staging_requests())
 
-    def unit_pre_backward(self, group: ShardGroup) -> None:
+    def unit_pre_backward(self, group: UnitGroup) -> None:
         self.begin_backward()
         if group.phase in (Phase.PRE_BACKWARD, Phase.POST_BACKWARD):
             return
         group.pre_backward()
         self.params.unit_backward(self, group)
 
-    def unit_post_backward(self, group: ShardGroup, ran_once: bool) -> None:
+    def unit_post_backward(self, group: UnitGroup, ran_once: bool) -> None:
         """The gradients of the module's inputs are computed: this call's backward is over
         (``ran_once``: the module ran once since the last backward, so all of it is)."""
         if not self.in_backward:
@@ -411,7 +411,7 @@ class ShardState:
         if self._steppers is not None:
             self._step_group(group)
 
-    def _step_group(self, group: ShardGroup) -> None:
+    def _step_group(self, group: UnitGroup) -> None:
         """step_in_backward: agree which of the group's parameters hold a gradient (one small
         all-reduce, in launch order on every rank), publish them, step the group's pieces,
         spread the updated shard (if full parameters are kept) and free the group's gradient
@@ -427,7 +427,7 @@ class ShardState:
         self.params.after_group_step(group.buckets)
         group.release_stepped()
 
-    def _agree_contributed(self, groups: list[ShardGroup]):
+    def _agree_contributed(self, groups: list[UnitGroup]):
         """Which parameters of ``groups`` hold a gradient on any rank that splits the batch:
         one MAX all-reduce, one byte each. Each bucket's flags, in order."""
         flags = [f for g in groups for bucket in g.contributed for f in bucket]  # host lists

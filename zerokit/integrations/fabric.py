@@ -9,8 +9,8 @@ Names: ``"zerokit"`` (= ``"zerokit_p_g_os"``), ``"zerokit_os"``, ``"zerokit_os_g
 ``"zerokit_p_g_os"`` (the Trainer's strategy, ``zerokit.integrations.lightning``, registers
 the same names in the Trainer's registry, and imports this module, so its import registers
 both). Lightning's Fabric DDP strategy for everything but the model (launcher, process group,
-sampler, reductions); ``fabric.setup(model, optimizer)`` wraps the model and its one optimizer
-in place. Fabric's calls become zerokit's:
+sampler, reductions); ``fabric.setup(model, optimizer)`` (or ``fabric.setup(model, muon,
+adamw)``) wraps the model and its optimizers in place. Fabric's calls become zerokit's:
 
 * ``fabric.backward(loss)`` -> ``loss.backward()`` (scaled for ``precision="16-mixed"``);
 * ``fabric.clip_gradients(model, optimizer, max_norm=...)`` -> ``zerokit.clip_grad_norm_``,

@@ -29,8 +29,8 @@ keep the optimizer they were built on). Lightning's options become zerokit's:
 
 Refused, by name, at ``Trainer(...)``: ``sync_batchnorm=True``, precisions other than
 ``32-true``/``16-mixed``/``bf16-mixed`` (``"16-true"``, ``"bf16-true"``, ``"64-true"``, ...), a
-``CheckpointIO`` plugin (``plugins=[AsyncCheckpointIO()]``); at ``fit``: more than one
-optimizer, a one-file ``ckpt_path`` (another strategy's); at ``save_checkpoint``:
+``CheckpointIO`` plugin (``plugins=[AsyncCheckpointIO()]``); at ``fit``: a one-file
+``ckpt_path`` (another strategy's; several optimizers, Muon beside AdamW, are taken); at ``save_checkpoint``:
 ``storage_options``.
 
 Lightning finds no third-party strategy by itself: its registry holds its own classes, filled

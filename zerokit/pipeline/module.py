@@ -250,7 +250,7 @@ class PipelineModule(nn.Module):
         if state is None and self._data_size() > 1:
             raise RuntimeError(
                 "the layout has data-parallel ranks: wrap the stage first, "
-                "zerokit.group_sharded_parallel(pipe.stage, opt, level, group=layout.dp_group)"
+                "zerokit.group_sharded_parallel(pipe.stage, opt, level, shard_group=layout.shard_group)"
             )
         self._check_scaler(scaler, state)
         if scaler is not None and not self.is_last:  # a torch.amp.GradScaler makes its scale

@@ -301,7 +301,7 @@ def split_model(
 
     Returns a ``SplitPipeline``: ``pipe.stage`` is this rank's stage, under the model's names
     (tp-plan it by those names, then ``zerokit.group_sharded_parallel(pipe, opt, level,
-    group=layout.dp_group)`` over the stage's data-parallel ranks); ``pipe.train_batch((ids,
+    shard_group=layout.shard_group)`` over the stage's data-parallel ranks); ``pipe.train_batch((ids,
     labels), opt)`` or ``pipe.forward_backward((ids, labels))`` runs ``schedule`` over
     ``micro_batches`` and returns the mean loss on every rank. Build the optimizer over
     ``pipe.stage.parameters()`` after the split. ``adapter``: a ``StageAdapter`` class for a

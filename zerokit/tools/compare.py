@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..api import group_sharded_parallel
 from ..layout import init_hybrid_parallel
 from ..memory import PeakMemory, estimate, estimate_activations, measure, measure_activations
-from ..mixed_precision import MixedPrecision
+from ..mixed_precision import PRECISIONS, MixedPrecision
 from ..runtime.teardown import hand
 from ..scaler import ShardedGradScaler, step_and_zero
 from .launch import local_backend, spawn_local
@@ -76,7 +76,7 @@ def _train_level(rank: int, world_size: int, level: str, cfg: CompareConfig, out
     per_rank = cfg.batch // world_size
     work = build_workload(load_factory(cfg.model), batch=cfg.batch, seq=cfg.seq, per_rank=per_rank)
     model = work.model.to(device)
-    low = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[cfg.mixed_precision]
+    low = {None: None, **PRECISIONS}[cfg.mixed_precision]
     policy = MixedPrecision(param_dtype=low) if level != "ddp" else MixedPrecision()
     shards = cfg.sharding_degree
     estimated = estimate(

@@ -33,12 +33,12 @@ from ..core import BucketLayout, LevelRules, UnitPlan, needs_of, plan_groups, pl
 from ..core.stand_in import Call  # the dry run's records: the one deep import of the tools
 from ..layout import Layout, init_hybrid_parallel
 from ..memory import STATE_PER_PARAM, paper_bytes_per_step
-from ..mixed_precision import MixedPrecision
+from ..mixed_precision import PRECISIONS, MixedPrecision
 from .dry_run import NO_VALUES, DryRunError, Job, RankRun, run_rank, stand_in_world
 from .plan_optimizers import FLOPS_RULE, OPTIMIZERS, as_list
 from .workload import accepts_layout, as_workload, load_factory, tp_workload
 
-LOW = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+LOW = {None: None, **PRECISIONS}  # None: fp32
 _AGREE_BYTES = 16  # an int64 pair [k, -k], MAX-reduced: the agreement all-reduces
 _STEP_BYTES = 4  # torch's Adam/AdamW keep a float32 0-dim ``step`` tensor per parameter
 
