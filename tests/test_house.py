@@ -80,9 +80,12 @@ def test_no_mock_in_the_package():
 
 
 def _level_comparisons(tree: ast.Module) -> list[int]:
-    """Lines comparing with a level's name (``level == 'p_g_os'``, ``level in ('os', ...)``)."""
+    """Lines comparing with a level's name (``level == 'p_g_os'``, ``level in ('os', ...)``)
+    or reading a ``keeps_full_grad`` flag (the core's old way of asking the level)."""
     lines = []
     for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "keeps_full_grad":
+            lines.append(node.lineno)
         if isinstance(node, ast.Compare):
             sides = [node.left, *node.comparators]
             names = {
@@ -97,10 +100,13 @@ def _level_comparisons(tree: ast.Module) -> list[int]:
 
 
 def test_level_names_are_compared_only_where_levels_are_decoded():
-    """The core decodes a level once (``core/build.py``, held by test_levels_and_config);
-    ``memory.py`` estimates by the ZeRO paper's per-level formulas. Everything else reads the
+    """The core decodes a level once (``core/build.py``: ``LevelRules.decode``; the rest of the
+    core holds the objects it chose); ``memory.py`` estimates by the ZeRO paper's per-level formulas. Everything else reads the
     decoded level or the dry run's play (``zerokit plan``), never the name."""
     assert _level_comparisons(ast.parse("a = level == 'p_g_os'\nb = x in ('os', 'y')\n")) == [1, 2]
+    assert _level_comparisons(
+        ast.parse("ok = level not in ('os_g', 'p_g_os')\nx = r.keeps_full_grad\n")
+    ) == [1, 2]
     allowed = {"core/build.py", "memory.py"}
     found = [
         f"{module}:{line}"
