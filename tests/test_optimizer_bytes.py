@@ -1,13 +1,14 @@
 """No extra bytes for a whole-parameter optimizer (issue 31, item 5), measured on real gloo
 ranks: in one steady training step (the second: forward, backward, every optimizer's step and
-zero_grad), the bytes zerokit's collectives move with Muon for the blocks' matrices beside
+zero_grad), the bytes zerokit's collectives move, summed over the ranks, with Muon for the blocks' matrices beside
 AdamW for the rest equal those with AdamW alone over the same parameters, within 5 %, at every
 level, world 2 and 3. The owner layout moves no parameter for the step: at 'p_g_os' the step
 sends nothing at all (the owner's shard is the whole matrix), below it the step spreads the
 updated shards exactly as AdamW's does.
 
 The bytes are counted where torch.distributed is called (every collective zerokit issues on
-gloo: a reduce per owner, a broadcast per rank, the agreement's all-reduces): each call's
+gloo: the reduce-scatter's sends and receives, a broadcast per rank, the agreement's
+all-reduces): each call's
 tensors, numel x element size. The 5 % is for padding and bucket edges only: the two runs
 bucket the same parameters differently (buckets never mix optimizers), so padding to the
 world size differs by a few elements per bucket.
@@ -32,6 +33,8 @@ MOVED = {
     "all_gather_into_tensor": lambda out, *a, **k: [out],
     "reduce_scatter": lambda out, parts, *a, **k: list(parts),
     "reduce_scatter_tensor": lambda out, full, *a, **k: [full],
+    "isend": lambda t, *a, **k: [t],  # gloo's reduce-scatter: a chunk to each peer
+    "irecv": lambda t, *a, **k: [t],  # and each peer's chunk of this rank's shard
 }
 
 
@@ -97,10 +100,21 @@ def _same_bytes(rank, world):
         muon = _steady_step_bytes(rank, world, level, "muon", counter)
         adamw = _steady_step_bytes(rank, world, level, "adamw", counter)
         what = f"{level} world {world} rank {rank}: Muon+AdamW {muon}, AdamW {adamw}"
-        total_m, total_a = sum(muon.values()), sum(adamw.values())
-        assert total_a > 4 * sum(p.numel() for p in MatrixNet().parameters()), what  # counted
+        # The world's bytes, summed over ranks: with uneven owner shards a rank receives what
+        # its own shard needs (an owner, its whole matrices' gradients), so one rank's count
+        # moves with its shard's size while the world's does not.
+        counts = [
+            sum(muon.values()),
+            sum(adamw.values()),
+            muon.get("step", 0),
+            adamw.get("step", 0),
+        ]
+        world_counts = torch.tensor(counts, dtype=torch.float64)
+        dist.all_reduce(world_counts)  # not counted: counter.phase is None here
+        total_m, total_a, step_m, step_a = world_counts.tolist()
+        numel = sum(p.numel() for p in MatrixNet().parameters())
+        assert total_a > 4 * numel * world, what  # counted
         assert abs(total_m - total_a) <= 0.05 * total_a, what
-        step_m, step_a = muon.get("step", 0), adamw.get("step", 0)
         assert abs(step_m - step_a) <= 0.05 * max(step_a, 1), what
         if level == "p_g_os":  # nothing gathered for the step: the owner holds the matrix
             assert step_m == 0, what
