@@ -10,6 +10,7 @@ from .. import __version__
 from ..api import LEVELS
 from ..config import LEVEL_ALIASES
 from ..mixed_precision import PRECISIONS
+from ..pipeline.schedules import SCHEDULES
 from .checkpoint_cli import add_parser as add_ckpt_parser
 from .checkpoint_cli import run as run_ckpt
 from .compare import (
@@ -270,6 +271,17 @@ judged by the tolerance alone and blamed. --tp/--pp: no DDP, the tolerance alone
 """
 
 
+def _add_pipeline_flags(parser, *, schedule: str) -> None:
+    """The pipeline's step, as verify and plan take it."""
+    parser.add_argument(
+        "--micro-batches", type=int, help="micro-batches of a pipeline step (default: --pp)"
+    )
+    parser.add_argument(
+        "--schedule", choices=sorted(SCHEDULES), default=schedule,
+        help="the pipeline's schedule (default %(default)s)",
+    )  # fmt: skip
+
+
 def _add_verify_parser(commands) -> None:
     verify = commands.add_parser(
         "verify",
@@ -295,13 +307,7 @@ def _add_verify_parser(commands) -> None:
         help="pipeline stages: a zerokit.models.gpt.GPT as a PipelineModule of gpt_layers, ZeRO "
         "over each stage's --nproc/--pp ranks (default %(default)s)",
     )
-    verify.add_argument(
-        "--micro-batches", type=int, help="micro-batches of a pipeline step (default: --pp)"
-    )
-    verify.add_argument(
-        "--schedule", choices=["1f1b", "fthenb", "naive"], default=VerifyConfig.schedule,
-        help="the pipeline's schedule (default %(default)s)",
-    )  # fmt: skip
+    _add_pipeline_flags(verify, schedule=VerifyConfig.schedule)
     verify.add_argument(
         "--batch", type=int, default=VerifyConfig.batch, help="global rows (default %(default)s)"
     )
@@ -410,13 +416,7 @@ def _add_plan_parser(commands) -> None:
         help="pipeline stages (the built-in GPT or a preset, split as PipelineModule splits "
         "models.gpt.gpt_layers); ZeRO over each stage's --world/--pp ranks",
     )
-    plan.add_argument(
-        "--micro-batches", type=int, help="micro-batches of a pipeline step (default: --pp)"
-    )
-    plan.add_argument(
-        "--schedule", choices=["1f1b", "fthenb", "naive"], default="1f1b",
-        help="the pipeline's schedule (default %(default)s)",
-    )  # fmt: skip
+    _add_pipeline_flags(plan, schedule=PlanConfig.schedule)
     plan.add_argument(
         "--batch", type=int, help="global rows, split across ranks (default: one per rank)"
     )
