@@ -21,12 +21,13 @@ from .activation_memory import (  # noqa: F401
     estimate_activations,
     measure_activations,
 )
+from .config import LEVELS
 from .core import as_optimizer_list, is_placeholder, plan_groups, plan_units, state_of
 from .mixed_precision import MixedPrecision
 
 #: optimizer state tensors per parameter element (fp32), by optimizer name
 STATE_PER_PARAM = {"adam": 2, "adamw": 2, "sgd": 1, "adagrad": 1, "rmsprop": 1, "none": 0}
-ESTIMATE_LEVELS = ("ddp", "os", "os_g", "p_g_os")
+ESTIMATE_LEVELS = ("ddp", *LEVELS)  # DDP beside every level
 _LEVEL_ALIASES = {"dp": "ddp"}  # the name estimate() used first
 
 

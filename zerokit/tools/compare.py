@@ -28,7 +28,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..api import group_sharded_parallel
 from ..layout import init_hybrid_parallel
-from ..memory import PeakMemory, estimate, estimate_activations, measure, measure_activations
+from ..memory import (
+    ESTIMATE_LEVELS,
+    PeakMemory,
+    estimate,
+    estimate_activations,
+    measure,
+    measure_activations,
+)
 from ..mixed_precision import PRECISIONS, MixedPrecision
 from ..runtime.teardown import hand
 from ..scaler import ShardedGradScaler, step_and_zero
@@ -41,7 +48,7 @@ from .workload import (  # noqa: F401  (the contract, importable from here as be
     load_factory,
 )
 
-LEVELS = ("ddp", "os", "os_g", "p_g_os")
+LEVELS = ESTIMATE_LEVELS  # DDP beside every level, as estimate() takes them
 PRECISION = {None: "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
