@@ -32,6 +32,7 @@ SEQ = 8
 HELPERS = {
     "start_all_reduce_mean": ("all_reduce", lambda tensor, *_, **__: tensor.nbytes),
     "all_reduce_": ("all_reduce", lambda tensor, *_, **__: tensor.nbytes),
+    "start_all_reduce_": ("all_reduce", lambda tensor, *_, **__: tensor.nbytes),
     "start_reduce_scatter_mean": ("reduce_scatter", lambda full, *_, **__: full.nbytes),
     "start_all_gather_": ("all_gather", lambda full, *_, **__: full.nbytes),
     "broadcast_": ("broadcast", lambda tensor, *_, **__: tensor.nbytes),
@@ -110,7 +111,8 @@ def _group_arg_positions_are_right():
 
     from zerokit.core import collectives
 
-    for name in ("start_all_reduce_mean", "start_all_gather_", "all_reduce_", "broadcast_"):
+    names = ("start_all_reduce_mean", "start_all_reduce_", "start_all_gather_", "all_reduce_")
+    for name in (*names, "broadcast_"):
         assert list(inspect.signature(getattr(collectives, name)).parameters)[1] == "group", name
     params = list(inspect.signature(collectives.start_reduce_scatter_mean).parameters)
     assert params[2] == "group"

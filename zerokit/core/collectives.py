@@ -238,6 +238,16 @@ def start_all_gather_(full: torch.Tensor, group: ProcessGroup, *, ranges: Ranges
 
 
 @eager
+def start_all_reduce_(
+    tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM
+) -> Pending:
+    """In-place all-reduce, started; ``finish()`` waits for it. A no-op at world size 1."""
+    if group.size() == 1:
+        return Pending([])
+    return Pending([dist.all_reduce(hand(tensor), op=op, group=group, async_op=True)], group=group)
+
+
+@eager
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM):
     """Blocking (bounded) in-place all-reduce; a no-op at world size 1."""
     if group.size() > 1:

@@ -51,13 +51,18 @@ class ShardedOptimizer:
             return None
         if closure is not None:  # one evaluation of the closure: step everything at once
             loss = super().step(closure)  # type: ignore[misc]
-        else:
-            loss = None
-            for chunk in self._zerokit.chunks:
-                with _stepping_only(self, chunk):
-                    super().step()  # type: ignore[misc]
-        state.refresh_params(self._zerokit.buckets)  # its own buckets only
-        return loss
+            state.refresh_params(self._zerokit.buckets)  # its own buckets only
+            return loss
+        started = []  # each chunk's shards spread while the next chunk steps
+        try:
+            for chunk, buckets in self._zerokit.chunks:
+                if chunk:
+                    with _stepping_only(self, chunk):
+                        super().step()  # type: ignore[misc]
+                started += state.start_refresh(buckets)
+        finally:  # never leave a gather writing into the parameters after step() returns
+            state.refresh_params(self._zerokit.buckets, started)
+        return None
 
     def step_group(self, group) -> None:
         """Step only ``group``'s pieces (step_in_backward, called by ``ShardState``)."""
@@ -157,12 +162,15 @@ class OptimizerShardState:
         }
         # rank-local (is_distributed) parameters: in no bucket, stepped whole, as given
         self.local_params = [p for params in group_params for p in params if is_distributed(p)]
-        # the pieces of each shard group in its buckets: it steps one chunk at a time
+        # the pieces of each unit group in its buckets, and those buckets: it steps one chunk
+        # at a time and spreads a chunk's updated shards while the next one steps
+        chunks = [[b for b in g.buckets if id(b) in mine] for g in shard_state.groups]
         self.chunks = [
-            {id(piece) for b in g.buckets if id(b) in mine for piece in b.param_pieces}
-            for g in shard_state.groups
-        ] + [{id(p) for p in self.local_params}]
-        self.chunks = [c for c in self.chunks if c]
+            ({id(piece) for b in buckets for piece in b.param_pieces}, buckets)
+            for buckets in chunks
+        ] + [({id(p) for p in self.local_params}, [])]
+        # a chunk with no piece on this rank still spreads its buckets: the other ranks do
+        self.chunks = [(ids, buckets) for ids, buckets in self.chunks if ids or buckets]
 
     @property
     def shard_state(self) -> ShardState:

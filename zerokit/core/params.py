@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .agreement import meet
-from .collectives import all_reduce_
+from .collectives import Pending, all_reduce_
 from .group import Phase, UnitGroup
 
 _FORWARD = "the model's forward"
@@ -47,19 +47,28 @@ class WholeParams:
     """Levels 'os', 'os_g': every rank holds every full parameter; nothing is gathered ahead
     or freed. After a step each rank's updated shard is all-gathered into the buckets."""
 
+    # the order vote may be read when backward launches its first reduction: nothing that
+    # runs before then depends on it
+    order_vote_can_wait = True
+
     def __init__(self, groups, *, sync_comm: bool = False, debug_agreement: bool = False):
         pass  # nothing is gathered, so nothing to agree on or to hold back
 
     def after_wrap(self, state) -> None:
         pass  # every rank starts from rank 0's parameters already
 
-    def refresh(self, state, buckets) -> None:
-        """The shards of ``buckets`` changed (a step, a load): spread every rank's to all."""
-        self.after_group_step(buckets)
+    def start_refresh(self, buckets) -> list[Pending]:
+        """Start spreading every rank's updated shard of ``buckets`` to all."""
+        return [bucket.start_gather_updated() for bucket in buckets]
+
+    def refresh(self, state, buckets, started: list[Pending] | None = None) -> None:
+        """The shards of ``buckets`` changed (a step, a load): spread every rank's to all, or
+        finish the spreading ``start_refresh`` began (``started``)."""
+        for work in self.start_refresh(buckets) if started is None else started:
+            work.finish()
 
     def after_group_step(self, buckets) -> None:
-        for work in [bucket.start_gather_updated() for bucket in buckets]:
-            work.finish()
+        self.refresh(None, buckets)
 
     def begin_forward(self, state) -> None:
         state.presence.mark(_FORWARD)
@@ -109,6 +118,10 @@ class ShardedParams:
     ranks check (one blocking all-reduce) that they gather the same unit; off, a rank that
     gathers alone is caught by the bounded wait (``CollectiveTimeout`` naming the call)."""
 
+    # the order vote is read at the end of the forward: backward's first gathers follow
+    # the agreed order, and a disagreement is refused before any of them
+    order_vote_can_wait = False
+
     def __init__(
         self, groups: list[UnitGroup], *, sync_comm: bool = False, debug_agreement: bool = False
     ):
@@ -125,7 +138,10 @@ class ShardedParams:
     def after_wrap(self, state) -> None:
         self.refresh(state, state.buckets)  # gathers the units kept whole
 
-    def refresh(self, state, buckets) -> None:
+    def start_refresh(self, buckets) -> list[Pending]:
+        return []  # nothing to spread: the next use gathers the updated shards
+
+    def refresh(self, state, buckets, started: list[Pending] | None = None) -> None:
         """Drop stale gathered copies of ``buckets``; units kept whole gather again."""
         changed = {id(b) for b in buckets}
         for g in state.groups:

@@ -29,7 +29,7 @@ from torch.distributed import ProcessGroup
 
 from ..runtime import presence
 from . import checks
-from .collectives import Pending, all_reduce_, communication_device
+from .collectives import Pending, all_reduce_, communication_device, start_all_reduce_
 from .flat_param import FlatParamBucket, Storage
 from .group import Phase, UnitGroup
 from .params import ShardedParams, WholeParams
@@ -85,7 +85,8 @@ class ShardState:
         self.agreed_order: list[int] | None = None  # the last order every rank ran (the same
         # on every rank: set only from an agreement's result)
         self._order_agreed = False
-        self._launch_order: list[int] = self._static_order
+        self._order_votes = []  # [(pending all-reduce, its tensor, the order voted on)]
+        self._launch_order: list[int] | None = self._static_order  # None: not decided yet
         self._next_launch = 0
         self._in_flight: collections.deque[tuple[UnitGroup, list[Pending]]] = collections.deque()
         # step_in_backward: the sharded optimizers (weakly: they hold this state weakly too)
@@ -212,10 +213,18 @@ class ShardState:
         self._launch_order, self._next_launch = self._static_order, 0
         self._end_of_backward()
 
-    def refresh_params(self, buckets: list[FlatParamBucket] | None = None) -> None:
+    def start_refresh(self, buckets: list[FlatParamBucket]) -> list[Pending]:
+        """The shards of ``buckets`` were just stepped: start spreading them (where full
+        parameters are kept), so the next chunk's step hides the transfer."""
+        return self.params.start_refresh(buckets)
+
+    def refresh_params(
+        self, buckets: list[FlatParamBucket] | None = None, started: list[Pending] | None = None
+    ) -> None:
         """The shards changed (a step, a load): make the parameters the model sees match
-        (only ``buckets``': one optimizer of several stepped its own)."""
-        self.params.refresh(self, self.buckets if buckets is None else buckets)
+        (only ``buckets``': one optimizer of several stepped its own). ``started``: what
+        ``start_refresh`` began for them, finished here."""
+        self.params.refresh(self, self.buckets if buckets is None else buckets, started)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What zerokit holds for this model, by category (each storage may appear in several
@@ -261,7 +270,9 @@ class ShardState:
                     g.reset()
             return
         self._graph_pending = True
-        self._order_agreed = self._agree_on_order()
+        self._start_order_vote()
+        if not self.params.order_vote_can_wait:  # 'p_g_os': backward's gathers follow it
+            self._settle_order_vote()
 
     @property
     def root_gathered(self) -> bool:
@@ -300,26 +311,40 @@ class ShardState:
         if k not in self.forward_order:
             self.forward_order.append(k)
 
-    def _agree_on_order(self) -> bool:
+    def _start_order_vote(self) -> None:
         """Did every rank run the units in the same order? One all-reduce of a digest, when
         the order can have changed (``params.order_check_needed``: at 'p_g_os' only when this
-        rank's order differs from the last agreed one), nothing at one rank."""
+        rank's order differs from the last agreed one), nothing at one rank. Started here, at
+        the end of a forward; ``_settle_order_vote`` reads the result when backward first
+        needs it (``_launch_ready``), so at 'os'/'os_g' the forward never blocks on it."""
         groups = [g for g in self._data_groups() if g.size() > 1]
-        if not groups:
-            return True
-        if not self.params.order_check_needed(self, groups):
-            return True
+        if not groups or not self.params.order_check_needed(self, groups):
+            self._settle_order_vote()  # an earlier forward's, whose backward has not come
+            self._order_agreed = True
+            return
         digest = hashlib.sha256(repr(self.forward_order).encode()).digest()
         value = int.from_bytes(digest[:7], "little")  # < 2**56: -value fits an int64 too
-        device = self.control_device
-        both = torch.tensor([value, -value], dtype=torch.int64, device=device)
-        for group in groups:
-            all_reduce_(both, group, op=dist.ReduceOp.MAX)
+        both = torch.tensor([value, -value], dtype=torch.int64, device=self.control_device)
+        pending = start_all_reduce_(both, groups[0], op=dist.ReduceOp.MAX)
+        for group in groups[1:]:  # hybrid: then across replicas, once the first is done
+            pending.then(functools.partial(all_reduce_, both, group, op=dist.ReduceOp.MAX))
+        # an earlier forward's vote (its backward has not come: every rank alike) is kept
+        # and finished with this one; this one's order includes it, so it decides
+        self._order_votes.append((pending, both, list(self.forward_order)))
+
+    def _settle_order_vote(self) -> None:
+        """Wait for the votes ``_start_order_vote`` started, if any, and act on the last."""
+        if not self._order_votes:
+            return
+        votes, self._order_votes = self._order_votes, []
+        for pending, _, _ in votes:
+            pending.finish()
+        _, both, order = votes[-1]
         agreed = int(both[0]) == -int(both[1])
         if not agreed:
             self.params.order_differs()  # stage 3 refuses; otherwise: the registration order
-        self.agreed_order = list(self.forward_order) if agreed else None
-        return agreed
+        self.agreed_order = order if agreed else None
+        self._order_agreed = agreed
 
     @functools.cached_property
     def control_device(self) -> torch.device:
@@ -342,11 +367,7 @@ class ShardState:
         Variable._execution_engine.queue_callback(self._end_of_backward)
         if self.root_group is not None:  # resharded by an earlier backward of another graph
             self.root_group.wait_for_unshard()
-        if self._order_agreed:
-            called = list(reversed(self.forward_order))
-            self._launch_order = called + [k for k in self._static_order if k not in called]
-        else:
-            self._launch_order = self._static_order
+        self._launch_order = None  # decided by the first launch: after the order vote
         self._next_launch = 0
         self.staging.reset_peak()
         # each bucket asks once: a returned buffer no later bucket can reuse is dropped at once
@@ -381,7 +402,18 @@ class ShardState:
         if group.ready:
             self._launch_ready(force=False)
 
+    def _decide_launch_order(self) -> list[int]:
+        """Reductions launch in the reverse of the agreed forward order (the registration
+        order where the ranks disagreed): the same sequence of collectives on every rank."""
+        self._settle_order_vote()
+        if self._order_agreed:
+            called = list(reversed(self.forward_order))
+            return called + [k for k in self._static_order if k not in called]
+        return self._static_order
+
     def _launch_ready(self, force: bool) -> None:
+        if self._launch_order is None:
+            self._launch_order = self._decide_launch_order()
         order = self._launch_order
         while self._next_launch < len(order):
             group = self.groups[order[self._next_launch]]
@@ -444,6 +476,7 @@ class ShardState:
         return iter(each)
 
     def _end_of_backward(self) -> None:
+        self._settle_order_vote()  # also where no reduction was launched (no_sync())
         if self.sync_enabled and self._steppers is not None:
             self._launch_ready(force=True)
             while self._in_flight:
