@@ -6,6 +6,7 @@ by side in one run on gloo CPU ranks, alternating so every runner sees the same 
     python benchmarks/step_time.py --mixed-precision bf16   # zerokit and FSDP2 policies,
                                                             # DDP/ZeRO-1/local under autocast
     python benchmarks/step_time.py --model mlp --breakdown  # 8 MLP blocks; where time goes
+    python benchmarks/step_time.py --model mlp --repeat 5   # 5 runs: ratios' spread over runs
 
 Run it in a network namespace of its own (``unshare -n sh -c 'ip link set lo up; python ...'``)
 for ``sent/step`` to count only its own ranks' bytes: loopback is shared by every process of
@@ -19,7 +20,10 @@ import collections
 import contextlib
 import copy
 import functools
+import json
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -142,7 +146,11 @@ def train_step(model, opt, x, y, autocast=None, loss_fn=lm_loss, timer=None) -> 
 
 def worker(rank: int, world_size: int, args) -> None:
     cfg = GPTConfig(
-        vocab_size=4096, block_size=args.seq, n_layer=args.layers, n_head=8, n_embd=args.width
+        vocab_size=4096,
+        block_size=args.seq,
+        n_layer=args.layers,
+        n_head=8,
+        n_embd=args.width,
     )
     torch.manual_seed(0)
     base = GPT(cfg) if args.model == "gpt" else MLP(args.layers, args.width)
@@ -162,7 +170,10 @@ def worker(rank: int, world_size: int, args) -> None:
         x, y = torch.randn(2, args.batch * args.seq, args.width, generator=gen)
     step = functools.partial(train_step, loss_fn=loss_fn)
     memory = {}
-    for r, (model, opt) in built.items():  # warm-up; measure held bytes after a step + backward
+    for r, (
+        model,
+        opt,
+    ) in built.items():  # warm-up; measure held bytes after a step + backward
         step(model, opt, x, y, autocast[r])
         with autocast[r] or contextlib.nullcontext():
             logits = model(x)
@@ -171,6 +182,7 @@ def worker(rank: int, world_size: int, args) -> None:
         memory[r] = {"params": m.params, "grads": m.grads, "optimizer": m.optimizer}
         opt.zero_grad(set_to_none=True)
     times = {r: [] for r in runners}
+    cpu = {r: [] for r in runners}  # CPU seconds of this rank's process (all its threads)
     sent = dict.fromkeys(runners, 0)  # loopback bytes sent by all ranks
     for _ in range(args.rounds):
         for r, (model, opt) in built.items():
@@ -178,19 +190,30 @@ def worker(rank: int, world_size: int, args) -> None:
             before = loopback_tx_bytes()
             for _ in range(args.steps):
                 dist.barrier()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 step(model, opt, x, y, autocast[r])
                 times[r].append(time.perf_counter() - start)
+                cpu[r].append(time.process_time() - start_cpu)
             dist.barrier()
             sent[r] += loopback_tx_bytes() - before
     # the slowest rank decides a step: take each step's max over ranks
     stacked = torch.tensor([times[r] for r in runners], dtype=torch.float64)
     dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    # CPU work: summed over ranks (on cores the ranks share, the work is what they share)
+    cpu_work = torch.tensor([cpu[r] for r in runners], dtype=torch.float64)
+    dist.all_reduce(cpu_work)
     phases = breakdown_rounds(built, x, y, step, autocast, args) if args.breakdown else None
     if rank != 0:
         return
     medians = {r: statistics.median(stacked[i].tolist()) for i, r in enumerate(runners)}
+    cpu_medians = {
+        r: statistics.median(cpu_work[i].tolist()) / world_size for i, r in enumerate(runners)
+    }
+    if args.json:  # --repeat reads each run's medians from here
+        with open(args.json, "w") as f:
+            json.dump({"step": medians, "cpu": cpu_medians}, f)
     base_time = medians.get("ddp", next(iter(medians.values())))
+    base_cpu = cpu_medians.get("ddp", next(iter(cpu_medians.values())))
     fsdp2 = medians.get("fsdp2")
     mib = 2**20
     steps = args.rounds * args.steps
@@ -202,7 +225,7 @@ def worker(rank: int, world_size: int, args) -> None:
     )
     print(
         f"{'runner':<16}{'step s':>9}{'vs ddp':>8}{'vs fsdp2':>9}{'params MiB':>12}{'grads MiB':>11}"
-        f"{'optim MiB':>11}{'total MiB':>11}{'sent/step':>11}"
+        f"{'optim MiB':>11}{'total MiB':>11}{'sent/step':>11}{'cpu s':>8}{'vs ddp':>8}"
     )
     for r in runners:
         m = memory[r]
@@ -213,10 +236,13 @@ def worker(rank: int, world_size: int, args) -> None:
             f"{'' if fsdp2 is None else f'{medians[r] / fsdp2:.2f}x':>9}"
             f"{m['params'] / mib:>12.1f}{m['grads'] / mib:>11.1f}{m['optimizer'] / mib:>11.1f}"
             f"{total / mib:>11.1f}{per_rank_step / param_bytes:>10.2f}P"
+            f"{cpu_medians[r]:>8.3f}{cpu_medians[r] / base_cpu:>7.2f}x"
         )
     print(
         "sent/step: bytes one rank sent per step over loopback TCP (gloo's transport), read from\n"
-        "/proc/net/dev around each runner's steps, in units of P = the model's fp32 bytes."
+        "/proc/net/dev around each runner's steps, in units of P = the model's fp32 bytes.\n"
+        "cpu s: CPU seconds per step of one rank's process, every thread (gloo's too), the\n"
+        "median over steps of the ranks' mean: the work the shared cores had to do."
     )
     if phases is not None:
         print_breakdown(phases)
@@ -268,15 +294,57 @@ def main() -> None:
     p.add_argument("--bucket-elems", type=int, default=2**21, help="zerokit buffer_max_size")
     p.add_argument("--rounds", type=int, default=3, help="rounds; each runs every runner once")
     p.add_argument(
-        "--mixed-precision", choices=["bf16"], help="compute in bf16; None: fp32 throughout"
+        "--mixed-precision",
+        choices=["bf16"],
+        help="compute in bf16; None: fp32 throughout",
     )
     p.add_argument("--steps", type=int, default=3, help="timed steps per runner per round")
     p.add_argument("--model", choices=["gpt", "mlp"], default="gpt", help="what to train")
     p.add_argument(
-        "--breakdown", action="store_true", help="then time each phase of the step, per runner"
+        "--breakdown",
+        action="store_true",
+        help="then time each phase of the step, per runner",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs, each in fresh processes; then each runner's ratio to ddp (and fsdp2) over "
+        "the runs: median [min, max]",
     )
     args = p.parse_args()
-    spawn_local(worker, args.nproc, args)
+    args.json = None
+    if args.repeat == 1:
+        spawn_local(worker, args.nproc, args)
+        return
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        args.json = os.path.join(tmp, "medians.json")
+        for run in range(args.repeat):
+            print(f"\n-- run {run + 1} of {args.repeat}")
+            spawn_local(worker, args.nproc, args)
+            with open(args.json) as f:
+                runs.append(json.load(f))
+    print_over_runs(runs)
+
+
+def print_over_runs(runs: list[dict[str, dict[str, float]]]) -> None:
+    """Each runner's ratio to ddp and fsdp2, taken within each run (the runners of one run
+    alternate, so they saw the same machine), then summarized over the runs."""
+    print(f"\nover {len(runs)} runs: each run's ratio of medians, median [min, max] over runs")
+    columns = [("step", "ddp"), ("step", "fsdp2"), ("cpu", "ddp")]
+    names = {"step": "step", "cpu": "cpu s"}
+    print(f"{'runner':<16}" + "".join(f"{names[k] + ' vs ' + b:>22}" for k, b in columns))
+    for r in runs[0]["step"]:
+        cells = []
+        for kind, base in columns:
+            if base not in runs[0][kind]:
+                cells.append("")
+                continue
+            ratios = sorted(run[kind][r] / run[kind][base] for run in runs)
+            mid = statistics.median(ratios)
+            cells.append(f"{mid:.2f}x [{ratios[0]:.2f}, {ratios[-1]:.2f}]")
+        print(f"{r:<16}" + "".join(f"{c:>22}" for c in cells))
 
 
 if __name__ == "__main__":
