@@ -3,7 +3,7 @@
 A ``Breakdown`` wraps zerokit's entry points (the hooks' state calls, the waits on
 collectives, the collectives' launches, the optimizer step) with timers that keep *exclusive*
 time: a call's time less the time of the timed calls nested in it, so the categories add up to
-the step. What no timer covers inside ``forward``/``backward``/``step`` is the model's own
+the step. Waits are told apart by the phase they happen in (forward, backward, step). What no timer covers inside ``forward``/``backward``/``step`` is the model's own
 compute (and, for DDP and FSDP2, their hooks and waits, which run in C++ or are not wrapped).
 
 It patches classes and modules for the whole process: build it after every runner is built,
@@ -20,6 +20,7 @@ import time
 from zerokit.core import collectives, flat_param, gradients, optimizer, state
 from zerokit.runtime import presence
 
+WAITS = "waits on collectives"  # split by the phase they happen in: "... in backward"
 # (object, attribute, category): what is timed, and which category its exclusive time joins
 _TIMED = [
     (state.ShardState, "root_pre_forward", "forward hooks"),
@@ -32,7 +33,7 @@ _TIMED = [
     (state.ShardState, "unit_post_backward", "backward hooks"),
     (state.ShardState, "_end_of_backward", "backward hooks"),
     (state.ShardState, "zero_grad", "zero_grad"),
-    (presence, "wait", "waits on collectives"),
+    (presence, "wait", WAITS),
     (presence.Presence, "mark", "store marks"),
     (gradients.ShardedGradients, "start_reduce", "gradient reduction launch"),
     (gradients.FullGradients, "start_reduce", "gradient reduction launch"),
@@ -52,6 +53,7 @@ class Breakdown:
         self.seconds: collections.Counter[str] = collections.Counter()
         self.steps = 0
         self._children = [0.0]  # per open timer: time of the timed calls nested in it
+        self._phase = ""  # the step's phase now open (forward, backward, step, zero_grad)
         self._restore = []
         for owner, name, category in _TIMED:
             original = getattr(owner, name)
@@ -68,6 +70,10 @@ class Breakdown:
 
     @contextlib.contextmanager
     def timing(self, category: str):
+        if category in PHASES:
+            self._phase = category
+        elif category == WAITS:  # which wait: the after-step gather's is one "in step"
+            category = f"{WAITS} in {self._phase or 'none'}"
         self._children.append(0.0)
         start = time.perf_counter()
         try:

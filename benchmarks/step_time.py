@@ -22,6 +22,7 @@ import copy
 import functools
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -183,6 +184,7 @@ def worker(rank: int, world_size: int, args) -> None:
         opt.zero_grad(set_to_none=True)
     times = {r: [] for r in runners}
     cpu = {r: [] for r in runners}  # CPU seconds of this rank's process (all its threads)
+    faults = {r: [] for r in runners}  # minor page faults: fresh memory touched the first time
     sent = dict.fromkeys(runners, 0)  # loopback bytes sent by all ranks
     for _ in range(args.rounds):
         for r, (model, opt) in built.items():
@@ -191,9 +193,11 @@ def worker(rank: int, world_size: int, args) -> None:
             for _ in range(args.steps):
                 dist.barrier()
                 start, start_cpu = time.perf_counter(), time.process_time()
+                start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 step(model, opt, x, y, autocast[r])
                 times[r].append(time.perf_counter() - start)
                 cpu[r].append(time.process_time() - start_cpu)
+                faults[r].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start_faults)
             dist.barrier()
             sent[r] += loopback_tx_bytes() - before
     # the slowest rank decides a step: take each step's max over ranks
@@ -202,12 +206,17 @@ def worker(rank: int, world_size: int, args) -> None:
     # CPU work: summed over ranks (on cores the ranks share, the work is what they share)
     cpu_work = torch.tensor([cpu[r] for r in runners], dtype=torch.float64)
     dist.all_reduce(cpu_work)
+    page_faults = torch.tensor([faults[r] for r in runners], dtype=torch.float64)
+    dist.all_reduce(page_faults)
     phases = breakdown_rounds(built, x, y, step, autocast, args) if args.breakdown else None
     if rank != 0:
         return
     medians = {r: statistics.median(stacked[i].tolist()) for i, r in enumerate(runners)}
     cpu_medians = {
         r: statistics.median(cpu_work[i].tolist()) / world_size for i, r in enumerate(runners)
+    }
+    fault_medians = {
+        r: statistics.median(page_faults[i].tolist()) / world_size for i, r in enumerate(runners)
     }
     if args.json:  # --repeat reads each run's medians from here
         with open(args.json, "w") as f:
@@ -225,7 +234,7 @@ def worker(rank: int, world_size: int, args) -> None:
     )
     print(
         f"{'runner':<16}{'step s':>9}{'vs ddp':>8}{'vs fsdp2':>9}{'params MiB':>12}{'grads MiB':>11}"
-        f"{'optim MiB':>11}{'total MiB':>11}{'sent/step':>11}{'cpu s':>8}{'vs ddp':>8}"
+        f"{'optim MiB':>11}{'total MiB':>11}{'sent/step':>11}{'cpu s':>8}{'vs ddp':>8}{'faults':>8}"
     )
     for r in runners:
         m = memory[r]
@@ -236,13 +245,15 @@ def worker(rank: int, world_size: int, args) -> None:
             f"{'' if fsdp2 is None else f'{medians[r] / fsdp2:.2f}x':>9}"
             f"{m['params'] / mib:>12.1f}{m['grads'] / mib:>11.1f}{m['optimizer'] / mib:>11.1f}"
             f"{total / mib:>11.1f}{per_rank_step / param_bytes:>10.2f}P"
-            f"{cpu_medians[r]:>8.3f}{cpu_medians[r] / base_cpu:>7.2f}x"
+            f"{cpu_medians[r]:>8.3f}{cpu_medians[r] / base_cpu:>7.2f}x{fault_medians[r]:>8.0f}"
         )
     print(
         "sent/step: bytes one rank sent per step over loopback TCP (gloo's transport), read from\n"
         "/proc/net/dev around each runner's steps, in units of P = the model's fp32 bytes.\n"
         "cpu s: CPU seconds per step of one rank's process, every thread (gloo's too), the\n"
-        "median over steps of the ranks' mean: the work the shared cores had to do."
+        "median over steps of the ranks' mean: the work the shared cores had to do.\n"
+        "faults: minor page faults per step of one rank (the same median): memory freed to the\n"
+        "OS and touched again (4 KiB each; glibc returns large freed blocks to the OS)."
     )
     if phases is not None:
         print_breakdown(phases)
