@@ -38,7 +38,7 @@ class SyncPoints:
     """Count host reads of tensors made from zerokit's code while inside the ``with``."""
 
     def __init__(self):
-        self.seen: list[str] = []  # "Tensor.item at zerokit/core/state.py:281 (_agree_on_order)"
+        self.seen: list[str] = []  # "Tensor.item at zerokit/core/state.py:281 (_settle_order_vote)"
         self._saved: dict[str, object] = {}
 
     def __enter__(self) -> SyncPoints:

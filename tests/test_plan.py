@@ -74,7 +74,8 @@ class Recorder:
         def wrapper(*args, **kwargs):
             group = kwargs.get("group", args[-1] if op != "reduce_scatter" else args[2])
             group = group if group is not None and not isinstance(group, bool) else None
-            if self.on and group is not None and group.size() > 1:
+            outermost = getattr(self._inside, "depth", 0) == 0  # one helper may call another
+            if self.on and outermost and group is not None and group.size() > 1:
                 self.calls.append((op, group.size(), size_of(*args, **kwargs)))
             self._inside.depth = getattr(self._inside, "depth", 0) + 1
             try:

@@ -250,9 +250,7 @@ def start_all_reduce_(
 @eager
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM):
     """Blocking (bounded) in-place all-reduce; a no-op at world size 1."""
-    if group.size() > 1:
-        work = dist.all_reduce(hand(tensor), op=op, group=group, async_op=True)
-        presence.wait(work, group)
+    start_all_reduce_(tensor, group, op).finish()
     return tensor
 
 
