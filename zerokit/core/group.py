@@ -117,13 +117,15 @@ class UnitGroup:
             self.phase = Phase.FORWARD
         self.forward_calls += 1
 
-    def post_forward(self) -> None:
+    def post_forward(self, keep_gathered: bool = False) -> None:
+        """``keep_gathered``: its backward comes next, so freeing it would only gather it again."""
         if self.phase not in (Phase.FORWARD, Phase.PRE_BACKWARD):  # recomputation: PRE_BACKWARD
             raise TransitionError(
                 f"unit {self.name!r}: post_forward in phase {self.phase.value} (its pre_forward "
                 "never ran, or its gradients were already reduced)"
             )
-        self.reshard()
+        if not keep_gathered:
+            self.reshard()
 
     # -- backward ------------------------------------------------------------------------------
     def pre_backward(self) -> None:

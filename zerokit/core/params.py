@@ -94,7 +94,10 @@ class WholeParams:
     def order_differs(self) -> None:
         pass  # reductions fall back to the registration order; no gather is at stake
 
-    def forward_done(self) -> None:
+    def keeps_for_backward(self, state, group: UnitGroup) -> bool:
+        return False  # nothing is freed after a forward
+
+    def forward_done(self, state, graph: bool) -> None:
         pass
 
     def backward_done(self) -> None:
@@ -128,6 +131,7 @@ class ShardedParams:
         self._groups = groups
         self._sync_comm = sync_comm
         self._prefetched: UnitGroup | None = None  # gathered ahead of its use
+        self._kept: UnitGroup | None = None  # the last unit, not freed after its forward
         self._was_sharded: list[UnitGroup] = []  # state_dict(): the units to free again
         if debug_agreement:
             check = functools.partial(_check_same_gather, weakref.ref(self))  # no cycle
@@ -217,9 +221,28 @@ class ShardedParams:
             "in the same order on every rank, or use level 'os' / 'os_g'."
         )
 
-    def forward_done(self) -> None:
-        """The model's forward is over: free a unit gathered ahead that never ran."""
+    def keeps_for_backward(self, state, group: UnitGroup) -> bool:
+        """The last unit of the forward stays gathered: its backward is the first to run and
+        would gather it again at once (torchtitan's last block, FSDP2's root). No more is held
+        than while it ran; not under ``sync_comm`` (one unit at a time) or without grad."""
+        order = [k for k in state.prefetch_order if state.groups[k] is not state.root_group]
+        if self._sync_comm or not torch.is_grad_enabled() or not order:
+            return False
+        if state.groups[order[-1]] is not group:
+            return False
+        self._kept = group
+        return True
+
+    def forward_done(self, state, graph: bool) -> None:
+        """The model's forward is over: free a unit gathered ahead that never ran, and the
+        kept last unit if no backward follows or this forward ended with another unit."""
         self._prefetch(None)
+        kept, self._kept = self._kept, None
+        if kept is None or kept.phase is not Phase.FORWARD:
+            return
+        ran = [k for k in state.forward_order if state.groups[k] is not state.root_group]
+        if not graph or not ran or state.groups[ran[-1]] is not kept:
+            kept.reshard()
 
     def backward_done(self) -> None:
         self._prefetched = None  # every unit was freed by its reduction

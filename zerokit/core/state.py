@@ -262,7 +262,7 @@ class ShardState:
 
     def root_post_forward(self, graph: bool) -> None:
         """``graph``: the output requires grad, so a backward may follow."""
-        self.params.forward_done()
+        self.params.forward_done(self, graph)
         if not graph:
             self.prefetch_order = list(self.forward_order)
             if not self.in_backward and not self._graph_pending:
@@ -301,7 +301,7 @@ class ShardState:
 
     def unit_post_forward(self, group: UnitGroup) -> None:
         if not self.in_backward:
-            group.post_forward()
+            group.post_forward(keep_gathered=self.params.keeps_for_backward(self, group))
 
     def index_of(self, group: UnitGroup) -> int:
         return self._index[id(group)]
