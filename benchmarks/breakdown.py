@@ -15,12 +15,21 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import sys
 import time
 
 from zerokit.core import collectives, flat_param, gradients, optimizer, state
 from zerokit.runtime import presence
 
 WAITS = "waits on collectives"  # split by the phase they happen in: "... in backward"
+# and by what is waited for: the first of these zerokit functions up the caller's stack
+_WAITED_FOR = {
+    "wait_for_unshard": "gathers",
+    "_finish_oldest": "reductions",
+    "_end_of_backward": "reductions",
+    "_settle_order_vote": "order vote",
+    "refresh_params": "after-step gather",
+}
 # (object, attribute, category): what is timed, and which category its exclusive time joins
 _TIMED = [
     (state.ShardState, "root_pre_forward", "forward hooks"),
@@ -44,6 +53,16 @@ _TIMED = [
     (optimizer.ShardedOptimizer, "step", "optimizer step"),
 ]
 PHASES = ("forward", "backward", "step", "zero_grad")
+
+
+def _waited_for() -> str:
+    frame = sys._getframe(2)
+    while frame is not None:
+        what = _WAITED_FOR.get(frame.f_code.co_name)
+        if what is not None:
+            return what
+        frame = frame.f_back
+    return "other"
 
 
 class Breakdown:
@@ -73,7 +92,7 @@ class Breakdown:
         if category in PHASES:
             self._phase = category
         elif category == WAITS:  # which wait: the after-step gather's is one "in step"
-            category = f"{WAITS} in {self._phase or 'none'}"
+            category = f"{WAITS} in {self._phase or 'none'}: {_waited_for()}"
         self._children.append(0.0)
         start = time.perf_counter()
         try:

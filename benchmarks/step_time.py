@@ -281,13 +281,14 @@ def breakdown_rounds(built, x, y, step, autocast, args) -> dict[str, dict[str, f
 
 def print_breakdown(phases: dict[str, dict[str, float]]) -> None:
     names = list(PHASES) + sorted({k for c in phases.values() for k in c} - set(PHASES))
+    labels = {n: f"{n} (rest)" if n in PHASES else n for n in names}
+    width = max(len(label) for label in labels.values()) + 2
     print("\nms per step on rank 0, exclusive (a phase: what no timer inside it covers)")
-    print(f"{'':<30}" + "".join(f"{r:>12}" for r in phases))
+    print(f"{'':<{width}}" + "".join(f"{r:>12}" for r in phases))
     for name in names:
-        label = f"{name} (rest)" if name in PHASES else name
         row = "".join(f"{phases[r].get(name, 0.0):>12.1f}" for r in phases)
-        print(f"{label:<30}{row}")
-    print(f"{'total':<30}" + "".join(f"{sum(phases[r].values()):>12.1f}" for r in phases))
+        print(f"{labels[name]:<{width}}{row}")
+    print(f"{'total':<{width}}" + "".join(f"{sum(phases[r].values()):>12.1f}" for r in phases))
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

@@ -300,12 +300,18 @@ class ShardedGradients(_Gradients):
             self._stage(b, i, grad)
             del grad
         full, self._staged[b] = self._staged_buffer(b), None
-        if self.grads[b] is None:  # in the masters' dtype and device (fp32, offload: the CPU)
-            self.grads[b] = torch.zeros_like(self.buckets[b].shard_data)
+        # None since zero_grad(set_to_none=True): nothing to add to, so the reduction writes
+        # every element of a shard allocated unfilled (no memset, no read of zeros). In the
+        # masters' dtype and device (fp32; offload: the CPU)
+        fresh = self.grads[b] is None
+        if fresh:
+            self.grads[b] = torch.empty_like(self.buckets[b].shard_data)
         scratch = (
             self._staging.acquire(self._scratch[b], self._dtype(b)) if self._scratch[b] else None
         )
-        pending = self._reduction.start(full, self.grads[b], self.buckets[b].ranges, scratch)
+        pending = self._reduction.start(
+            full, self.grads[b], self.buckets[b].ranges, scratch, accumulate=not fresh
+        )
         return pending.then(lambda: self._release(full, scratch))
 
     def _release(self, full: torch.Tensor, scratch: torch.Tensor | None) -> None:

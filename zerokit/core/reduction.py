@@ -68,10 +68,12 @@ class ReduceScatter:
         shard: torch.Tensor,
         ranges: Ranges = None,
         scratch: torch.Tensor | None = None,
+        accumulate: bool = True,
     ) -> Pending:
-        # Always accumulate: zero_grad() zeroes the shard, and backwards between steps add up.
+        """``accumulate``: add to what ``shard`` holds (backwards between steps add up); False:
+        overwrite it (a shard just allocated, its contents undefined)."""
         return start_reduce_scatter_mean(
-            full, shard, self.group, accumulate=True, ranges=ranges, scratch=scratch
+            full, shard, self.group, accumulate=accumulate, ranges=ranges, scratch=scratch
         )
 
 
@@ -92,8 +94,9 @@ class ReduceScatterThenAllReduce(ReduceScatter):
         shard: torch.Tensor,
         ranges: Ranges = None,
         scratch: torch.Tensor | None = None,
+        accumulate: bool = True,
     ) -> Pending:
-        pending = super().start(full, shard, ranges, scratch)
+        pending = super().start(full, shard, ranges, scratch, accumulate)
         if self.replicas is None or self.replicas.size() == 1:
             return pending
         return pending.then(lambda: start_all_reduce_mean(shard, self.replicas).finish())
