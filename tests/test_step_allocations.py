@@ -149,7 +149,8 @@ def _bound(level: str, buckets: int, root: int, last: int) -> dict[str, int]:
 
     - 'os': each bucket's full gradient lives from its first gradient after
       ``zero_grad(set_to_none=True)`` to the next such call, so it is made again every step
-      (B ``zeros``); the all-reduce and the all-gather after the step work in place.
+      (B ``empty``, only the padding zeroed: every slot is written before the reduction);
+      the all-reduce and the all-gather after the step work in place.
     - 'os_g', 'p_g_os': each bucket's gradient shard likewise (B ``empty_like``: unfilled, its
       reduction writes every element); the staging
       pool is emptied when backward ends, so each bucket reduced borrows a fresh staged buffer
@@ -166,9 +167,8 @@ def _bound(level: str, buckets: int, root: int, last: int) -> dict[str, int]:
     """
     sharded = level != "os"
     return {
-        "zeros": 0 if sharded else buckets,
         "empty_like": buckets if sharded else 0,
-        "empty": 2 * buckets if sharded else 0,
+        "empty": 2 * buckets if sharded else buckets,
         "lift_fresh": 1 if level == "p_g_os" else 2,
         "_to_copy": 1,
         "UntypedStorage.resize_": 2 * (buckets - root) + root - last if level == "p_g_os" else 0,

@@ -136,10 +136,13 @@ class FullGradients(_Gradients):
 
     def _full(self, b: int) -> torch.Tensor:
         if self.grads[b] is None:
+            # unfilled but the padding: every slot is written (a gradient, or zeros for a
+            # parameter without one: take) before the bucket is reduced
             bucket = self.buckets[b]
-            self.grads[b] = torch.zeros(
-                bucket.layout.padded_numel, dtype=self._dtype(b), device=bucket.data.device
-            )
+            layout = bucket.layout
+            full = torch.empty(layout.padded_numel, dtype=self._dtype(b), device=bucket.data.device)
+            full[layout.numel :].zero_()
+            self.grads[b] = full
         return self.grads[b]
 
     def _aliases_param(self, b: int) -> bool:
@@ -197,7 +200,7 @@ class FullGradients(_Gradients):
         if (shard.dtype, shard.device) == (bucket.shard_data.dtype, bucket.shard_data.device):
             return shard
         if self._master_grads[b] is None:
-            self._master_grads[b] = torch.zeros_like(bucket.shard_data)
+            self._master_grads[b] = torch.empty_like(bucket.shard_data)  # written whole below
         self._master_grads[b].copy_(shard)
         return self._master_grads[b]
 
