@@ -225,10 +225,9 @@ class ShardedParams:
         """The last unit of the forward stays gathered: its backward is the first to run and
         would gather it again at once (torchtitan's last block, FSDP2's root). No more is held
         than while it ran; not under ``sync_comm`` (one unit at a time) or without grad."""
-        order = [k for k in state.prefetch_order if state.groups[k] is not state.root_group]
-        if self._sync_comm or not torch.is_grad_enabled() or not order:
+        if self._sync_comm or not torch.is_grad_enabled():
             return False
-        if state.groups[order[-1]] is not group:
+        if _last_unit(state, state.prefetch_order) is not group:
             return False
         self._kept = group
         return True
@@ -240,8 +239,7 @@ class ShardedParams:
         kept, self._kept = self._kept, None
         if kept is None or kept.phase is not Phase.FORWARD:
             return
-        ran = [k for k in state.forward_order if state.groups[k] is not state.root_group]
-        if not graph or not ran or state.groups[ran[-1]] is not kept:
+        if not graph or _last_unit(state, state.forward_order) is not kept:
             kept.reshard()
 
     def backward_done(self) -> None:
@@ -303,6 +301,13 @@ def _neighbour(state, group: UnitGroup, step: int, order: list[int]) -> UnitGrou
     if 0 <= j < len(order) and state.groups[order[j]] is not state.root_group:
         return state.groups[order[j]]
     return None
+
+
+def _last_unit(state, order: list[int]) -> UnitGroup | None:
+    """The last unit of ``order`` besides the root (found from the end: no list per call)."""
+    return next(
+        (state.groups[k] for k in reversed(order) if state.groups[k] is not state.root_group), None
+    )
 
 
 def _check_same_gather(params_ref, group: UnitGroup) -> None:
