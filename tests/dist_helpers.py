@@ -13,17 +13,30 @@ def run_distributed(fn, world_size: int, *args) -> None:
 
     Note: forked, not spawned as ``zerokit.tools.launch.spawn_local`` does: a spawned rank imports
     torch again (seconds of CPU each), which was most of the fast subset's time. The ranks
-    start from the test process as it is; each sets one thread before any work.
+    start from the test process as it is; each sets one thread before any work. Nothing in
+    the test process may have started a thread pool a rank needs: conftest.py keeps
+    inductor's compile pool off for that reason.
     """
     with tempfile.TemporaryDirectory(prefix="zerokit-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        mp.start_processes(
+        ranks = mp.start_processes(
             _entry,
             args=(world_size, init_file, "gloo", fn, args),
             nprocs=world_size,
-            join=True,
+            join=False,
             start_method="fork",
         )
+        try:
+            while not ranks.join():
+                pass
+        except BaseException:
+            # a failed rank, or the test's time limit (conftest.py) interrupting the wait:
+            # no rank outlives the test, stuck in a collective its peers left
+            for process in ranks.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+            raise
 
 
 def run_torchrun(script, nproc: int, *args: str, cwd=None, timeout: int = 300):
