@@ -66,17 +66,17 @@ def group_sharded_parallel(
     level: str | int | None = None,
     scaler: Any = None,
     group: dist.ProcessGroup | None = None,
-    offload: bool = False,
-    sync_buffers: bool = False,
-    buffer_max_size: int = 2**23,
-    segment_size: int = 2**20,
-    sync_comm: bool = False,
+    offload: bool | None = None,
+    sync_buffers: bool | None = None,
+    buffer_max_size: int | None = None,
+    segment_size: int | None = None,
+    sync_comm: bool | None = None,
     dp_group: dist.ProcessGroup | None = None,
     exclude_layer: Sequence[Any] | None = None,
     *,
     mixed_precision: MixedPrecision | None = None,
     config: ShardingConfig | None = None,
-    step_in_backward: bool = False,
+    step_in_backward: bool | None = None,
     init_fn: Callable[[nn.Module], None] | None = None,
     shard_group: dist.ProcessGroup | None = None,
     replica_group: dist.ProcessGroup | None = None,
@@ -110,10 +110,12 @@ def group_sharded_parallel(
             (``enabled=False``) stays disabled: nothing is scaled, as with torch's.
         group: Paddle's name for ``shard_group``.
         offload, sync_buffers, buffer_max_size, segment_size, sync_comm, exclude_layer,
-            mixed_precision, step_in_backward: the ``ShardingConfig`` fields of those names.
+            mixed_precision, step_in_backward: the ``ShardingConfig`` fields of those names;
+            None: not given (``config``'s value, else the field's default).
         dp_group: Paddle's name for ``replica_group``.
         config: every knob in one ``ShardingConfig`` (``zerokit.load_config``'s); the
-            arguments of the same names fill it (one given both ways differently: refused).
+            arguments of the same names fill it (one given both ways differently, the
+            default value too: refused).
         init_fn: for a model built on ``meta`` (``torch.device("meta")`` or
             ``zerokit.empty_init()``): called on every module, children before parent, as
             ``model.apply(init_fn)``, to set its parameters (and, under

@@ -124,6 +124,15 @@ class ShardingConfig:
     ``$ZEROKIT_COLLECTIVE_TIMEOUT``) and a different unit order by the one check after each
     forward. ``$ZEROKIT_DEBUG_AGREEMENT=1`` turns it on without changing code."""
 
+    # Note: which knobs were given is kept beside the fields, so that a value equal to the
+    # default still counts when it is given twice (``offload=False`` against a config's
+    # ``offload=True`` is refused, not dropped); None is "not given". ``__new__`` sees the
+    # constructor's keywords, the generated ``__init__`` cannot tell them from defaults.
+    def __new__(cls, **given):
+        self = super().__new__(cls)
+        object.__setattr__(self, "_given", frozenset(k for k, v in given.items() if v is not None))
+        return self
+
     def __post_init__(self):
         for name in ("exclude_layer", "wrap"):  # None or a list: held as a tuple
             value = getattr(self, name)
@@ -177,32 +186,48 @@ ARGUMENT_KNOBS = (
 )  # fmt: skip
 
 
-def merge_arguments(config: ShardingConfig | None, **arguments) -> ShardingConfig:
+def merge_arguments(
+    config: ShardingConfig | None, *, source: str = "an argument", **arguments
+) -> ShardingConfig:
     """``config`` with the knobs given as arguments (``group_sharded_parallel``'s, a strategy's
-    keyword arguments) filled in. A knob given both ways, with different values, is refused:
-    nothing is silently overridden. A name that is no field of ``ShardingConfig`` is refused.
+    keyword arguments) filled in; ``source`` names where they come from. An argument of None
+    is not given. A knob given both ways is compared, whatever its value (the default too):
+    the same value passes, another is refused naming both. A name that is no field of
+    ``ShardingConfig`` is refused.
 
     >>> merge_arguments(ShardingConfig(offload=True), level=2).level
     'os_g'
     """
     config = config or ShardingConfig()
-    defaults = ShardingConfig()
     unknown = sorted(set(arguments) - set(knob_names()))
     if unknown:
         raise TypeError(f"unknown option(s) {unknown}; the knobs are {list(knob_names())}")
     changes = {}
     for name, value in arguments.items():
-        value = _normal(name, value)
-        if value == getattr(defaults, name):
+        if value is None:
             continue
-        held = getattr(config, name)
-        if held != getattr(defaults, name) and held != value:
+        value, held = _normal(name, value), getattr(config, name)
+        if name in given_knobs(config) and held != value:
             raise ValueError(
-                f"{name} is given twice, as an argument ({value!r}) and in config "
-                f"({held!r}): give it once"
+                f"{name} is given twice, as {source} ({value!r}) and in config ({held!r}): "
+                "give it once"
             )
         changes[name] = value
-    return replace(config, **changes)
+    return with_knobs(config, **changes)
+
+
+def given_knobs(config: ShardingConfig) -> frozenset[str]:
+    """The names of the knobs ``config`` was given (not None), rather than defaulted to."""
+    return getattr(config, "_given", frozenset())
+
+
+def with_knobs(config: ShardingConfig, **changes) -> ShardingConfig:
+    """``dataclasses.replace(config, **changes)``, remembering the knobs given before and
+    these as given (``replace`` passes every field on, so the copy would count all)."""
+    out = replace(config, **changes)
+    given = given_knobs(config) | {k for k, v in changes.items() if v is not None}
+    object.__setattr__(out, "_given", given)
+    return out
 
 
 def _normal(name: str, value):

@@ -15,7 +15,14 @@ import torch.distributed as dist
 from torch import nn
 
 from .api import group_sharded_parallel
-from .config import DEFAULT_LEVEL, ShardingConfig, knobs_of, merge_arguments
+from .config import (
+    DEFAULT_LEVEL,
+    ShardingConfig,
+    given_knobs,
+    knob_names,
+    merge_arguments,
+    parse_level,
+)
 from .core import as_optimizer_list, needs_of, refuse_whole_on_slices
 from .layout import Layout, as_layout, init_mesh
 from .plans import BUILT_IN
@@ -30,8 +37,8 @@ def parallelize(
     plan: dict[str, str] | str | None = None,
     level: str | int | None = None,
     split_points: list[str] | None = None,
-    schedule: str = "1f1b",
-    micro_batches: int = 1,
+    schedule: str | None = None,
+    micro_batches: int | None = None,
     strategy: Strategy | None = None,
     *,
     config: ShardingConfig | None = None,
@@ -52,22 +59,25 @@ def parallelize(
         level: ZeRO level over dp: 'os', 'os_g' or 'p_g_os' (or 1, 2, 3); None: the one in
             ``config``, else ``zerokit.config.DEFAULT_LEVEL`` ('p_g_os').
         split_points: pp > 1: names of the modules where a new pipeline stage begins.
-        schedule, micro_batches: the pipeline schedule and its micro-batches (pp > 1).
-        strategy: a ``zerokit.Strategy``: its degrees build the mesh, and its level, schedule,
-            micro-batches and recompute replace the arguments above (its plan, when it names
-            one, too); its other ZeRO knobs fill ``config``.
-        config: any ZeRO knob, a ``zerokit.ShardingConfig`` (``zerokit.load_config``'s); a
-            knob given both here and by the strategy or ``level``, differently, is refused.
+        schedule, micro_batches: the pipeline schedule and its micro-batches (pp > 1); None:
+            the strategy's, else "1f1b" and 1.
+        strategy: a ``zerokit.Strategy``: its degrees build the mesh, its recompute applies,
+            and the fields it is given (level, schedule, micro-batches, plan, any ZeRO knob)
+            fill the arguments above and ``config``.
+        config: any ZeRO knob, a ``zerokit.ShardingConfig`` (``zerokit.load_config``'s).
+
+    A setting given twice (an argument, the strategy, ``config``) is compared, whatever its
+    value, the default too: the same value passes, another is refused naming both; None is
+    "not given".
     """
     if strategy is None and mesh is None:
         strategy = Strategy.from_env()
-    recompute = False
-    if strategy is not None:
-        if mesh is not None:
-            raise ValueError("pass a mesh or a strategy, not both: the strategy builds its mesh")
-        plan = strategy.plan if strategy.plan is not None else plan
-        level, schedule, micro_batches = strategy.level, strategy.schedule, strategy.micro_batches
-        recompute = strategy.recompute
+    if strategy is not None and mesh is not None:
+        raise ValueError("pass a mesh or a strategy, not both: the strategy builds its mesh")
+    recompute = strategy is not None and strategy.recompute
+    plan = _one_value("plan", plan, strategy)
+    schedule = _one_value("schedule", schedule, strategy) or "1f1b"
+    micro_batches = _one_value("micro_batches", micro_batches, strategy) or 1
     config = _one_config(config, strategy, level)
     optimizers = as_optimizer_list(optimizer)
     degrees = _degrees(mesh, strategy)
@@ -101,16 +111,34 @@ def parallelize(
     return model, carried if isinstance(optimizer, (list, tuple)) else carried[0]
 
 
+def _one_value(name: str, argument, strategy: Strategy | None):
+    """``parallelize``'s argument ``name``, or the strategy's when the argument is None; both
+    given (the strategy's field given, not defaulted), differently: refused, naming both."""
+    given = strategy is not None and name in given_knobs(strategy)
+    held = getattr(strategy, name) if given else None
+    if argument is not None and held is not None and argument != held:
+        raise ValueError(
+            f"{name} is given twice, as {name}= ({argument!r}) and by the strategy ({held!r}): "
+            "give it once"
+        )
+    if argument is not None or strategy is None:
+        return argument
+    return getattr(strategy, name)
+
+
 def _one_config(config: ShardingConfig | None, strategy: Strategy | None, level) -> ShardingConfig:
-    """The ZeRO knobs of ``config``, the strategy (those it sets) and ``level``, merged (a knob
-    given twice, differently, is refused); no level anywhere: the strategy's, else
-    ``DEFAULT_LEVEL``. Checked here, before anything is built or communicated."""
-    knobs, fallback = {"level": level}, DEFAULT_LEVEL
-    if strategy is not None:  # its level replaces the argument
-        defaults = knobs_of(Strategy())
-        knobs = {k: v for k, v in knobs_of(strategy).items() if v != defaults[k]}
+    """The ZeRO knobs of ``config``, the strategy (those it is given) and ``level``, merged (a
+    knob given twice, differently, is refused naming both sources); no level anywhere: the
+    strategy's, else ``DEFAULT_LEVEL``. Checked here, before anything is built or
+    communicated."""
+    fallback = DEFAULT_LEVEL
+    if strategy is not None:
+        if level is not None:  # compared with the strategy's here, to name both sources
+            level = _one_value("level", parse_level(level), strategy)
+        given = {k: getattr(strategy, k) for k in knob_names() if k in given_knobs(strategy)}
+        config = merge_arguments(config, source="the strategy", **given)
         fallback = strategy.level
-    config = merge_arguments(config, **knobs)
+    config = merge_arguments(config, source="level=", level=level)
     return config if config.level is not None else replace(config, level=fallback)
 
 
