@@ -1,0 +1,125 @@
+"""One tiny-Llama ``transformers.Trainer`` run, plain or under zerokit, for the HF Trainer tests
+and benchmarks/hf_trainer.py: a model built in-process (no downloads), a fixed token dataset,
+and what a Trainer user turns on (accumulation, clipping, warmup, eval loop).
+
+``run(rank, world, opts, out)`` is one rank's part: forked ranks (``run_distributed``) with the
+process group already up; the env vars accelerate reads are set here. ``reference(opts, out)``
+is the one-process Trainer in this process. Rank 0 writes ``out/logs.json`` (the Trainer's
+log history) and ``out/model`` (``save_model``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+SEQ, VOCAB, SAMPLES, EVAL_SAMPLES = 16, 96, 48, 12
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def token_dataset(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def training_arguments(opts: dict, world: int, out: str):
+    """The same global batch at every world size: per-device batch = global / (world * accum)."""
+    from zerokit.integrations.hf_trainer import ZeroTrainingArguments
+
+    accum = opts.get("accum", 2)
+    per_device = opts.get("global_batch", 12) // (world * accum)
+    kwargs = {
+        "output_dir": out, "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": accum, "max_steps": opts.get("steps", 4),
+        "learning_rate": 3e-3, "warmup_steps": 2, "lr_scheduler_type": "linear",
+        "max_grad_norm": opts.get("max_grad_norm", 0.3), "logging_steps": 1,
+        "eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 2,
+        "save_strategy": "no", "report_to": [], "use_cpu": True, "seed": 0,
+        "disable_tqdm": True, "dataloader_num_workers": 0, "bf16": opts.get("bf16", False),
+        "optim": opts.get("optim", "adamw_torch"),
+        "gradient_checkpointing": opts.get("checkpointing", False),
+        **opts.get("extra", {}),
+    }
+    if opts.get("level"):
+        kwargs["zerokit_level"] = opts["level"]
+        return ZeroTrainingArguments(**kwargs)
+    from transformers import TrainingArguments
+
+    return TrainingArguments(**kwargs)
+
+
+def train(world: int, opts: dict, out: str) -> None:
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # forked: the parent's singletons
+    from transformers import Trainer
+
+    from zerokit.integrations.hf_trainer import ZeroTrainer
+
+    args = training_arguments(opts, world, out)
+    model = tiny_llama()
+    trainer_cls = ZeroTrainer if opts.get("level") else Trainer
+    kwargs = {}
+    if opts.get("own_optimizers"):
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        kwargs["optimizers"] = (opt, sched)
+    trainer = trainer_cls(
+        model=model, args=args, train_dataset=token_dataset(SAMPLES, 1),
+        eval_dataset=token_dataset(EVAL_SAMPLES, 2), **kwargs,
+    )
+    if opts.get("plant") == "no_clip":  # the planted bug: clipping skipped
+        trainer._clip_grad_norm = lambda model: torch.tensor(0.0)
+    trainer.train(resume_from_checkpoint=opts.get("resume"))
+    trainer.save_model(os.path.join(out, "model"))
+    if trainer.args.process_index == 0:
+        with open(os.path.join(out, "logs.json"), "w") as f:
+            json.dump(trainer.state.log_history, f)
+
+
+def run(rank: int, world: int, opts: dict, out: str) -> None:
+    """One forked rank (``run_distributed``): accelerate reads its rank from the env."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+    )
+    train(world, opts, out)
+
+
+def reference(opts: dict, out: str) -> None:
+    """The one-process Trainer, in this process (no distributed env)."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    try:
+        train(1, {k: v for k, v in opts.items() if k not in ("level", "plant")}, out)
+    finally:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def results(out: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """What rank 0 wrote: the log history and the saved model's weights."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(out, "logs.json")) as f:
+        logs = json.load(f)
+    model_dir = os.path.join(out, "model")
+    weights = {}
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            weights.update(load_file(os.path.join(model_dir, name)))
+    return logs, weights
