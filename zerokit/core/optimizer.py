@@ -43,6 +43,7 @@ class ShardedOptimizer:
                     "step_in_backward steps inside backward: optimizer.step(closure) cannot "
                     "re-evaluate the model first; call step() without a closure"
                 )
+            state.close_step()
             # what no group holds (rank-local parameters) is stepped here, as without it
             local = {id(p) for p in self._zerokit.local_params}
             if local:

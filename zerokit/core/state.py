@@ -39,6 +39,20 @@ from .stand_in import is_stand_in
 #: starts, which bounds the staging memory of backward (see docs/ARCHITECTURE.md)
 MAX_GROUPS_IN_FLIGHT = 1
 
+# Note: with step_in_backward a synchronised backward *is* an optimizer step, so a second one
+# before optimizer.step() (accumulation without no_sync(), a backward per chunk) would step
+# again with a part of the batch's gradient: AdamW's count doubles and the model drifts from
+# one process. Which backward is the last of a step cannot be known while it runs, so the
+# second is refused before it does anything.
+_STEPPED_TWICE = (
+    "step_in_backward=True: this backward follows a synchronised backward that already "
+    "stepped the optimizer, and optimizer.step() was not called since; every backward outside "
+    "no_sync() is one optimizer step here. To accumulate micro-batches, run every backward but "
+    "the last under `with model.no_sync():`, then call optimizer.step() (which closes the "
+    "step) before the next micro-batch's backward; or wrap without step_in_backward. Nothing "
+    "of this backward was applied"
+)
+
 
 class ShardState:
     def __init__(
@@ -93,6 +107,9 @@ class ShardState:
         # that step each group as soon as its reduction finishes, so that its gradient shard is
         # freed before the next group's is made
         self._steppers: list[weakref.ref] | None = None
+        # step_in_backward: a synchronised backward stepped the optimizers and no
+        # optimizer.step() has closed that step yet; another backward now would step again
+        self._step_open = False
         # Several optimizers (Muon beside AdamW): each steps buckets of its own, and the
         # gradient buffers are freed once every one has zeroed its gradients since the last
         # backward began.
@@ -123,6 +140,11 @@ class ShardState:
         4/N bytes per parameter less at the peak. No global-norm clipping or loss-scaler skip
         can come first, which ``clip_grad_norm_`` and the scaler refuse."""
         self._steppers = [weakref.ref(optimizer) for optimizer in optimizers]
+
+    def close_step(self) -> None:
+        """step_in_backward: ``optimizer.step()`` closes the step a backward took; the next
+        backward may step again."""
+        self._step_open = False
 
     def add_optimizer(self, optimizer) -> None:
         """``optimizer`` steps some of this model's pieces (``core/optimizer.py``)."""
@@ -362,6 +384,9 @@ class ShardState:
         """First hook of a backward (the model output's gradient, or a parameter's)."""
         if self.in_backward:
             return
+        if self._step_open:
+            self._drop_forward()
+            raise RuntimeError(_STEPPED_TWICE)
         self.in_backward = True
         self._zeroed.clear()  # a zero_grad before this backward is not one of its gradients'
         Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -372,6 +397,14 @@ class ShardState:
         self.staging.reset_peak()
         # each bucket asks once: a returned buffer no later bucket can reuse is dropped at once
         self.staging.expect(r for g in self.groups for r in g.gradients.staging_requests())
+
+    def _drop_forward(self) -> None:
+        """A refused backward: its forward is dropped as one without grad is (every unit
+        back to idle and, at 'p_g_os', freed), so training can go on from the last step."""
+        self.forward_order = []
+        self._graph_pending = False
+        for g in self.groups:
+            g.reset()
 
     def unit_pre_backward(self, group: UnitGroup) -> None:
         self.begin_backward()
@@ -482,6 +515,7 @@ class ShardState:
             while self._in_flight:
                 self._finish_oldest()  # each steps its group
             self._unsynced = False
+            self._step_open = True
         elif self.sync_enabled:
             self._launch_ready(force=True)
             flags = self._agree_contributed(self.groups)
