@@ -1,4 +1,4 @@
-"""The sharding core: flat layout, buckets, collectives, shard groups and their life cycle.
+"""The sharding core: flat layout, buckets, collectives, unit groups and their life cycle.
 
 Its face: the names below are what the rest of zerokit may use (``tests/test_import_rules.py``
 holds that nothing outside the core imports a module inside it, save the dry run's stand-in

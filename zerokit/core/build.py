@@ -1,4 +1,4 @@
-"""Build the core for a validated model and optimizer: units -> buckets -> shard groups ->
+"""Build the core for a validated model and optimizer: units -> buckets -> unit groups ->
 ``ShardState`` -> hooks -> the model and optimizer converted in place.
 
 The level is decoded here, once (``LevelRules.decode``, which ``group_sharded_parallel`` calls
@@ -63,7 +63,7 @@ class LevelRules:
     """A level, decoded: what varies between the stages, as the classes to build."""
 
     name: str  # 'os', 'os_g' or 'p_g_os': for reports and checkpoints
-    gradients: type[FullGradients | ShardedGradients]  # what each shard group holds
+    gradients: type[FullGradients | ShardedGradients]  # what each unit group holds
     #: (shard group, replica group or None) -> how the gradients are averaged
     reduction: Callable[[ProcessGroup, ProcessGroup | None], AllReduce | ReduceScatter]
     params: type[WholeParams | ShardedParams]  # how the state holds parameters between uses

@@ -1,4 +1,4 @@
-"""Where one shard group's gradients live between backward and step: full or sharded.
+"""Where one unit group's gradients live between backward and step: full or sharded.
 
 * ``FullGradients`` (level 'os'): a full-size gradient per bucket, averaged in place by an
   all-reduce. ``param.grad`` is a view of it where that is the very memory the optimizer steps

@@ -1,4 +1,4 @@
-"""A shard group: the parameters of one unit (a module), flattened into buckets, and their
+"""A unit group: the parameters of one unit (a module), flattened into buckets, and their
 life cycle through a step.
 
 A group owns its buckets (flat parameters), its gradients (a ``FullGradients`` or
@@ -34,7 +34,7 @@ class Phase(enum.Enum):
 
 
 class TransitionError(RuntimeError):
-    """A shard group was asked to do something its state does not allow."""
+    """A unit group was asked to do something its state does not allow."""
 
 
 class UnitGroup:

@@ -125,7 +125,7 @@ class LowBitPieces:
 def _stepping_only(optimizer, chunk: set[int]):
     """Restrict every param group to the pieces in ``chunk`` for one inner step.
 
-    Note: the optimizer is stepped one shard group at a time because its foreach kernels make
+    Note: the optimizer is stepped one unit group at a time because its foreach kernels make
     temporaries as large as all the tensors they are given (AdamW: one ``sqrt(v)`` per
     element). Per group, that temporary is bounded by the largest unit's shard instead of the
     whole shard of the model: the difference is 4 bytes x P/N at the peak of a step.

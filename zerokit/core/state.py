@@ -1,4 +1,4 @@
-"""``ShardState``: one per wrapped model. It owns the shard groups, the order their reductions
+"""``ShardState``: one per wrapped model. It owns the unit groups, the order their reductions
 are launched in, the reductions in flight, the end of backward and the after-step, and offers
 the small public protocol the tools around the core use (checkpoint, memory, clip, scaler).
 

@@ -1,9 +1,10 @@
 """Cross-entropy over vocabulary-split logits, without gathering them.
 
-Each tp rank holds the logits of its own vocabulary range ``[..., V/tp]``. The row maximum,
-the sum of exponentials and the target's logit are each completed with one all-reduce of a
-``[N]`` tensor (two in all), so the ``[N, V]`` logits never cross the wire. The gradient is
-``softmax - one_hot`` restricted to this rank's range.
+Each tp rank holds the logits of its own vocabulary range ``[..., V/tp]``. A forward makes
+three all-reduces over the tp group: the ranks' vocabulary sizes (``[tp]``: where this rank's
+range begins), the row maximum (``[N]``, MAX), and the sum of exponentials with the target's
+logit (``[2, N]``, one SUM), so the ``[N, V]`` logits never cross the wire. The backward sends
+nothing: the gradient is ``softmax - one_hot`` restricted to this rank's range.
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ class Collective:
 
 @dataclass(frozen=True)
 class _Unit:
-    """One shard group's buckets, with the element sizes the core gives them."""
+    """One unit group's buckets, with the element sizes the core gives them."""
 
     name: str
     is_root: bool
@@ -357,7 +357,7 @@ def _fake_tp_workload(factory, cfg: PlanConfig, layout: Layout, plain):
 
 
 def _units(model: nn.Module, cfg: PlanConfig, policy: MixedPrecision, degree: int):
-    """The shard groups ``group_sharded_parallel`` would build, and the frozen bytes."""
+    """The unit groups ``group_sharded_parallel`` would build, and the frozen bytes."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     # where the optimizer needs shard boundaries (the owner layout), as group_sharded_parallel
     needs = needs_of(as_list(OPTIMIZERS[cfg.optimizer](model)))
