@@ -51,7 +51,7 @@ def _zerokit_norm_clip(model):
     return zerokit.clip_grad_norm_(model, 0.05).item()
 
 
-def _check_level(rank, world_size, level):
+def _check_level(rank, world_size, level, **options):
     batches = global_batches(4, batch=4 * world_size)
     for what, ref_clip, clip in [
         ("clip_grad_value_", _torch_value_clip, _torch_value_clip),
@@ -62,29 +62,34 @@ def _check_level(rank, world_size, level):
     ]:
         (ref_model, ref_opt), (model, opt) = reference_pair("awkward", "adamw")
         ref_norms = _train(ref_model, ref_opt, batches, ref_clip)
-        model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **SMALL[level])
+        config = zerokit.ShardingConfig(**options)
+        model, opt, _ = zerokit.group_sharded_parallel(
+            model, opt, level, **SMALL[level], config=config
+        )
         norms = _train(model, opt, batches, clip, shard=(rank, world_size))
-        tag = f"torch's {what} level={level} world_size={world_size}"
+        tag = f"torch's {what} level={level} {options} world_size={world_size}"
         torch.testing.assert_close(
             norms, ref_norms, atol=ATOL, rtol=1e-6, msg=lambda m, tag=tag: tag + m
         )
         assert_same_params(model, ref_model, ATOL, tag)
 
 
-def _check_what_grad_holds(rank, world_size, level):
+def _check_what_grad_holds(rank, world_size, level, **options):
     """``p.grad is None`` exactly where one process has no gradient (the unused and frozen
-    parameters); elsewhere the full gradient ('os') or a placeholder of the parameter's shape."""
+    parameters); elsewhere the full gradient ('os' with ``whole_grads=True``) or a placeholder
+    of the parameter's shape (every level by default: 'os' reduce-scatters too)."""
     ((x, y),) = global_batches(1, batch=2 * world_size)
     (ref_model, _), (model, opt) = reference_pair("awkward", "sgd")
     loss_fn(ref_model(x), y).backward()
-    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **SMALL[level])
+    config = zerokit.ShardingConfig(**options)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **SMALL[level], config=config)
     loss_fn(model(local_slice(x, rank, world_size)), local_slice(y, rank, world_size)).backward()
     for (name, p), ref_p in zip(model.named_parameters(), ref_model.parameters()):
         assert (p.grad is None) == (ref_p.grad is None), f"{level} {name}: {p.grad!r}"
         if p.grad is None:
             continue
         assert p.grad.shape == p.shape, name  # at 'p_g_os' a sharded parameter is empty
-        if level == "os":
+        if options.get("whole_grads"):
             torch.testing.assert_close(p.grad, ref_p.grad, atol=1e-6, rtol=0)
         else:
             assert "placeholder" in repr(p.grad).lower() or "GradPlaceholder" in repr(p.grad)
@@ -110,6 +115,7 @@ def _refusals(rank, world_size):
         ("os_g", {"step_in_backward": True}, _torch_value_clip, "already applied"),
         ("p_g_os", {"step_in_backward": True}, _torch_norm_clip, "already applied"),
         ("os_g", {}, read_values, "placeholder"),
+        ("os", {}, read_values, "whole_grads=True"),  # the default reduce-scatters: sharded
         ("os_g", {}, add_a_tensor, "placeholder"),
         ("p_g_os", {}, one_norm, "summed over the ranks"),
     ]:
@@ -124,6 +130,8 @@ def _all_levels(rank, world_size):
     for level in LEVELS:
         _check_level(rank, world_size, level)
         _check_what_grad_holds(rank, world_size, level)
+    _check_level(rank, world_size, "os", whole_grads=True)  # .grad whole: torch reads it all
+    _check_what_grad_holds(rank, world_size, "os", whole_grads=True)
     _refusals(rank, world_size)
 
 

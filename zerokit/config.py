@@ -116,6 +116,12 @@ class ShardingConfig:
     (as Muon and Adafactor, which zerokit knows, do): each parameter it steps is then owned
     whole by one rank, which steps it on the averaged gradient (the owner layout). A class can
     say so itself with the attribute ``zerokit_whole_parameter = True``."""
+    whole_grads: bool = False
+    """Level 'os': all-reduce whole gradients, so every rank's ``param.grad`` is the whole
+    averaged gradient (for a loop that reads ``.grad`` values), at 3Ψ(N-1)/N bytes a step.
+    False (the default): the ZeRO paper's stage 1, DDP's 2Ψ(N-1)/N — each rank reduce-scatters
+    into its shard and ``param.grad`` is a placeholder, as at 'os_g' (torch's clips stay exact).
+    Other levels refuse True."""
     debug_agreement: bool = False
     """Debug mode for level 'p_g_os': before every gather the ranks check (one blocking
     all-reduce and a host sync) that they gather the same unit, so a module that runs on some

@@ -19,7 +19,7 @@ from torch.distributed import ProcessGroup
 from ..mixed_precision import MixedPrecision
 from . import checks
 from .flat_param import FlatParamBucket
-from .gradients import FullGradients, ShardedGradients
+from .gradients import FullGradients, ScatteredGradients, ShardedGradients
 from .group import UnitGroup
 from .hooks import register_hooks
 from .module import broadcast_module_state, convert_module_
@@ -79,9 +79,19 @@ class LevelRules:
         return self.gradients is ShardedGradients
 
     @staticmethod
-    def decode(level: str) -> LevelRules:
-        if level == "os":  # stage 1: full gradients, all-reduced
-            return LevelRules(level, FullGradients, AllReduce, WholeParams)
+    def decode(level: str, *, whole_grads: bool = False) -> LevelRules:
+        """``whole_grads`` (``ShardingConfig``'s): 'os' all-reduces, so ``.grad`` is whole."""
+        if not isinstance(whole_grads, bool):
+            raise TypeError(f"whole_grads must be True or False, got {whole_grads!r}")
+        if whole_grads and level != "os":
+            raise ValueError(
+                f"whole_grads only applies to level 'os' (stage 1), not {level!r}: at 'os_g' and "
+                "'p_g_os' each rank keeps only its shard of the gradient; drop whole_grads"
+            )
+        if level == "os":  # stage 1: the full gradient buffer kept, the paper's reduce-scatter
+            if whole_grads:  # or all-reduced, so every rank's .grad is the whole average
+                return LevelRules(level, FullGradients, AllReduce, WholeParams)
+            return LevelRules(level, ScatteredGradients, _reduce_scatter, WholeParams)
         # stages 2 and 3: this rank's shard of the gradients, reduce-scattered (hybrid: then
         # all-reduced across replicas)
         if level == "os_g":
@@ -95,7 +105,7 @@ class LevelRules:
 
     def check(self, *, step_in_backward: bool, exclude_layer) -> None:
         """Refuse the options this level cannot honour."""
-        if step_in_backward and self.gradients is FullGradients:
+        if step_in_backward and issubclass(self.gradients, FullGradients):
             raise ValueError(
                 "step_in_backward needs sharded gradients (level 'os_g' or 'p_g_os'), "
                 f"not {self.name!r}"

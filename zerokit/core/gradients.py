@@ -225,6 +225,88 @@ class FullGradients(_Gradients):
         return super().buffers() + [g for g in self._master_grads if g is not None]
 
 
+class ScatteredGradients(FullGradients):
+    """Level 'os' (the default, ``whole_grads=False``): the ZeRO paper's stage 1. Each bucket
+    keeps its full-size gradient, which backward fills with this rank's local gradients; a
+    reduce-scatter ('os_g''s reduction) then averages only this rank's chunk of it (the other
+    chunks keep the local, unreduced values: nothing reads them). With the all-gather of the
+    updated shards a step sends 2Ψ(N-1)/N, DDP's bytes; ``FullGradients`` (``whole_grads=True``)
+    all-reduces, 3Ψ(N-1)/N, so that ``param.grad`` is whole on every rank.
+
+    ``param.grad`` is a ``GradPlaceholder`` (no rank holds a whole averaged gradient), as at
+    'os_g'; the pieces' gradients view the averaged chunk (or a copy in the masters' dtype).
+
+    Note: a backward after a reduction without ``zero_grad`` (accumulating without
+    ``no_sync``) overwrites the buffer, the averaged chunk too: its first write keeps the chunk
+    aside (a staging buffer), which is added back once the next reduction is done.
+    """
+
+    def __init__(self, buckets, reduction: ReduceScatter, staging: StagingPool, **options):
+        super().__init__(buckets, reduction, staging, **options)
+        self._staging = staging
+        self.placeholder_reason = (
+            "at level 'os' each rank averages only its shard of the gradient (a reduce-scatter,"
+            " DDP's bytes); pass whole_grads=True to keep the whole gradient on every rank"
+        )
+        self._scratch = [  # decided once: gloo's receive buffer per bucket (0: none)
+            reduction.scratch_numel(b.layout.padded_numel, b.data.device, b.ranges) for b in buckets
+        ]
+        self._reduced = [True] * len(buckets)  # the buffer was reduced since its last write
+        self._averaged = [False] * len(buckets)  # its chunk holds an average since zero_grad
+        self._kept: list[torch.Tensor | None] = [None] * len(buckets)
+
+    def staging_requests(self) -> list[tuple[int, torch.dtype]]:
+        return [(n, self._dtype(k)) for k, n in enumerate(self._scratch) if n]
+
+    def _aliases_param(self, b: int) -> bool:
+        return False  # param.grad is never the buffer, which holds unreduced chunks
+
+    def take(self, b: int, i: int, param: nn.Parameter, accumulated: bool) -> bool:
+        """Parameter ``i``'s gradient of this backward into the buffer (overwriting the last
+        reduction's input; what steps accumulated is in the chunk, kept aside). Did it have one?"""
+        self._keep_average(b)
+        slot = self.buckets[b].slot_view(self._full(b), i)
+        grad, param.grad = param.grad, None
+        if grad is None:
+            slot.zero_()
+            return False
+        slot.copy_(grad)
+        return True
+
+    def _keep_average(self, b: int) -> None:
+        if not self._reduced[b]:
+            return
+        self._reduced[b] = False
+        if self._averaged[b]:
+            chunk = self.buckets[b].shard(self.grads[b])
+            self._kept[b] = self._staging.acquire(chunk.numel(), chunk.dtype).copy_(chunk)
+
+    def start_reduce(self, b: int) -> Pending:
+        self._keep_average(b)  # a bucket no parameter of reached this backward
+        bucket, full = self.buckets[b], self._full(b)
+        chunk, kept, self._kept[b] = bucket.shard(full), self._kept[b], None
+        scratch = (
+            self._staging.acquire(self._scratch[b], self._dtype(b)) if self._scratch[b] else None
+        )
+        pending = self._reduction.start(full, chunk, bucket.ranges, scratch, accumulate=False)
+        self._reduced[b] = self._averaged[b] = True
+        return pending.then(lambda: self._add_kept(chunk, kept, scratch))
+
+    def _add_kept(self, chunk: torch.Tensor, kept, scratch) -> None:
+        if kept is not None:
+            chunk.add_(kept)
+            self._staging.release(kept)
+        if scratch is not None:
+            self._staging.release(scratch)
+
+    def parts(self, b: int, i: int) -> list[torch.Tensor]:
+        return self._piece_grads(b, i)  # the averaged pieces only: the rest is unreduced
+
+    def zero(self, set_to_none: bool) -> None:
+        super().zero(set_to_none)
+        self._averaged = [False] * len(self.buckets)  # zeros (or freed): nothing to keep
+
+
 class ShardedGradients(_Gradients):
     """Levels 'os_g', 'p_g_os': every rank keeps only its shard of each bucket's average."""
 
