@@ -36,8 +36,9 @@ class FlatParamBucket:
     Autograd keeps views of weights for backward (``weight.t()`` in a linear layer); those views
     share the storage, so memory really is freed between forward and backward, and gathering
     again refills the same storage before backward reads them. While sharded, each parameter
-    points at an empty tensor: code that reads a parameter outside its unit's forward gets a
-    shape error, never freed memory.
+    points at an empty tensor: code that reads a parameter outside its unit's forward never
+    reads freed memory (a module call there is refused by name first: ``NotGatheredError``,
+    ``core/hooks.py``; a bare tensor read meets torch's shape error).
     """
 
     def __init__(

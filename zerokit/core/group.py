@@ -37,6 +37,19 @@ class TransitionError(RuntimeError):
     """A unit group was asked to do something its state does not allow."""
 
 
+class NotGatheredError(RuntimeError):
+    """A module ran while the unit holding its parameters was not gathered (level 'p_g_os'),
+    where its parameters are empty: raised before the module reads them."""
+
+
+# why a unit is not gathered, by its phase (PRE_BACKWARD: it is gathered)
+_NOT_GATHERED_BECAUSE = {
+    Phase.IDLE: "has not run since the last step",
+    Phase.FORWARD: "ran and was freed at the end of its forward",
+    Phase.POST_BACKWARD: "is done with this backward: its gradients were reduced and it was freed",
+}
+
+
 class UnitGroup:
     def __init__(
         self,
@@ -101,6 +114,27 @@ class UnitGroup:
         if not self.keep_whole:
             for bucket in self.buckets:
                 bucket.reshard()
+
+    @property
+    def gathered(self) -> bool:
+        """Are its full parameters usable now (always, where parameters are not sharded)?"""
+        return all(b.storage is Storage.GATHERED for b in self.buckets if b.shards_params)
+
+    def not_gathered(self, module_name: str, module: nn.Module) -> NotGatheredError:
+        """The error for ``module`` (holding parameters of this unit) running while it is not
+        gathered: outside the unit's own forward, where its parameters are empty."""
+        prefix = f"{module_name}." if module_name else ""
+        names = [prefix + n for n, _ in module.named_parameters(recurse=False)]
+        why = _NOT_GATHERED_BECAUSE.get(self.phase, "is not gathered")
+        return NotGatheredError(
+            f"module {module_name!r} ({type(module).__name__}) ran while unit {self.name!r}, "
+            f"which holds its parameters ({', '.join(names)}), is not gathered: the unit "
+            f"{why}. At level 'p_g_os' a unit's parameters exist only while the unit's own "
+            f"module runs (its forward, its backward) and are empty between uses, so "
+            f"{module_name!r} must be called from inside {self.name!r}'s forward. Call it "
+            f"there; or make it a unit of its own (e.g. ShardingConfig(wrap="
+            f"({type(module).__name__},))); or use level 'os_g'"
+        )
 
     def gathered_numel(self) -> int:
         return sum(b.gathered_numel for b in self.buckets if b.shards_params)

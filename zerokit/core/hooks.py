@@ -27,6 +27,10 @@ U1..Uk in forward order; R the model itself; "stage 3": only ``ShardedParams`` a
   any time  M pre-forward        -> state.root_unit_used, for each module M holding root-unit
                                     parameters: gather the root unit if a backward freed it
                                     (stage 3: a tied head called on chunks outside R's forward)
+            M pre-forward        -> stage 3 only, for each module M holding parameters of a
+                                    unit U freed between uses: refuse (``NotGatheredError``
+                                    naming M, U and why) if U is not gathered, i.e. M runs
+                                    outside U's forward and would read empty parameters
   backward  R output gradient    -> state.begin_backward (queues the end-of-backward callback)
             parameter pre-gradient -> drop the ``GradPlaceholder`` the last backward published
             Ui output gradient   -> state.unit_pre_backward (stage 3: gather Ui, prefetch
@@ -167,6 +171,9 @@ def _register_sharding(
         handles.append(module.register_forward_hook(functools.partial(_unit_post_forward, ref, k)))
     for module in _root_param_holders(model, state):
         handles.append(module.register_forward_pre_hook(functools.partial(_root_unit_used, ref)))
+    for name, module, ks in _freed_unit_holders(model, state):
+        hook = functools.partial(_unit_params_read, ref, name, ks)
+        handles.append(module.register_forward_pre_hook(hook))
 
 
 @eager
@@ -203,6 +210,40 @@ def _root_unit_used(ref, module, args) -> None:
 @eager
 def _gather_root(state: ShardState) -> None:
     state.root_unit_used()
+
+
+def _freed_unit_holders(model: nn.Module, state: ShardState):
+    """(name, module, indices of its units) for each module holding parameters of a unit that
+    is freed between uses ('p_g_os'; not the root unit, not a unit kept whole) itself. Such a
+    module runs inside its unit's forward, where the unit is gathered; called from anywhere
+    else (a parent's forward reaching into the unit) it would read empty parameters."""
+    freed = {
+        id(p): k
+        for k, g in enumerate(state.groups)
+        if g is not state.root_group and not g.keep_whole
+        for b in g.buckets
+        if b.shards_params
+        for p in b.params
+    }
+    for name, module in model.named_modules():
+        ks = {freed[id(p)] for p in module.parameters(recurse=False) if id(p) in freed}
+        if ks:
+            yield name, module, tuple(sorted(ks))
+
+
+def _unit_params_read(ref, name: str, ks: tuple[int, ...], module, args) -> None:
+    """Traced by torch.compile (not ``eager``), as ``_root_unit_used``: inside its unit's
+    forward the unit is gathered and the check is a guard; only a call outside it takes the
+    eager path, which raises."""
+    state = ref()
+    if state is not None and not all(state.groups[k].gathered for k in ks):
+        _refuse_read(state, name, ks, module)
+
+
+@eager
+def _refuse_read(state: ShardState, name: str, ks: tuple[int, ...], module) -> None:
+    group = next(state.groups[k] for k in ks if not state.groups[k].gathered)
+    raise group.not_gathered(name, module)
 
 
 @eager

@@ -48,8 +48,11 @@ def plan_units(
     Default policy: every child of an ``nn.ModuleList``/``nn.Sequential`` (the repeated blocks),
     and every module whose own (direct) parameters reach ``segment_size`` elements. With
     ``wrap``, instances of those classes instead of the list children (modules reaching
-    ``segment_size`` still become units). ``exclude`` (modules or classes) become units that
-    are kept whole. Rank-local (``is_distributed``) parameters belong to no unit.
+    ``segment_size`` still become units). A container that is never called (``_never_called``:
+    a ``ModuleDict`` block in a ``ModuleList``) is never a unit, whatever the policy: its
+    children take its place (a list's children's children are then the blocks). ``exclude``
+    (modules or classes) become units that are kept whole, gathered without being called.
+    Rank-local (``is_distributed``) parameters belong to no unit.
     ``shape_of``: a parameter's true shape, where it differs from ``p.shape`` (the parameters
     of a model wrapped at 'p_g_os' are empty between uses); default ``p.shape``.
     """
@@ -68,6 +71,8 @@ def plan_units(
                 continue
             if is_excluded(child):
                 chosen.append((path, child, True))
+            elif _never_called(child):  # its children run instead: they are the units
+                visit(path + ".", child, in_list or isinstance(child, nn.ModuleList))
             elif wrap and isinstance(child, wrap):
                 chosen.append((path, child, False))
             elif (in_list and not wrap) or _own_numel(child, shape_of) >= segment_size:
@@ -103,6 +108,16 @@ def plan_units(
         )
         for plan in plans
     ]
+
+
+def _never_called(module: nn.Module) -> bool:
+    """Is ``module`` a container whose ``forward`` is ``nn.Module``'s own (``ModuleList``,
+    ``ModuleDict``, ``ParameterList``, ``ParameterDict``)? Calling it raises, so no hook of it
+    ever fires: it cannot be a unit, which is gathered when its module runs. Its children
+    (blocks kept as a ``ModuleDict`` inside a ``ModuleList``, the forward reaching in:
+    ``b["ln"](x)``) are looked at instead; parameters it holds itself go to the unit around it
+    (or the root unit), whose module's forward reads them."""
+    return type(module).forward is nn.Module.forward
 
 
 def _shared(p: nn.Parameter) -> bool:
