@@ -4,12 +4,13 @@ paths and note). Each test failed on the code before its fix."""
 
 from __future__ import annotations
 
+import textwrap
+
 import pytest
-import torch
 import torch.distributed as dist
 
 import zerokit
-from tests.dist_helpers import run_distributed
+from tests.dist_helpers import run_distributed, run_torchrun
 from tests.models import make_model, make_optimizer
 from zerokit import ShardingConfig, Strategy
 from zerokit.config import merge_arguments
@@ -92,3 +93,66 @@ def _gsp_refuses_explicit_default(rank, world_size):
 
 def test_group_sharded_parallel_refuses_an_explicit_default_against_its_config():
     run_distributed(_gsp_refuses_explicit_default, 1)
+
+
+# --- item 7: parallelize under torchrun without init_process_group ---------------------------
+
+TORCHRUN_SCRIPT = textwrap.dedent(
+    """
+    import copy, sys
+    import torch, torch.distributed as dist, zerokit
+    from torch import nn
+
+    level = None if sys.argv[1] == "default" else sys.argv[1]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    # no dist.init_process_group(): parallelize makes it from torchrun's environment
+    model, opt = zerokit.parallelize(model, opt, level=level)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(3):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(step))
+        torch.nn.functional.mse_loss(reference(x), torch.zeros(4, 2)).backward()
+        ref_opt.step(); ref_opt.zero_grad()
+        mine = x.chunk(world)[rank]
+        torch.nn.functional.mse_loss(model(mine), torch.zeros(len(mine), 2)).backward()
+        opt.step(); opt.zero_grad()
+    zerokit.unwrap(model, opt)
+    gap = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    print(f"rank {rank} world {world} gap {gap:.1e}")
+    assert gap < 1e-5, gap
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["default", "os"])
+def test_parallelize_under_torchrun_makes_its_process_group(tmp_path, level):
+    """The same rule as ``group_sharded_parallel``: launched ranks without
+    ``init_process_group`` train as the 2-rank world they are, equal to one process."""
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    done = run_torchrun(script, 2, level, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} world 2" in done.stdout, done.stdout
+
+
+def test_every_entry_point_refuses_the_same_way_without_a_launcher(monkeypatch):
+    from zerokit.runtime.world import LAUNCHER_ENV
+
+    for name in LAUNCHER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert not dist.is_initialized()
+    model = make_model("awkward")
+    for call, who in [
+        (lambda: zerokit.parallelize(model, make_optimizer("sgd", model)), "parallelize"),
+        (lambda: zerokit.init_mesh(dp=1), "init_hybrid_parallel"),
+        (lambda: zerokit.group_sharded_parallel(model, make_optimizer("sgd", model), "os"),
+         "group_sharded_parallel"),
+    ]:  # fmt: skip
+        with pytest.raises(RuntimeError, match=f"{who} found no torch.distributed process group"):
+            call()

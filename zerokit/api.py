@@ -15,7 +15,6 @@ Levels (PaddlePaddle's names; each means exactly what it says):
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -54,6 +53,7 @@ from .memory import format_bytes, measure
 from .meta_init import materialize, on_meta
 from .mixed_precision import MixedPrecision
 from .pipeline.module import PipelineModule
+from .runtime.world import ensure_process_group
 from .scaler import ShardedGradScaler
 from .tensor_parallel.layers import tensor_parallel_params, tp_group_of
 
@@ -372,6 +372,22 @@ def _check_argument_order(model, optimizer, init_fn) -> None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if init_fn is not None and not callable(init_fn):
         raise TypeError(f"init_fn must be a callable taking a module, got {init_fn!r}")
+    _check_optimizer_instances(optimizer)
+
+
+def _check_optimizer_instances(optimizer) -> None:
+    """An optimizer class where its instance belongs (``torch.optim.AdamW`` for
+    ``torch.optim.AdamW(model.parameters())``) is named as such: zerokit converts the user's
+    optimizer in place, it never builds one."""
+    given = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for cls in given:
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+            name = cls.__name__
+            raise TypeError(
+                f"optimizer must be an optimizer instance, got the class {name}: build it over "
+                f"the model's parameters first and pass that, e.g. "
+                f"group_sharded_parallel(model, {name}(model.parameters(), lr=1e-3), level)"
+            )
 
 
 def _sharded_scaler(scaler):
@@ -387,19 +403,7 @@ def _sharded_scaler(scaler):
 def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if group is not None:
         return group
-    if not dist.is_initialized():
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-            # launched by torchrun: its environment says how. No backend named: torch picks
-            # gloo for CPU tensors and, where CUDA is available, nccl for CUDA tensors
-            dist.init_process_group()
-        else:
-            raise RuntimeError(
-                "no torch.distributed process group is initialized. Launch with torchrun "
-                "(`torchrun --nproc-per-node 2 train.py`, zerokit then initializes from its "
-                "environment) or call torch.distributed.init_process_group('gloo' or 'nccl') "
-                "first; for one process: init_process_group('gloo', rank=0, world_size=1, "
-                "init_method='tcp://127.0.0.1:29500')."
-            )
+    ensure_process_group("group_sharded_parallel")
     return dist.group.WORLD
 
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from .rng import RNGStatesTracker
+from .runtime.world import ensure_process_group
 
 
 @dataclass(frozen=True)
@@ -153,11 +154,7 @@ def init_hybrid_parallel(
     pp 2 x dp 2: stage 0 is ranks {0,1}, stage 1 {2,3}; dp groups {0,1},{2,3}; pp groups
     {0,2},{1,3}.
     """
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "init_hybrid_parallel needs a process group: call "
-            "torch.distributed.init_process_group (or launch with torchrun) first"
-        )
+    ensure_process_group("init_hybrid_parallel")
     grid = Grid(pp=pp_degree, dp=dp_degree, shard=sharding_degree, tp=tp_degree)
     grid.check(dist.get_world_size())
     pp_rank, dp_rank, sharding_rank, tp_rank = grid.coords(dist.get_rank())

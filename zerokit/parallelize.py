@@ -26,6 +26,7 @@ from .config import (
 from .core import as_optimizer_list, needs_of, refuse_whole_on_slices
 from .layout import Layout, as_layout, init_mesh
 from .plans import BUILT_IN
+from .runtime.world import ensure_process_group
 from .strategy import Strategy
 from .tensor_parallel.apply_plan import apply_plan, no_such_module, resolve_plan
 
@@ -79,6 +80,7 @@ def parallelize(
     schedule = _one_value("schedule", schedule, strategy) or "1f1b"
     micro_batches = _one_value("micro_batches", micro_batches, strategy) or 1
     config = _one_config(config, strategy, level)
+    ensure_process_group("parallelize")  # the world size below is the launched one
     optimizers = as_optimizer_list(optimizer)
     degrees = _degrees(mesh, strategy)
     plan = _plan_of(plan, degrees["tp"])
@@ -157,7 +159,7 @@ def _refuse_whole_on_planned_slices(model: nn.Module, planned: dict[str, str], o
 
 def _degrees(mesh, strategy: Strategy | None) -> dict[str, int]:
     """The pp, dp, tp degrees, checked against the world size (no communication)."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = dist.get_world_size()
     if strategy is not None:
         strategy.check_world(world)
         return {"dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp}
