@@ -7,6 +7,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import zerokit
@@ -156,3 +157,48 @@ def test_every_entry_point_refuses_the_same_way_without_a_launcher(monkeypatch):
     ]:  # fmt: skip
         with pytest.raises(RuntimeError, match=f"{who} found no torch.distributed process group"):
             call()
+
+
+# --- item 8: ckpt convert makes its output's parents, and --to hf notes a missing config -----
+
+
+@pytest.fixture
+def saved_checkpoint(tmp_path):
+    from zerokit import checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    checkpoint.save(tmp_path / "ckpt", model, opt)
+    return tmp_path / "ckpt", model
+
+
+@pytest.mark.parametrize("to", ["zerokit", "dcp", "hf"])
+def test_convert_makes_missing_parents_as_save_does(saved_checkpoint, tmp_path, capsys, to):
+    from zerokit.tools.cli import main as cli
+
+    path, model = saved_checkpoint
+    output = tmp_path / "not" / "yet" / "there"
+    assert cli(["ckpt", "convert", str(path), str(output), "--to", to]) == 0, capsys.readouterr()
+    if to == "hf":
+        from safetensors.torch import load_file
+
+        written = load_file(output / "model.safetensors")
+        for name, value in model.state_dict().items():
+            assert torch.equal(written[name], value), name
+    else:  # complete and verified as a checkpoint of its format
+        assert cli(["ckpt", "inspect", str(output)]) == 0, capsys.readouterr()
+    assert not [p for p in output.parent.iterdir() if ".zerokit-tmp-" in p.name]
+
+
+def test_convert_to_hf_without_a_config_says_so(saved_checkpoint, tmp_path, capsys):
+    from zerokit.tools.cli import main as cli
+
+    path, _ = saved_checkpoint
+    output = tmp_path / "hf"
+    assert cli(["ckpt", "convert", str(path), str(output), "--to", "hf"]) == 0
+    out = capsys.readouterr().out
+    assert f"note: {output} has no config.json" in out and "from_pretrained" in out, out
+    assert not (output / "config.json").exists()

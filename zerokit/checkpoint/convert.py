@@ -305,6 +305,7 @@ def _write(full: _Full, output: str, to: str) -> list[str]:
     refused = why_not_replaceable(output)
     if refused:
         raise CheckpointError(f"{refused}; zerokit never replaces it")
+    os.makedirs(os.path.dirname(output), exist_ok=True)  # as save does (`mkdir -p`)
     tmp = make_temp(output)
     try:
         (_to_dcp if to == "dcp" else _to_zerokit)(full, tmp)

@@ -99,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         if args.ckpt_command == "convert":
             written = convert(args.source, args.output, args.to, not args.no_optimizer)
             _print("\n".join(f"wrote {path}" for path in written))
+            if args.to == "hf":
+                _note_without_config(args.output, written)
             return 0
         if args.output is None and args.lightning is None:
             raise ValueError("give an output file (or --lightning PATH)")
@@ -113,15 +115,8 @@ def run(args: argparse.Namespace) -> int:
         if args.lightning is not None:
             written += consolidate_lightning(args.checkpoint, args.lightning)
         _print("\n".join(f"wrote {path}" for path in written))
-        if (
-            args.max_shard_size
-            and args.output
-            and not any(os.path.basename(w) == "config.json" for w in written)
-        ):
-            _print(
-                f"note: {args.output} has no config.json (the saved model had no Hugging Face "
-                "config): copy the model's config.json there before from_pretrained"
-            )
+        if args.max_shard_size and args.output:
+            _note_without_config(args.output, written)
     except BrokenPipeError:  # `zerokit ckpt inspect ... | head`: the reader has gone
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # and the interpreter's final flush must not fail
@@ -130,6 +125,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"zerokit ckpt {args.ckpt_command}: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _note_without_config(output: str, written: list[str]) -> None:
+    """A Hugging Face set written without ``config.json`` (the saved model had none) is not
+    loadable by ``from_pretrained`` yet: say so (GUIDE, "Hugging Face sets")."""
+    if not any(os.path.basename(w) == "config.json" for w in written):
+        _print(
+            f"note: {output} has no config.json (the saved model had no Hugging Face "
+            "config): copy the model's config.json there before from_pretrained"
+        )
 
 
 def _print(text: str) -> None:
