@@ -182,3 +182,64 @@ def test_an_unknown_preset_lists_the_presets(capsys):
                      "--level", "os"])  # fmt: skip
     assert code == 2
     assert "no callable 'gpt_7b'; its factories: gpt_1_3b, gpt_6_7b" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given", ["class", "classes"])
+def test_an_optimizer_class_is_told_to_pass_an_instance(given):
+    """``group_sharded_parallel(model, torch.optim.AdamW, "os")``: named before any process
+    group is needed, nothing changed."""
+    model = make_model("awkward")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW if given == "class" else [torch.optim.SGD, torch.optim.AdamW]
+    first = "AdamW" if given == "class" else "SGD"
+    with pytest.raises(TypeError) as refused:
+        zerokit.group_sharded_parallel(model, optimizer, "os")
+    message = str(refused.value)
+    assert f"optimizer must be an optimizer instance, got the class {first}" in message
+    assert f"group_sharded_parallel(model, {first}(model.parameters(), lr=1e-3), level)" in message
+    assert not hasattr(model, "_zerokit")
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def _load_a_pretrained_folder(rank, world_size, folder):
+    from zerokit.checkpoint import CheckpointError, load, load_pretrained
+
+    model = make_model("awkward")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError) as refused:
+        load(folder, model)
+    message = str(refused.value)
+    assert "a save_pretrained folder" in message and "not a zerokit checkpoint" in message
+    assert "zerokit.checkpoint.load_pretrained(model, path)" in message
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert load_pretrained(model, folder) == ([], [])  # the call the message names loads it
+    saved = make_model("awkward", seed=1).state_dict()
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_checkpoint_load_of_a_save_pretrained_folder_points_to_load_pretrained(tmp_path, layout):
+    """A Hugging Face ``save_pretrained`` folder (config.json beside model.safetensors, or
+    beside shards and model.safetensors.index.json), as save_pretrained writes it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    values, seen = {}, set()
+    for name, value in make_model("awkward", seed=1).state_dict().items():
+        if value.data_ptr() not in seen:  # a tied pair saved once, as save_pretrained does
+            seen.add(value.data_ptr())
+            values[name] = value.contiguous()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "awkward"}))
+    if layout == "single":
+        save_file(values, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        names = sorted(values)
+        halves = {"model-00001-of-00002.safetensors": names[::2],
+                  "model-00002-of-00002.safetensors": names[1::2]}  # fmt: skip
+        for file, keys in halves.items():
+            save_file({k: values[k] for k in keys}, str(tmp_path / file), metadata={"format": "pt"})
+        weight_map = {k: file for file, keys in halves.items() for k in keys}
+        index = {"metadata": {}, "weight_map": weight_map}
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    run_distributed(_load_a_pretrained_folder, 2, str(tmp_path))

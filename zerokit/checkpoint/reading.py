@@ -195,6 +195,21 @@ class ShardFile:
         return raw.clone().view(dtype)  # copied out: the mapping can be closed afterwards
 
 
+# what ``save_pretrained`` writes (the names ``pretrained.py`` reads)
+PRETRAINED_FILES = ("model.safetensors", "model.safetensors.index.json")
+
+
+def _no_index(directory: str, where: str) -> str:
+    """Why a directory without ``index.json`` cannot be read, and what reads it if it can."""
+    if any(os.path.isfile(os.path.join(directory, name)) for name in PRETRAINED_FILES):
+        return (
+            f"{directory}: plain safetensors weights (a save_pretrained folder), not a zerokit "
+            "checkpoint (no index.json): load them with "
+            "zerokit.checkpoint.load_pretrained(model, path)"
+        )
+    return f"{where}: no checkpoint index here (not a checkpoint, or an incomplete save)"
+
+
 class CheckpointReader:
     """A checkpoint opened for reading: its index (checked) and its files (each checked, size,
     sha256 and header, the first time it is used). ``digest`` is the sha256 of the index as
@@ -217,9 +232,7 @@ class CheckpointReader:
                 fd = open_regular(self._dir_fd, INDEX_NAME, where)
             except CheckpointError as e:
                 if str(e).endswith("missing"):
-                    raise CheckpointError(
-                        f"{where}: no checkpoint index here (not a checkpoint, or an incomplete save)"
-                    ) from None
+                    raise CheckpointError(_no_index(self.directory, where)) from None
                 raise
             with os.fdopen(fd, "rb") as f:
                 raw = f.read(MAX_INDEX_BYTES + 1)
