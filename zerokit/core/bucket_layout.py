@@ -8,8 +8,10 @@ parameter can straddle a shard boundary; the part of a parameter inside a rank's
 An optimizer that needs more than one element at a time changes where the boundaries fall
 (``ParamSpec.whole`` and ``ParamSpec.block``, filled from ``core/optimizer_needs.py``): a
 bucket holding such parameters gets the *owner layout* (``place_owners``), with shards of
-uneven size. Each whole parameter (Muon, Adafactor) lies inside one rank's shard, owners chosen
-by the optimizer's cost, least-loaded rank first across all buckets; the other parameters fill
+uneven size. Each whole parameter (Muon, Adafactor) lies inside one rank's shard; owners are
+chosen over the whole model at once (``assign_owners``: costliest first, each to the rank with
+the least cost so far, Graham's LPT as Megatron's layer-wise optimizer balances), not bucket by
+bucket in model order, which can leave one rank 1.5x the mean; the other parameters fill
 around them so the shards are as even as they can be; and every boundary inside a parameter
 with a ``block`` (low-bit states) falls on a multiple of it, counted from the parameter's
 first element. Nothing is padded: the bytes reduced and gathered are the parameters' own.
@@ -38,6 +40,7 @@ class ParamSpec:
     block: int = 1  # a boundary inside it falls on a multiple of this (quantization blocks)
     cost: float = 0.0  # the optimizer's work on it when whole (balances the owners)
     optimizer: int = 0  # which of the model's optimizers steps it: buckets never mix two
+    owner: int | None = None  # whole: the rank that steps it (``assign_owners``); None: not yet
 
     @property
     def numel(self) -> int:
@@ -145,8 +148,9 @@ def plan_buckets(
     Buckets of different (dtype, device) never mix, nor do the parameters of two optimizers
     (each spreads its own updated buckets after its step). A bucket holding a parameter whose
     optimizer cares where boundaries fall (``ParamSpec.placed``) gets the owner layout
-    (``place_owners``); ``loads``, each rank's optimizer cost so far, is then added to (pass
-    one list for every bucket of a model, so owners balance over all of them).
+    (``place_owners``). Whole parameters without an ``owner`` are given one here, over all of
+    ``params`` at once (``assign_owners``, starting from ``loads``, each rank's optimizer cost
+    so far, which is added to); ``plan_groups`` assigns them over the whole model first.
 
     >>> f32, cpu = torch.float32, torch.device("cpu")
     >>> specs = [ParamSpec("w", (3, 2), f32, cpu), ParamSpec("b", (3,), f32, cpu)]
@@ -161,13 +165,13 @@ def plan_buckets(
     open_slots: dict[tuple[torch.dtype, torch.device, int], list[Slot]] = {}
     closed: list[tuple[int, BucketLayout]] = []  # (first param index, layout): keeps order
 
-    loads = loads if loads is not None else [0.0] * world_size
+    params = with_owners(params, world_size, loads)
 
     def close(key: tuple[torch.dtype, torch.device, int]) -> None:
         slots = open_slots.pop(key)
         layout = BucketLayout(key[0], key[1], tuple(slots), world_size)
         if any(params[s.param_index].placed for s in slots):
-            layout = place_owners([params[s.param_index] for s in slots], layout, loads)
+            layout = place_owners([params[s.param_index] for s in slots], layout)
         closed.append((slots[0].param_index, layout))
 
     for index, spec in enumerate(params):
@@ -187,28 +191,64 @@ def plan_buckets(
     return tuple(layout for _, layout in sorted(closed, key=lambda item: item[0]))
 
 
-def place_owners(
-    specs: Sequence[ParamSpec], layout: BucketLayout, loads: list[float]
-) -> BucketLayout:
-    """``layout`` re-laid for optimizers that need whole parameters or aligned blocks.
+def assign_owners(
+    specs: Sequence[ParamSpec], world_size: int, loads: list[float] | None = None
+) -> list[int | None]:
+    """Each whole parameter's owner (None for the others), chosen over all of ``specs`` at
+    once: costliest first, each to the rank with the least cost so far (ties: fewer elements
+    owned, then the lower rank). Graham's LPT: the slowest rank does at most 4/3 of the best
+    split's work, and when it is over the mean its last matrix alone decides it. ``loads``,
+    each rank's cost before these, is added to. Pure: every rank computes the same owners.
 
-    Owners: whole parameters, costliest first, each to the rank with the least cost so far
-    (``loads``, over every bucket placed before; ties: fewer elements in this bucket, then the
-    lower rank), and ``loads`` is added to. Then each rank's part of the flat buffer is: the
-    rest of a parameter cut at its lower boundary, its whole parameters, then the other
-    parameters in registration order up to its share. The shares even out the elements
-    (water-filling above the whole parameters). A boundary falls at a share's end, moved to a
-    multiple of the parameter's ``block``; never inside a whole parameter.
+    >>> f32, cpu = torch.float32, torch.device("cpu")
+    >>> costs = (1, 1, 2)
+    >>> specs = [ParamSpec(f"w{i}", (c,), f32, cpu, whole=True, cost=c) for i, c in enumerate(costs)]
+    >>> assign_owners(specs, 2)  # in model order, one at a time: 1 + 2 against 1
+    [1, 1, 0]
     """
-    world = layout.world_size
+    loads = loads if loads is not None else [0.0] * world_size
+    held = [0] * world_size  # elements owned: the tie-break, so memory evens out too
+    owners: list[int | None] = [None] * len(specs)
     whole = [i for i, spec in enumerate(specs) if spec.whole]
-    owned: list[list[int]] = [[] for _ in range(world)]
-    held = [0] * world  # elements of whole parameters each rank owns in this bucket
     for i in sorted(whole, key=lambda i: (-specs[i].cost, -specs[i].numel, i)):
-        rank = min(range(world), key=lambda r: (loads[r], held[r], r))
-        owned[rank].append(i)
+        rank = min(range(world_size), key=lambda r: (loads[r], held[r], r))
+        owners[i] = rank
         loads[rank] += specs[i].cost
         held[rank] += specs[i].numel
+    return owners
+
+
+def with_owners(
+    specs: Sequence[ParamSpec], world_size: int, loads: list[float] | None = None
+) -> list[ParamSpec]:
+    """``specs`` with an owner for every whole parameter that has none (``assign_owners`` over
+    those, after ``loads``); owners already given are kept."""
+    free = [i for i, spec in enumerate(specs) if spec.whole and spec.owner is None]
+    owners = assign_owners([specs[i] for i in free], world_size, loads)
+    out = list(specs)
+    for i, owner in zip(free, owners):
+        out[i] = replace(specs[i], owner=owner)
+    return out
+
+
+def place_owners(specs: Sequence[ParamSpec], layout: BucketLayout) -> BucketLayout:
+    """``layout`` re-laid for optimizers that need whole parameters or aligned blocks.
+
+    Each rank's part of the flat buffer is: the rest of a parameter cut at its lower
+    boundary, the whole parameters it owns (``ParamSpec.owner``), then the other parameters in
+    registration order up to its share. The shares even out the elements (water-filling above
+    the whole parameters). A boundary falls at a share's end, moved to a multiple of the
+    parameter's ``block``; never inside a whole parameter.
+    """
+    world = layout.world_size
+    owned: list[list[int]] = [[] for _ in range(world)]
+    held = [0] * world  # elements of whole parameters each rank owns in this bucket
+    for i, spec in enumerate(specs):
+        if spec.whole:
+            if spec.owner is None or not 0 <= spec.owner < world:
+                raise ValueError(f"{spec.name}: a whole parameter needs an owner in [0, {world})")
+            owned[spec.owner].append(i)
+            held[spec.owner] += spec.numel
     rest = [i for i, spec in enumerate(specs) if not spec.whole]
     shares = _water_fill(held, sum(specs[i].numel for i in rest))
     block = {layout.slots[i].param_index: spec.block for i, spec in enumerate(specs)}

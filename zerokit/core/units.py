@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from .bucket_layout import BucketLayout, ParamSpec, plan_buckets
+from .bucket_layout import BucketLayout, ParamSpec, plan_buckets, with_owners
 from .checks import is_distributed
 from .optimizer_needs import Need
 
@@ -193,15 +193,19 @@ def plan_groups(
     """
     shape_of = shape_of or _shape
     needs = needs or {}
-    loads = [0.0] * world_size  # each rank's optimizer cost over the buckets placed so far
-    out = []
-    for plan in plans:
-        specs = [
+    units = [
+        [
             ParamSpec(n, tuple(shape_of(p)), p.dtype, p.device, **_need(needs.get(id(p))))
             for n, p in plan.params
         ]
-        out.append((plan, plan_buckets(specs, world_size, buffer_max_size, loads)))
-    return out
+        for plan in plans
+    ]
+    # owners over the whole model at once, not unit by unit in model order
+    specs = iter(with_owners([s for unit in units for s in unit], world_size))
+    units = [[next(specs) for _ in unit] for unit in units]
+    return [
+        (plan, plan_buckets(unit, world_size, buffer_max_size)) for plan, unit in zip(plans, units)
+    ]
 
 
 def _need(need: Need | None) -> dict:
