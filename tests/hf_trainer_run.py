@@ -51,6 +51,8 @@ def training_arguments(opts: dict, world: int, out: str):
         "disable_tqdm": True, "dataloader_num_workers": 0, "bf16": opts.get("bf16", False),
         "optim": opts.get("optim", "adamw_torch"),
         "gradient_checkpointing": opts.get("checkpointing", False),
+        **({"save_strategy": "steps", "save_steps": opts["save_steps"]}
+           if opts.get("save_steps") else {}),
         **opts.get("extra", {}),
     }
     if opts.get("level"):

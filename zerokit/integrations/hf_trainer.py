@@ -58,6 +58,9 @@ SHARDED_DIR = "zerokit"  # checkpoint-N/zerokit: the sharded model and optimizer
 SCHEDULER_NAME = "scheduler.pt"  # the Trainer's own file names
 TRAINING_ARGS_NAME = "training_args.bin"
 DEFAULT_LEVEL = "os_g"  # as Lightning's "zerokit" strategy
+# optim= names whose optimizer reads whole parameters (transformers' Adafactor: factored second
+# moments and the update's RMS): zerokit gives each such parameter to one rank whole
+WHOLE_PARAMETER_OPTIMS = {"adafactor"}
 EXPORT_SHARD_SIZE = 5 * 2**30  # save_model's safetensors files, as save_pretrained's default
 
 
@@ -136,6 +139,8 @@ def sharding_of(args: TrainingArguments, sharding: ShardingConfig | None) -> Sha
             sharding = merge_arguments(sharding, source="--zerokit_level", level=level)
     elif sharding.level is None:
         sharding = replace(sharding, level=DEFAULT_LEVEL)
+    if str(getattr(args.optim, "value", args.optim)) in WHOLE_PARAMETER_OPTIMS:
+        sharding = replace(sharding, whole_parameter_optimizer=True)
     if args.bf16:
         if sharding.mixed_precision is not None:
             raise ValueError(
