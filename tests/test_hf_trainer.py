@@ -17,8 +17,8 @@ import torch
 pytest.importorskip("accelerate")
 sys.path.insert(0, os.path.dirname(__file__))
 
-import hf_trainer_run as R  # noqa: E402
-from dist_helpers import run_distributed  # noqa: E402
+import hf_trainer_run as R
+from dist_helpers import run_distributed
 
 LOSS_TOL = WEIGHT_TOL = 5e-6
 

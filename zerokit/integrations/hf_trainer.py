@@ -46,8 +46,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .. import checkpoint as zk_checkpoint
 from ..api import group_sharded_parallel
-from ..clip import clip_grad_norm_
 from ..checkpoint.reading import CheckpointReader
+from ..clip import clip_grad_norm_
 from ..config import ShardingConfig, load_config, merge_arguments
 from ..mixed_precision import as_policy
 
