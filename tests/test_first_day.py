@@ -58,6 +58,8 @@ def _fake_report(precision: str = "fp32", scale: int = 1) -> dict:
             "measured": {**sizes(scale * 1000 // (i + 1)), "peak": 80 * 2**20},
             "estimated": sizes(scale * 1000 // (i + 1)),
             "step_time_s": 0.01,
+            "step_time_spread_s": [0.01, 0.01],
+            "step_time_rounds": 1,
             "final_loss": 1.0,
         }
         for i, level in enumerate(compare_mod.LEVELS)
@@ -68,6 +70,7 @@ def _fake_report(precision: str = "fp32", scale: int = 1) -> dict:
         "model": "fake",
         "precision": precision,
         "steps": 2,
+        "memory_steps": 2,
         "batch": 4,
         "rows": rows,
     }

@@ -154,3 +154,125 @@ def test_the_benchmark_parser():
     sections = figure_sections(text)
     assert [h for h, _ in sections] == ["A", "B", "C"]
     assert [commits_named(s) for _, s in sections] == [["0934fe1"], [], ["c16103e"]]
+
+
+# -- claims the documents make about the code and the project ---------------------------------
+def _section(text: str, heading: str) -> str:
+    """The text under ``heading`` (a "## " or "### " line) up to the next heading."""
+    return text.split(f"{heading}\n", 1)[1].split("\n#", 1)[0]
+
+
+def test_every_extra_is_listed_in_readme_and_guide():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    readme = (ROOT / "README.md").read_text()
+    listed = re.search(r"^Extras: (.*?)\. ", readme, flags=re.M | re.S)
+    assert listed, "README's Install section lists its extras on a line starting 'Extras: '"
+    guide_install = _section((ROOT / "docs" / "GUIDE.md").read_text(), "## Install")
+    for extra in set(extras) - {"test"}:  # [test] is the tests' own, in README's commands
+        assert f"`[{extra}]`" in listed.group(1), f"README's extras lack [{extra}]"
+        assert f'pip install -e ".[{extra}]"' in guide_install, f"GUIDE's Install lacks [{extra}]"
+
+
+def test_the_index_url_advice_comes_before_the_commands_it_guards():
+    two = _section((ROOT / "README.md").read_text(), "## Two commands")
+    assert "--index-url" in two, "README's Two commands say to run Install's --index-url line"
+    assert two.index("--index-url") < two.index("```bash"), (
+        "README: 'run the --index-url line first' must come before the commands, not after"
+    )
+
+
+FAST_SUBSET_TIME = re.compile(r"(\d+) min(?: (\d+) s)?")
+
+
+def test_the_fast_subset_takes_the_same_time_in_readme_and_pyproject():
+    readme = (ROOT / "README.md").read_text()
+    said = re.search(r'`-m "not slow"` runs a fast subset.*?\)', readme, flags=re.S)
+    assert said, "README states the fast subset's time"
+    readme_time = FAST_SUBSET_TIME.search(said.group(0)).groups()
+    comment = next(
+        line for line in (ROOT / "pyproject.toml").read_text().splitlines()
+        if 'pytest -m "not slow"' in line
+    )  # fmt: skip
+    assert FAST_SUBSET_TIME.search(comment).groups() == readme_time, (
+        f"pyproject.toml's fast-subset time ({comment.strip()}) differs from README's "
+        f"({said.group(0)!r})"
+    )
+
+
+def test_the_refused_optimizers_are_the_ones_the_core_refuses():
+    from zerokit.core.optimizer_needs import (
+        ELEMENTWISE_OPTIMIZERS,
+        REFUSED,
+        WHOLE_PARAMETER_OPTIMIZERS,
+    )
+
+    guide = " ".join((ROOT / "docs" / "GUIDE.md").read_text().split())
+    said = re.search(r"optimizers zerokit cannot shard \(([^:;)]*)", guide)
+    assert said, "GUIDE's misuse list names the optimizers zerokit cannot shard"
+    assert {n.strip() for n in said.group(1).split(",")} == set(REFUSED)
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    refused = re.search(r"([\w ,]+?) (?:is|are) refused, with the reason", readme).group(1)
+    supported = {c.__name__ for c in (*ELEMENTWISE_OPTIMIZERS, *WHOLE_PARAMETER_OPTIMIZERS)}
+    assert not supported & set(re.findall(r"\w+", refused)), refused
+    assert set(REFUSED) <= set(re.findall(r"\w+", refused)), refused
+
+
+def test_plan_units_and_plan_groups_return_what_architecture_says():
+    import typing
+
+    from zerokit.core import units
+
+    glossary = " ".join((ROOT / "docs" / "ARCHITECTURE.md").read_text().split())
+    assert "`plan_units` and `plan_groups` cut units and buckets: they return `UnitPlan`s" in (
+        glossary
+    )
+    for fn in (units.plan_units, units.plan_groups):
+        returned = str(typing.get_type_hints(fn)["return"])
+        assert "UnitPlan" in returned, (fn.__name__, returned)
+
+
+def _count_cross_entropy_all_reduces(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    import zerokit
+    from zerokit import tensor_parallel as tp
+
+    layout = zerokit.init_hybrid_parallel(1, world_size)
+    tokens, vocab = 6, 10
+    torch.manual_seed(0)
+    logits = torch.randn(tokens, vocab // world_size, requires_grad=True)
+    target = torch.randint(0, vocab, (tokens,))
+    seen, all_reduce = [], dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        seen.append(tuple(tensor.shape))
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        loss = tp.ParallelCrossEntropy(layout=layout)(logits, target)
+        forward = list(seen)
+        loss.backward()
+    finally:
+        dist.all_reduce = all_reduce
+    # GUIDE: the ranks' vocabulary sizes (tp integers), one number per token, two per token
+    assert forward == [(world_size,), (tokens,), (2, tokens)], forward
+    assert seen[len(forward) :] == [], "the backward sends nothing"
+
+
+def test_parallel_cross_entropy_makes_the_all_reduces_guide_names():
+    from dist_helpers import run_distributed
+
+    guide = " ".join((ROOT / "docs" / "GUIDE.md").read_text().split())
+    assert (
+        "three all-reduces over the tp group in forward, none in backward (the ranks' vocabulary "
+        "sizes, tp integers, for where this rank's range begins; each token's row maximum, one "
+        "number per token; each token's sum of exponentials and target logit, two numbers per "
+        "token)" in guide
+    )
+    run_distributed(_count_cross_entropy_all_reduces, 2)

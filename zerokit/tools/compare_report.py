@@ -1,9 +1,11 @@
 """What ``zerokit compare`` shows: the report (a dict, also written as JSON) as a table, and as
 a chart with ``--plot``.
 
-The report: ``world_size``, ``backend``, ``model``, ``precision``, ``steps``, ``batch`` and one
-row per level with ``measured`` (params, grads, optimizer, total, peak) and ``estimated``
-(params, grads, optimizer, total) bytes per rank, the largest over ranks, ``step_time_s`` and
+The report: ``world_size``, ``backend``, ``model``, ``precision``, ``steps``, ``memory_steps``
+(those each level's memory run trains), ``batch`` and one row per level with ``measured``
+(params, grads, optimizer, total, peak) and ``estimated`` (params, grads, optimizer, total)
+bytes per rank, the largest over ranks, ``step_time_s`` (the median over the interleaved
+rounds), ``step_time_spread_s`` (their 25th and 75th percentiles), ``step_time_rounds`` and
 ``final_loss``.
 """
 
@@ -12,6 +14,10 @@ from __future__ import annotations
 from ..memory import format_bytes
 
 CATEGORIES = ("params", "grads", "optimizer")
+
+
+def _steps(n: int) -> str:
+    return f"{n} step" if n == 1 else f"{n} steps"
 
 
 def _ranks(n: int) -> str:
@@ -39,7 +45,11 @@ def _hybrid(report: dict) -> str:
 
 def format_table(report: dict) -> str:
     """The report as a fixed-width table: measured / estimated bytes per rank."""
-    head = f"{'level':<8}{'params':>24}{'grads':>24}{'optimizer':>24}{'total':>24}{'peak':>12}{'step s':>9}{'final loss':>12}"
+    head = (
+        f"{'level':<8}"
+        + "".join(f"{c:>24}" for c in (*CATEGORIES, "total"))
+        + f"{'peak':>12}{'step s [mid half]':>22}{'final loss':>12}"
+    )
     lines = [
         f"bytes per rank (largest over {_ranks(report['world_size'])}), measured / estimated; "
         f"{describe_precision(report)}; {report['steps']} steps, global batch {report['batch']}"
@@ -52,16 +62,31 @@ def format_table(report: dict) -> str:
         lines.append(
             f"{row['level']:<8}"
             + "".join(f"{c:>24}" for c in cells)
-            + f"{format_bytes(m['peak']):>12}{row['step_time_s']:>9.3f}{row['final_loss']:>12.6f}"
+            + f"{format_bytes(m['peak']):>12}{_step_time(row):>22}{row['final_loss']:>12.6f}"
         )
+    rounds = report["rows"][0]["step_time_rounds"]
+    lines.append(
+        f"step s: the median over {rounds} round{'s' if rounds != 1 else ''}, every level one "
+        "step per round, taking turns in the same processes; [the middle half of the rounds]."
+    )
+    run = (
+        f"building and training {_steps(report['memory_steps'])}, each level in processes of its "
+        "own"
+    )
     if report.get("backend") == "nccl":
-        lines.append("peak: torch's CUDA allocator peak while building and training.")
+        lines.append(f"peak: torch's CUDA allocator peak while {run}.")
     else:
         lines.append(
-            "peak: the most resident memory a rank used while building and training, above what "
-            "it held before (the kernel's VmHWM on CPU)."
+            f"peak: the most resident memory a rank used while {run}, above what it held before "
+            "(the kernel's VmHWM on CPU)."
         )
     return "\n".join(lines)
+
+
+def _step_time(row: dict) -> str:
+    """'0.250 [0.240-0.310]': the median step time and the middle half of the rounds."""
+    low, high = row["step_time_spread_s"]
+    return f"{row['step_time_s']:.3f} [{low:.3f}-{high:.3f}]"
 
 
 def require_matplotlib() -> None:
