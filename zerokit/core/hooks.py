@@ -171,7 +171,7 @@ def _register_sharding(
         handles.append(module.register_forward_hook(functools.partial(_unit_post_forward, ref, k)))
     for module in _root_param_holders(model, state):
         handles.append(module.register_forward_pre_hook(functools.partial(_root_unit_used, ref)))
-    for name, module, ks in _freed_unit_holders(model, state):
+    for name, module, ks in _freed_unit_holders(model, state, units):
         hook = functools.partial(_unit_params_read, ref, name, ks)
         handles.append(module.register_forward_pre_hook(hook))
 
@@ -212,11 +212,13 @@ def _gather_root(state: ShardState) -> None:
     state.root_unit_used()
 
 
-def _freed_unit_holders(model: nn.Module, state: ShardState):
+def _freed_unit_holders(model: nn.Module, state: ShardState, units):
     """(name, module, indices of its units) for each module holding parameters of a unit that
-    is freed between uses ('p_g_os'; not the root unit, not a unit kept whole) itself. Such a
-    module runs inside its unit's forward, where the unit is gathered; called from anywhere
-    else (a parent's forward reaching into the unit) it would read empty parameters."""
+    is freed between uses ('p_g_os'; not the root unit, not a unit kept whole) itself, besides
+    the unit's own module (its pre-forward gathers it). Such a module runs inside its unit's
+    forward, where the unit is gathered; called from anywhere else (a parent's forward
+    reaching into the unit) it would read empty parameters."""
+    own = {(id(module), k) for module, k in units}
     freed = {
         id(p): k
         for k, g in enumerate(state.groups)
@@ -227,6 +229,7 @@ def _freed_unit_holders(model: nn.Module, state: ShardState):
     }
     for name, module in model.named_modules():
         ks = {freed[id(p)] for p in module.parameters(recurse=False) if id(p) in freed}
+        ks = {k for k in ks if (id(module), k) not in own}
         if ks:
             yield name, module, tuple(sorted(ks))
 
