@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_distributed
-from models import VOCAB, global_batches, local_slice, loss_fn
+from models import VOCAB, assert_same_params, global_batches, local_slice, loss_fn
 from test_optimizers import newton_schulz_in_fp32
 from torch import nn
 
@@ -43,9 +43,7 @@ class DictBlocks(nn.Module):
             nn.ModuleDict(
                 {
                     "ln": nn.LayerNorm(dim),
-                    "mlp": nn.Sequential(
-                        nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)
-                    ),
+                    "mlp": nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)),
                     "gate": nn.ParameterList([nn.Parameter(torch.full((dim,), 0.5))]),
                 }
             )
@@ -110,13 +108,7 @@ def _trains_as_one_process(rank, world):
                     opt.step()
                 for opt in pair:
                     opt.zero_grad()
-        got, want = model.state_dict(), ref.state_dict()  # collective: every rank
-        assert got.keys() == want.keys()
-        for name in want:
-            torch.testing.assert_close(
-                got[name], want[name], atol=ATOL, rtol=0,
-                msg=lambda m, name=name: f"p_g_os {options}, world {world}: {name}: {m}",
-            )  # fmt: skip
+        assert_same_params(model, ref, ATOL, f"p_g_os {options}, world {world}")
 
 
 @pytest.mark.parametrize("world", [2, 3])
