@@ -48,6 +48,8 @@ except ImportError:
 # gradients are reduced; no global-norm clipping): the gradients never exist all at once.
 # "<level>_lean": step_in_backward plus sync_comm=True (each reduction finished before backward
 # goes on): the least memory a level holds in backward, paid for with no communication overlap.
+# "os_whole": level 'os' with whole_grads=True (gradients all-reduced, .grad whole on every rank:
+# 3P(N-1)/N a step) where 'os' reduce-scatters by default (DDP's 2P(N-1)/N).
 RUNNERS = ("ddp", "zero_redundancy", "fsdp2", "os", "os_g", "p_g_os", "local")
 STEP_IN_BACKWARD = ("os_g_sib", "p_g_os_sib", "os_g_lean", "p_g_os_lean")
 
@@ -84,11 +86,12 @@ def build(
     model, opt, _ = zerokit.group_sharded_parallel(
         model,
         opt,
-        runner.removesuffix("_sib").removesuffix("_lean"),
+        runner.removesuffix("_sib").removesuffix("_lean").removesuffix("_whole"),
         buffer_max_size=bucket_elems,
         mixed_precision=policy,
         step_in_backward=runner.endswith(("_sib", "_lean")),
         sync_comm=runner.endswith("_lean"),
+        config=zerokit.ShardingConfig(whole_grads=runner.endswith("_whole")),
     )
     return model, opt
 

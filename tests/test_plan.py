@@ -323,11 +323,32 @@ def _expand(spans: str) -> list[int]:
             "takes no 'layout' keyword",
         ),
         (["--world", "4", "--level", "os", "--model", "no_such:make"], "cannot import"),
+        (
+            ["--world", "4", "--level", "os_g", "--whole-grads"],
+            "whole_grads only applies to level 'os'",
+        ),
     ],
 )
 def test_usage_errors_exit_2(capsys, args, message):
     code, _, err = _plan(capsys, *args)
     assert code == 2 and message in err, err
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_stage1_plan_sends_the_paper_bytes_and_half_again_with_whole_grads(world_size):
+    """'os' reduce-scatters by default: the gradients and the updated shards move the ZeRO
+    paper's 2Ψ(N-1)/N per rank; ``whole_grads`` all-reduces the gradients, 3Ψ(N-1)/N. (The
+    real steps are held to the plan by the tests above; padding makes the plan's bytes a
+    little more than Ψ's.)"""
+    config = {"world": world_size, "model": MODEL, "batch": 2 * world_size, "seq": SEQ}
+    for whole, volume in ((False, 2), (True, 3)):
+        report, calls = plan_with_calls(PlanConfig(level="os", whole_grads=whole, **config))
+        grads = {c.op for c in calls if c.what == "reduce gradients"}
+        assert grads == {"all_reduce" if whole else "reduce_scatter"}, (whole, grads)
+        kinds = ("reduce gradients", "gather updated shards")
+        moved = sum(c.sent for c in calls if c.what in kinds)
+        paper = report["paper_bytes_per_step"] * volume / 2
+        assert paper <= moved <= paper * 1.001, (whole, moved, paper)
 
 
 # -- pipelines ------------------------------------------------------------------------------------

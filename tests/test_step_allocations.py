@@ -118,11 +118,12 @@ class Net(nn.Module):
         return self.blocks(x * self.scale)
 
 
-def _run(rank, world_size, level, out):
+def _run(rank, world_size, level, out, whole_grads=False):
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level)
+    config = zerokit.ShardingConfig(whole_grads=whole_grads)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, config=config)
     x = torch.randn(4, 7, generator=torch.Generator().manual_seed(rank))
     steps = []
     for step in range(3):  # the first is the warm-up: the optimizer's state is made there
@@ -142,15 +143,17 @@ def _run(rank, world_size, level, out):
     out.put((rank, summary, buckets, root, last, params))
 
 
-def _bound(level: str, buckets: int, root: int, last: int) -> dict[str, int]:
+def _bound(level: str, buckets: int, root: int, last: int, whole: bool) -> dict[str, int]:
     """zerokit's allocations in one steady step at 2 gloo ranks, from docs/ARCHITECTURE.md
     ("Who owns which buffer", "The life of one step"), per kind; B buckets, R of them the root
     unit's. Nothing here scales with the parameters: a per-parameter tensor is not in the design.
 
     - 'os': each bucket's full gradient lives from its first gradient after
       ``zero_grad(set_to_none=True)`` to the next such call, so it is made again every step
-      (B ``empty``, only the padding zeroed: every slot is written before the reduction);
-      the all-reduce and the all-gather after the step work in place.
+      (B ``empty``, only the padding zeroed: every slot is written before the reduction).
+      By default its reduce-scatter, on gloo, borrows a receive buffer from the staging pool
+      (at most B ``empty`` more, as below); with ``whole_grads=True`` the all-reduce works in
+      place. The all-gather after the step works in place.
     - 'os_g', 'p_g_os': each bucket's gradient shard likewise (B ``empty_like``: unfilled, its
       reduction writes every element); the staging
       pool is emptied when backward ends, so each bucket reduced borrows a fresh staged buffer
@@ -168,19 +171,21 @@ def _bound(level: str, buckets: int, root: int, last: int) -> dict[str, int]:
     sharded = level != "os"
     return {
         "empty_like": buckets if sharded else 0,
-        "empty": 2 * buckets if sharded else buckets,
+        "empty": buckets if whole else 2 * buckets,
         "lift_fresh": 1 if level == "p_g_os" else 2,
         "_to_copy": 1,
         "UntypedStorage.resize_": 2 * (buckets - root) + root - last if level == "p_g_os" else 0,
     }
 
 
-@pytest.mark.parametrize("level", ["os", "os_g", "p_g_os"])
-def test_a_steady_step_allocates_no_more_than_the_design(level):
+@pytest.mark.parametrize(
+    "level, whole", [("os", False), ("os", True), ("os_g", False), ("p_g_os", False)]
+)
+def test_a_steady_step_allocates_no_more_than_the_design(level, whole):
     import multiprocessing
 
     queue = multiprocessing.get_context("fork").SimpleQueue()
-    run_distributed(_run, 2, level, queue)
+    run_distributed(_run, 2, level, queue, whole)
     for _ in range(2):
         rank, (second, third), buckets, root, last, params = queue.get()
         assert buckets == 4 and root == 1 and params == 7, (buckets, root, params)
@@ -188,7 +193,7 @@ def test_a_steady_step_allocates_no_more_than_the_design(level):
         # zerokit's at the same places: nothing grows step to step.
         assert third == second, (level, rank, second, third)
         count, _, ours = second
-        bound = _bound(level, buckets, root, last)
+        bound = _bound(level, buckets, root, last, whole)
         kinds = collections.Counter()
         for (op, _), n in ours.items():
             kinds[op] += n

@@ -429,6 +429,11 @@ def _add_plan_parser(commands) -> None:
         help="muon: Muon for the 2-D matrices of repeated blocks (an nn.ModuleList's), AdamW "
         "for the rest; adafactor; adamw8bit (torchao). Default %(default)s",
     )  # fmt: skip
+    plan.add_argument(
+        "--whole-grads", action="store_true",
+        help="--level os: all-reduce whole gradients (every rank's .grad whole, 3Ψ(N-1)/N a "
+        "step) instead of the default reduce-scatter (DDP's 2Ψ(N-1)/N)",
+    )  # fmt: skip
     plan.add_argument("--json", metavar="PATH", help="also write the report as JSON")
 
 
@@ -448,6 +453,7 @@ def _plan(args) -> int:
                 seq=args.seq,
                 mixed_precision=args.mixed_precision,
                 optimizer=args.optimizer,
+                whole_grads=args.whole_grads,
             )
         )
     except ValueError as e:

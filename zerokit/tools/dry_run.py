@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..api import group_sharded_parallel
+from ..config import ShardingConfig
 from ..core import stand_in
 from ..layout import init_hybrid_parallel
 from ..memory import measure
@@ -50,6 +51,8 @@ class Job:
     segment_size: int
     pp: int = 1
     """Pipeline stages (``zerokit.tools.dry_run_pp`` plays a rank of one)."""
+    whole_grads: bool = False
+    """``ShardingConfig.whole_grads``: level 'os' all-reduces whole gradients."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,8 @@ def _play(job: Job, rank: int, factory: Callable) -> RankRun:
     model, opt, scaler = group_sharded_parallel(
         work.model, opt, job.level, buffer_max_size=job.buffer_max_size,
         segment_size=job.segment_size, mixed_precision=MixedPrecision(param_dtype=job.low),
-        scaler=ShardedGradScaler() if job.low == torch.float16 else None, **kwargs,
+        scaler=ShardedGradScaler() if job.low == torch.float16 else None,
+        config=ShardingConfig(whole_grads=job.whole_grads), **kwargs,
     )  # fmt: skip
     x, y = (t.to("meta") for t in work.make_batch(0, job.rows))
     for _step in range(2):  # the second step is the steady one

@@ -76,6 +76,9 @@ class PlanConfig:
     ``adamw8bit``); its state is what ``measure`` counts, its step's FLOPs are reported."""
     buffer_max_size: int = 2**23
     segment_size: int = 2**20
+    whole_grads: bool = False
+    """Level 'os': all-reduce whole gradients (``ShardingConfig.whole_grads``, 3Ψ(N-1)/N a
+    step) instead of the default reduce-scatter (the paper's 2Ψ(N-1)/N)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class _Unit:
 def check_config(cfg: PlanConfig) -> None:
     if cfg.level not in LEVELS:
         raise ValueError(f"--level must be one of {', '.join(LEVELS)}, got {cfg.level!r}")
+    LevelRules.decode(cfg.level, whole_grads=cfg.whole_grads)  # refuses whole_grads but at 'os'
     if cfg.world < 1:
         raise ValueError(f"--world must be at least 1, got {cfg.world}")
     if cfg.tp < 1 or cfg.world % cfg.tp:
@@ -166,7 +170,7 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
     job = Job(
         world=cfg.world, level=cfg.level, tp=cfg.tp, degree=degree, seq=cfg.seq,
         rows=batch // dp, low=low, optimizer=cfg.optimizer, buffer_max_size=cfg.buffer_max_size,
-        segment_size=cfg.segment_size,
+        segment_size=cfg.segment_size, whole_grads=cfg.whole_grads,
     )  # fmt: skip
     played = _play_alike_once(job, cfg, factory, per_tp_rank)
     # alike ranks share their run: describe each once
