@@ -7,6 +7,11 @@ holds only its pieces of that state, so every per-element state tensor is all-ga
 the shard group (replicas hold the same shards) and cut per parameter; scalar state (``step``)
 is the same on every rank holding a piece. Every hook is removed.
 
+A block-quantized state (torchao's ``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``) comes back
+quantized, as one process holds it: the optimizer makes the whole parameter's state as it
+would at its first step, and its codes and scales are filled from every rank's pieces (a piece
+starts on a block, so they are slices of the whole one's); nothing is dequantized.
+
 Note: gradients are not given back (``.grad`` is None for every sharded parameter): at
 'os_g' / 'p_g_os' no rank holds a full gradient.
 """
@@ -93,11 +98,12 @@ def _full_optimizer_state(optimizer: torch.optim.Optimizer, state: ShardState) -
         for piece, view in zip(bucket.pieces, bucket.param_pieces):
             whole = bucket.layout.slots[piece.slot].whole  # its owner holds all of its state
             for key, value in optimizer.state.get(view, {}).items():
-                kind = (
-                    ("piece", value.dtype)
-                    if isinstance(value, torch.Tensor) and value.dim() > 0 and not whole
-                    else ("value", value)
-                )
+                if _is_quantized(value) and not whole:
+                    kind = ("quantized", _quantized_kind(value))
+                elif isinstance(value, torch.Tensor) and value.dim() > 0 and not whole:
+                    kind = ("piece", value.dtype)
+                else:
+                    kind = ("value", value)
                 mine.setdefault((b, piece.slot), {})[key] = kind
     held: dict = {}
     for raw in gather(_CALL, pickle.dumps(mine), state.process_group):
@@ -106,6 +112,7 @@ def _full_optimizer_state(optimizer: torch.optim.Optimizer, state: ShardState) -
     full: dict = {}
     for b, bucket in enumerate(buckets):
         _bucket_state(optimizer.state, b, bucket, held, full)
+        _quantized_state(optimizer, b, bucket, held, full)
     for param in optimizer._zerokit.local_params:  # rank-local: stepped whole, kept as is
         if param in optimizer.state:
             full[param] = optimizer.state[param]
@@ -141,3 +148,72 @@ def _bucket_state(opt_state, b: int, bucket: FlatParamBucket, held: dict, full: 
             if held.get((b, i), {}).get(key, (None,))[0] == "piece":
                 value = bucket.slot_view(flat, i).to(bucket.layout.device, copy=True)
                 full.setdefault(bucket.params[i], {})[key] = value
+
+
+def _is_quantized(value) -> bool:
+    """A block-quantized state tensor: ``codes`` and one ``scale`` per ``block_size`` elements."""
+    return isinstance(value, torch.Tensor) and all(
+        hasattr(value, a) for a in ("codes", "scale", "block_size")
+    )
+
+
+def _quantized_kind(value) -> tuple:
+    """What every rank must agree on to gather a quantized state: its block, whether it is
+    signed (torchao makes ``exp_avg`` signed, ``exp_avg_sq`` not), elements per code (2 for
+    4-bit), the scales' dtype and the dtype it reads as."""
+    signed = getattr(value, "signed", True)
+    per_code = value.numel() // value.codes.numel()
+    return value.block_size, signed, per_code, value.scale.dtype, value.dtype
+
+
+def _quantized_state(optimizer, b: int, bucket: FlatParamBucket, held: dict, full: dict) -> None:
+    """Each quantized state of ``bucket``'s parameters, whole and quantized. The codes (their
+    bytes) and the scales of every piece are all-gathered laid at the piece's first element in
+    the bucket (a piece holds no more codes or scales than elements), then copied into the
+    state the optimizer makes for the whole parameter."""
+    slots = range(len(bucket.params))
+    kinds = sorted(
+        {
+            (key, kind)
+            for i in slots
+            for key, (what, kind) in held.get((b, i), {}).items()
+            if what == "quantized"
+        },
+        key=repr,
+    )
+    for key, kind in kinds:
+        block, signed, per_code, scale_dtype, dtype = kind
+        codes, scales = _gather_codes_and_scales(optimizer.state, bucket, key, scale_dtype)
+        for i in slots:
+            if held.get((b, i), {}).get(key) != ("quantized", kind):
+                continue
+            slot = bucket.layout.slots[i]
+            like = torch.empty(slot.shape, dtype=dtype, device=bucket.layout.device)
+            made = optimizer._new_buffer(like, signed)  # as one process makes it
+            made_codes, made_scale = made.codes.view(-1).view(torch.uint8), made.scale.view(-1)
+            for rank in range(bucket.layout.world_size):
+                for piece in bucket.layout.pieces(rank):
+                    if piece.slot != i:
+                        continue
+                    at = slot.offset + piece.start  # in the bucket's elements
+                    n, m = piece.numel // per_code, piece.numel // block
+                    made_codes[piece.start // per_code :][:n].copy_(codes[at : at + n])
+                    made_scale[piece.start // block :][:m].copy_(scales[at : at + m])
+            full.setdefault(bucket.params[i], {})[key] = made
+
+
+def _gather_codes_and_scales(opt_state, bucket: FlatParamBucket, key: str, scale_dtype):
+    """The bucket-long codes (bytes) and scales of state ``key``, every rank's pieces laid at
+    their first element."""
+    n = bucket.shard_end - bucket.shard_start
+    codes = torch.zeros(n, dtype=torch.uint8, device=bucket.data.device)
+    scales = torch.zeros(n, dtype=scale_dtype, device=bucket.data.device)
+    for piece, view in zip(bucket.pieces, bucket.param_pieces):
+        value = opt_state.get(view, {}).get(key)
+        if _is_quantized(value):
+            start = bucket.layout.slots[piece.slot].offset + piece.start - bucket.shard_start
+            mine = value.codes.detach().reshape(-1).view(torch.uint8)
+            codes[start : start + mine.numel()].copy_(mine)
+            scale = value.scale.detach().reshape(-1)
+            scales[start : start + scale.numel()].copy_(scale)
+    return _all_gather_shard(bucket, codes), _all_gather_shard(bucket, scales)
