@@ -73,6 +73,11 @@ def train(world: int, opts: dict, out: str) -> None:
 
     args = training_arguments(opts, world, out)
     model = tiny_llama()
+    if opts.get("lora"):  # base frozen, LoRA adapters on the attention projections
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        model = get_peft_model(model, lora)
     trainer_cls = ZeroTrainer if opts.get("level") else Trainer
     kwargs = {}
     if opts.get("own_optimizers"):
@@ -125,3 +130,93 @@ def results(out: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
         if name.endswith(".safetensors"):
             weights.update(load_file(os.path.join(model_dir, name)))
     return logs, weights
+
+
+# ---- TRL's SFTTrainer on a tiny chat dataset, with a tokenizer built here ----
+
+WORDS = "hello hi how are you fine thanks what is two plus three four five six yes no ok".split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} <eos> {% endfor %}"
+    "{% if add_generation_prompt %}<assistant> {% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer with a chat template: no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>", "<eos>", "<user>", "<assistant>", "<system>"]
+    vocab = {w: i for i, w in enumerate(specials + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def chat_dataset(n: int, seed: int):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        q, a = (torch.randint(0, len(WORDS), (k,), generator=g).tolist() for k in (4, 3))
+        rows.append({"messages": [
+            {"role": "user", "content": " ".join(WORDS[i] for i in q)},
+            {"role": "assistant", "content": " ".join(WORDS[i] for i in a)},
+        ]})
+    return Dataset.from_list(rows)
+
+
+def sft(world: int, opts: dict, out: str) -> None:
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    from trl import SFTConfig, SFTTrainer
+
+    from zerokit import ShardingConfig
+    from zerokit.integrations.hf_trainer import zero_trainer_class
+
+    accum = 2
+    args = SFTConfig(
+        output_dir=out, per_device_train_batch_size=12 // (world * accum),
+        gradient_accumulation_steps=accum, max_steps=4, learning_rate=3e-3, warmup_steps=1,
+        max_grad_norm=0.3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+        seed=0, disable_tqdm=True, max_length=32, dataset_num_proc=None, bf16=False,
+        eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2,
+    )
+    kwargs = {}
+    cls = SFTTrainer
+    if opts.get("level"):
+        cls = zero_trainer_class(SFTTrainer)
+        kwargs["sharding"] = ShardingConfig(level=opts["level"])
+    trainer = cls(
+        model=tiny_llama(), args=args, train_dataset=chat_dataset(48, 1),
+        eval_dataset=chat_dataset(12, 2), processing_class=tiny_tokenizer(), **kwargs,
+    )
+    trainer.train()
+    trainer.save_model(os.path.join(out, "model"))
+    if trainer.args.process_index == 0:
+        with open(os.path.join(out, "logs.json"), "w") as f:
+            json.dump(trainer.state.log_history, f)
+
+
+def sft_rank(rank: int, world: int, opts: dict, out: str) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+    )
+    sft(world, opts, out)
+
+
+def sft_reference(out: str) -> None:
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    try:
+        sft(1, {}, out)
+    finally:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)

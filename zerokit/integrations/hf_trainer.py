@@ -173,6 +173,8 @@ class ZeroTrainerMixin:
         optimizer = super().create_optimizer(model)
         if self._zero_sharded:
             return optimizer
+        # the trainable names, for a PEFT adapter's save_model (read back from the shards)
+        self._zero_trainable = [n for n, p in self.model.named_parameters() if p.requires_grad]
         sharded, self.optimizer, _ = group_sharded_parallel(
             self.model, optimizer, config=self.sharding
         )
@@ -251,7 +253,10 @@ def export_hf(trainer: Trainer, output_dir: str) -> None:
     if trainer.args.should_save:
         os.makedirs(output_dir, exist_ok=True)
         try:
-            zk_checkpoint.consolidate(staging, output_dir, max_shard_size=EXPORT_SHARD_SIZE)
+            if is_peft(trainer.model):
+                export_adapter(trainer.model, staging, trainer._zero_trainable, output_dir)
+            else:
+                zk_checkpoint.consolidate(staging, output_dir, max_shard_size=EXPORT_SHARD_SIZE)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         if trainer.processing_class is not None:
@@ -259,6 +264,19 @@ def export_hf(trainer: Trainer, output_dir: str) -> None:
         torch.save(trainer.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
     if dist.is_initialized():
         dist.barrier()  # every rank returns once the directory is whole
+
+
+def is_peft(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def export_adapter(model, staging: str, trainable: list[str], output_dir: str) -> None:
+    """A PEFT model's ``save_model``: only its trained tensors (the adapter, small) are read
+    back whole from the shards and written by PEFT's own ``save_pretrained``
+    (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+    with CheckpointReader(staging) as reader:
+        adapter = {name: reader.read_full(name) for name in trainable}
+    model.save_pretrained(output_dir, state_dict=adapter)
 
 
 def zero_trainer_class(base: type[Trainer]) -> type[Trainer]:
