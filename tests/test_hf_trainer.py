@@ -160,3 +160,32 @@ def test_refused_untested_version(monkeypatch):
 
     monkeypatch.setattr(hf_trainer.transformers, "__version__", "5.99.0")
     _refused("tested with transformers 5.24")
+
+
+def test_guide_snippet(tmp_path):
+    """docs/GUIDE.md's "Hugging Face Trainer" script, exactly three lines changed (marked
+    ``# was:``), run with the command printed beside it (a local tiny Llama for MODEL); its
+    save_model directory loads with from_pretrained."""
+    import re
+    import shlex
+
+    from dist_helpers import run_torchrun
+    from transformers import AutoModelForCausalLM
+
+    guide = open(os.path.join(os.path.dirname(__file__), "..", "docs", "GUIDE.md")).read()
+    section = guide[guide.index("### Hugging Face Trainer") :]
+    section = section[: section.index("\n## ")]
+    script = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    command = re.search(r"```bash\n(.*?)```", section, re.S).group(1).replace("\\\n", " ")
+    assert sum("# was:" in line for line in script.splitlines()) == 3
+    (tmp_path / "train.py").write_text(script)
+    R.tiny_llama().save_pretrained(tmp_path / "tiny")
+    argv = shlex.split(command)
+    assert argv[:3] == ["torchrun", "--nproc-per-node", "2"] and argv[3] == "train.py"
+    args = [str(tmp_path / "tiny") if a == "MODEL" else a for a in argv[4:]]
+    done = run_torchrun(tmp_path / "train.py", 2, *args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    before = R.tiny_llama().state_dict()
+    assert any((v != before[k]).any() for k, v in loaded.state_dict().items())  # it trained
+    assert os.path.isdir(tmp_path / "out" / "checkpoint-4" / "zerokit")
