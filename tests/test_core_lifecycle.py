@@ -110,10 +110,11 @@ def _run(rank, world_size, level, order_kind, reentrant=None, widths=None, **wra
         loss_fn(model(xs), ys).backward()
         ahead = 0 if wrap.get("sync_comm") else 1  # sync_comm: nothing in flight or prefetched
         # gloo's reduce-scatter receives the peers' chunks of the group it reduces: (N-1)/N of it
-        receive = 0 if level == "os" else (world_size - 1) * max(root, unit) // world_size
+        # (at every level: 'os' reduce-scatters its full gradient too, with nothing staged)
+        receive = (world_size - 1) * max(root, unit) // world_size
         bound = 4 * (root + (1 + ahead) * unit + receive)  # staging, derived below
         assert state.staging.peak_bytes <= bound, (level, step, state.staging.peak_bytes, bound)
-        if level == "os":  # full averaged gradients on every rank, as one process has them
+        if level == "os":  # a gradient of each parameter's shape (a placeholder: sharded)
             for name, p in model.named_parameters():
                 assert p.grad is not None and p.grad.shape == p.shape, name
         opt.step()

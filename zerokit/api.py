@@ -2,9 +2,10 @@
 
 Levels (PaddlePaddle's names; each means exactly what it says):
 
-* ``'os'``   — stage 1: optimizer state sharded. Every rank keeps full parameters and full
-  gradients; gradients are averaged with a bucketed all-reduce during backward; each rank
-  steps only its shard; updated shards are all-gathered so parameters stay identical.
+* ``'os'``   — stage 1: optimizer state sharded. Every rank keeps full parameters and a full
+  gradient buffer; gradients are reduce-scattered bucket by bucket during backward into the
+  rank's shard (``whole_grads=True``: all-reduced, so ``.grad`` is whole); each rank steps only
+  its shard; updated shards are all-gathered so parameters stay identical.
 * ``'os_g'`` — stage 2: stage 1 plus sharded gradients. Gradients are reduce-scattered bucket
   by bucket during backward; each rank keeps only its gradient shard.
 * ``'p_g_os'`` — stage 3: parameters, gradients and optimizer state all sharded. The model

@@ -1,7 +1,8 @@
 """``param.grad`` where no tensor of the parameter's shape holds its gradient on this rank.
 
-At 'os_g' and 'p_g_os' a rank holds only its shard of each gradient: flat pieces that may
-straddle parameters, not tensors of the parameters' shapes. At 'os' the same is true under
+At 'os_g' and 'p_g_os', and at 'os' by default (reduce-scattered), a rank holds only its shard
+of each averaged gradient: flat pieces that may straddle parameters, not tensors of the
+parameters' shapes. At 'os' with ``whole_grads=True`` the same is true under
 mixed precision or offload (the optimizer steps from a gradient in another dtype or device),
 under tensor parallelism (a gradient is a slice), and after ``step_in_backward`` (the gradient
 is gone, already applied). Leaving ``param.grad = None`` there made

@@ -1,8 +1,11 @@
 """Where one unit group's gradients live between backward and step: full or sharded.
 
-* ``FullGradients`` (level 'os'): a full-size gradient per bucket, averaged in place by an
-  all-reduce. ``param.grad`` is a view of it where that is the very memory the optimizer steps
-  from (so autograd accumulates straight into the bucket and torch's clip on it is exact).
+* ``FullGradients`` (level 'os' with ``whole_grads=True``): a full-size gradient per bucket,
+  averaged in place by an all-reduce. ``param.grad`` is a view of it where that is the very
+  memory the optimizer steps from (so autograd accumulates straight into the bucket and
+  torch's clip on it is exact).
+* ``ScatteredGradients`` ('os' by default, the ZeRO paper's stage 1): the same full-size
+  gradient per bucket, but reduce-scattered: only this rank's chunk of it is averaged.
 * ``ShardedGradients`` ('os_g', 'p_g_os'): only this rank's shard of each bucket's gradient
   persists. During backward the parameters' gradients are staged into a full-size buffer from
   the ``StagingPool``, which the reduce-scatter reads (and, hybrid, then all-reduces the shard

@@ -1,10 +1,12 @@
 """How a bucket's gradients are averaged across ranks: the collective a group's gradients
 (``core/gradients.py``) start.
 
-* ``AllReduce`` (``FullGradients``, 'os'): every rank keeps the full averaged gradient.
-* ``ReduceScatter`` (``ShardedGradients``, 'os_g', 'p_g_os'): every rank keeps only its shard
-  of the average; the staged full-size bucket is the collective's input, and on gloo a
-  receive buffer of (N-1)/N of it (``scratch_numel``) takes the peers' chunks.
+* ``AllReduce`` (``FullGradients``, 'os' with ``whole_grads=True``): every rank keeps the full
+  averaged gradient.
+* ``ReduceScatter`` (``ShardedGradients``, 'os_g', 'p_g_os'; ``ScatteredGradients``, 'os' by
+  default): every rank keeps only its shard of the average; the staged (at 'os': the kept)
+  full-size bucket is the collective's input, and on gloo a receive buffer of (N-1)/N of it
+  (``scratch_numel``) takes the peers' chunks.
 * ``ReduceScatterThenAllReduce``: reduce-scatter inside the shard group, then all-reduce the
   shard across replicas (hybrid sharding: shard inside a host, replicate across hosts).
 
