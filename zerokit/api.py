@@ -128,8 +128,8 @@ def group_sharded_parallel(
             group. ``layout.shard_group`` of a ``zerokit.Layout``.
         replica_group: hybrid sharding: the ranks holding copies of this rank's shards, on
             other hosts (Paddle's ``dp_group``): a gradient is reduce-scattered in
-            ``shard_group``, then its shard all-reduced across ``replica_group`` ('os':
-            all-reduced in both). ``layout.replica_group``.
+            ``shard_group``, then its shard all-reduced across ``replica_group`` ('os' with
+            ``whole_grads=True``: all-reduced in both). ``layout.replica_group``.
     """
     call = _resolve(
         model, optimizer, scaler, init_fn, config,
