@@ -196,9 +196,9 @@ def assign_owners(
 ) -> list[int | None]:
     """Each whole parameter's owner (None for the others), chosen over all of ``specs`` at
     once: costliest first, each to the rank with the least cost so far (ties: fewer elements
-    owned, then the lower rank). Graham's LPT: the slowest rank does at most 4/3 of the best
-    split's work, and when it is over the mean its last matrix alone decides it. ``loads``,
-    each rank's cost before these, is added to. Pure: every rank computes the same owners.
+    owned, then the lower rank). Graham's LPT: the slowest rank does at most 4/3 - 1/(3 x
+    ranks) of what the best assignment's slowest does. ``loads``, each rank's cost before
+    these, is added to. Pure: every rank computes the same owners.
 
     >>> f32, cpu = torch.float32, torch.device("cpu")
     >>> costs = (1, 1, 2)
