@@ -111,12 +111,10 @@ def group_sharded_parallel(
             (``enabled=False``) stays disabled: nothing is scaled, as with torch's.
         group: Paddle's name for ``shard_group``.
         offload, sync_buffers, buffer_max_size, segment_size, sync_comm, exclude_layer,
-            mixed_precision, step_in_backward: the ``ShardingConfig`` fields of those names;
-            None: not given (``config``'s value, else the field's default).
+            mixed_precision, step_in_backward: ``ShardingConfig``'s fields (None: not given).
         dp_group: Paddle's name for ``replica_group``.
         config: every knob in one ``ShardingConfig`` (``zerokit.load_config``'s); the
-            arguments of the same names fill it (one given both ways differently, the
-            default value too: refused).
+            arguments fill it (one given both ways differently, a default too: refused).
         init_fn: for a model built on ``meta`` (``torch.device("meta")`` or
             ``zerokit.empty_init()``): called on every module, children before parent, as
             ``model.apply(init_fn)``, to set its parameters (and, under
