@@ -107,7 +107,7 @@ TORCHRUN_SCRIPT = textwrap.dedent(
     import torch, torch.distributed as dist, zerokit
     from torch import nn
 
-    level = None if sys.argv[1] == "default" else sys.argv[1]
+    level = None if sys.argv[1] in ("default", "strategy") else sys.argv[1]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
     reference = copy.deepcopy(model)
@@ -133,10 +133,14 @@ TORCHRUN_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("level", ["default", "os"])
-def test_parallelize_under_torchrun_makes_its_process_group(tmp_path, level):
+@pytest.mark.parametrize("level", ["default", "os", "strategy"])
+def test_parallelize_under_torchrun_makes_its_process_group(tmp_path, monkeypatch, level):
     """The same rule as ``group_sharded_parallel``: launched ranks without
-    ``init_process_group`` train as the 2-rank world they are, equal to one process."""
+    ``init_process_group`` train as the 2-rank world they are, equal to one process (with no
+    level, a level, or a strategy file as ``zerokit launch --strategy`` hands it on)."""
+    if level == "strategy":
+        (tmp_path / "strategy.toml").write_text('dp = 2\nlevel = "os_g"\n')
+        monkeypatch.setenv("ZEROKIT_STRATEGY", str(tmp_path / "strategy.toml"))
     script = tmp_path / "train.py"
     script.write_text(TORCHRUN_SCRIPT)
     done = run_torchrun(script, 2, level, timeout=240)
