@@ -56,6 +56,14 @@ def test_equal_to_one_process(tmp_path, level, world):
     assert loss <= LOSS_TOL and weight <= WEIGHT_TOL, (loss, weight)
 
 
+@pytest.mark.slow
+def test_ddp_yardstick(tmp_path):
+    """The tolerance's anchor: the plain Trainer under DDP (accelerate's wrap) on 3 ranks is
+    within it of one process, as the docstring's numbers say."""
+    loss, weight = _against_one_process(tmp_path, {}, 3)  # no level: Trainer + DDP
+    assert loss <= LOSS_TOL / 5 and weight <= WEIGHT_TOL / 5, (loss, weight)
+
+
 def test_planted_bug_fails(tmp_path):
     """Clipping skipped (the Trainer's default max_grad_norm dropped): the comparison sees it."""
     loss, weight = _against_one_process(tmp_path, {"level": "os_g", "plant": "no_clip"}, 2)
@@ -68,6 +76,7 @@ def test_planted_bug_fails(tmp_path):
         pytest.param({"level": "p_g_os", "checkpointing": True}, id="gradient_checkpointing"),
         pytest.param({"level": "os_g", "optim": "adafactor"}, id="adafactor"),
         pytest.param({"level": "p_g_os", "own_optimizers": True}, id="optimizers=(opt,sched)"),
+        pytest.param({"level": "os_g", "optim": "adamw_torch_8bit"}, id="torchao_8bit"),
     ],
 )
 def test_trainer_options_equal(tmp_path, opts):
