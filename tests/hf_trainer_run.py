@@ -53,6 +53,9 @@ def training_arguments(opts: dict, world: int, out: str):
         "gradient_checkpointing": opts.get("checkpointing", False),
         **({"save_strategy": "steps", "save_steps": opts["save_steps"]}
            if opts.get("save_steps") else {}),
+        **({"save_strategy": "steps", "save_steps": 2, "load_best_model_at_end": True,
+            "metric_for_best_model": "eval_loss", "greater_is_better": opts["best"] == "max"}
+           if opts.get("best") else {}),
         **opts.get("extra", {}),
     }
     if opts.get("level"):
@@ -95,6 +98,8 @@ def train(world: int, opts: dict, out: str) -> None:
     if trainer.args.process_index == 0:
         with open(os.path.join(out, "logs.json"), "w") as f:
             json.dump(trainer.state.log_history, f)
+        with open(os.path.join(out, "best.txt"), "w") as f:
+            f.write(os.path.basename(trainer.state.best_model_checkpoint or ""))
 
 
 def run(rank: int, world: int, opts: dict, out: str) -> None:

@@ -111,6 +111,16 @@ def test_resume_at_another_world_and_level(tmp_path):
     assert loss <= LOSS_TOL and weight <= WEIGHT_TOL, (loss, weight)
 
 
+def test_load_best_model_at_end(tmp_path):
+    """load_best_model_at_end with the worse eval loss called best (greater_is_better=True), so
+    the model at the end is checkpoint-2's, not the last step's: equal to one process's."""
+    opts = {"level": "p_g_os", "best": "max"}
+    loss, weight = _against_one_process(tmp_path, opts, 3)
+    assert loss <= LOSS_TOL and weight <= WEIGHT_TOL, (loss, weight)
+    for run in ("ref", "zk"):
+        assert (tmp_path / run / "best.txt").read_text() == "checkpoint-2"
+
+
 def test_save_model_loads_with_from_pretrained(tmp_path):
     from transformers import LlamaForCausalLM
 
@@ -143,8 +153,6 @@ def _refused(match, monkeypatch=None, **kwargs):
         ({"fsdp": "full_shard"}, "fsdp"),
         ({"fp16": True}, "fp16"),
         ({"torch_compile": True}, "torch_compile"),
-        ({"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"},
-         "load_best_model_at_end"),
     ],
 )
 def test_refused_settings(kwargs, match):

@@ -23,7 +23,7 @@ How the Trainer's steps map:
 * ``bf16=True`` -> ``MixedPrecision("bf16")`` with fp32 master shards and an fp32 loss;
 * ``save_steps`` -> zerokit's sharded checkpoint (model and optimizer) in ``checkpoint-N/zerokit``
   beside the Trainer's scheduler, RNG and ``trainer_state.json``; ``resume_from_checkpoint``
-  loads it at any world size and level;
+  loads it at any world size and level, ``load_best_model_at_end`` the best one's model;
 * ``save_model()`` -> a Hugging Face directory (``config.json`` + safetensors), consolidated
   by streaming the sharded checkpoint: no rank holds the whole model.
 
@@ -118,12 +118,6 @@ def check_arguments(args: TrainingArguments, model: Any) -> None:
         )
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
         raise ValueError(f"{WHO}: a 4-bit or 8-bit quantized base (QLoRA) is not supported")
-    if args.load_best_model_at_end:
-        raise ValueError(
-            f"{WHO}: load_best_model_at_end=True is not supported yet; keep the best checkpoint "
-            "with metric_for_best_model and save_total_limit, and load it with "
-            "resume_from_checkpoint or zerokit.checkpoint.load"
-        )
 
 
 def sharding_of(args: TrainingArguments, sharding: ShardingConfig | None) -> ShardingConfig:
@@ -221,6 +215,10 @@ class ZeroTrainerMixin:
                 f"{WHO}: {resume_from_checkpoint} holds no zerokit checkpoint ({SHARDED_DIR}/); "
                 "resume from a checkpoint a ZeroTrainer saved, or start from the model's weights"
             )
+
+    def _load_best_model(self) -> None:
+        # load_best_model_at_end: the best checkpoint-N's sharded model (not its optimizer)
+        zk_checkpoint.load(os.path.join(self.state.best_model_checkpoint, SHARDED_DIR), self.model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None:
