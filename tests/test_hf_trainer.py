@@ -206,3 +206,30 @@ def test_guide_snippet(tmp_path):
     before = R.tiny_llama().state_dict()
     assert any((v != before[k]).any() for k, v in loaded.state_dict().items())  # it trained
     assert os.path.isdir(tmp_path / "out" / "checkpoint-4" / "zerokit")
+
+
+def test_settings_from_arguments_and_file(tmp_path):
+    """--zerokit_level and --zerokit_config (ShardingConfig fields) through HfArgumentParser;
+    a level given both ways differently is refused; bf16=True is zerokit's bf16 policy."""
+    from transformers import HfArgumentParser
+
+    from zerokit import ShardingConfig
+    from zerokit.integrations.hf_trainer import ZeroTrainingArguments, sharding_of
+
+    config = tmp_path / "zerokit.toml"
+    config.write_text('level = "os"\nsegment_size = 4096\n')
+    parse = HfArgumentParser(ZeroTrainingArguments).parse_args_into_dataclasses
+    base = ["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none"]
+    (args,) = parse([*base, "--zerokit_config", str(config)])
+    got = sharding_of(args, None)
+    assert (got.level, got.segment_size, got.mixed_precision) == ("os", 4096, None)
+    (args,) = parse([*base, "--zerokit_level", "os_g", "--bf16"])
+    got = sharding_of(args, None)
+    assert got.level == "os_g" and got.mixed_precision.param_dtype == torch.bfloat16
+    assert got.mixed_precision.output_dtype == torch.float32
+    (args,) = parse([*base, "--zerokit_config", str(config), "--zerokit_level", "os_g"])
+    with pytest.raises(ValueError, match="level is given twice"):
+        sharding_of(args, None)
+    (args,) = parse([*base, "--bf16"])
+    with pytest.raises(ValueError, match="both choose a precision"):
+        sharding_of(args, ShardingConfig(level=3, mixed_precision="bf16"))

@@ -48,7 +48,7 @@ from .. import checkpoint as zk_checkpoint
 from ..api import group_sharded_parallel
 from ..checkpoint.reading import CheckpointReader
 from ..clip import clip_grad_norm_
-from ..config import ShardingConfig, load_config, merge_arguments
+from ..config import DEFAULT_LEVEL, ShardingConfig, load_config, merge_arguments
 from ..mixed_precision import as_policy
 
 WHO = "zerokit.integrations.hf_trainer"
@@ -57,7 +57,6 @@ TESTED = {"transformers": ("5.24.",), "accelerate": ("1.15.",)}
 SHARDED_DIR = "zerokit"  # checkpoint-N/zerokit: the sharded model and optimizer
 SCHEDULER_NAME = "scheduler.pt"  # the Trainer's own file names
 TRAINING_ARGS_NAME = "training_args.bin"
-DEFAULT_LEVEL = "os_g"  # as Lightning's "zerokit" strategy
 # optim= names whose optimizer reads whole parameters (transformers' Adafactor: factored second
 # moments and the update's RMS): zerokit gives each such parameter to one rank whole
 WHOLE_PARAMETER_OPTIMS = {"adafactor"}
@@ -287,5 +286,6 @@ class ZeroTrainer(ZeroTrainerMixin, Trainer):
 
     Args: as ``Trainer``'s, and ``sharding``: a ``zerokit.ShardingConfig`` (its ``level`` and
     the other fields); None reads ``args.zerokit_level`` / ``args.zerokit_config`` of
-    ``ZeroTrainingArguments`` (level ``'os_g'`` by default).
+    ``ZeroTrainingArguments`` (level ``zerokit.config.DEFAULT_LEVEL`` by default, as
+    Lightning's ``"zerokit"`` strategy).
     """
