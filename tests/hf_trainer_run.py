@@ -91,6 +91,11 @@ def train(world: int, opts: dict, out: str) -> None:
         model=model, args=args, train_dataset=token_dataset(SAMPLES, 1),
         eval_dataset=token_dataset(EVAL_SAMPLES, 2), **kwargs,
     )
+    seen = []  # the dtype the first decoder layer computes in (bf16=True: bfloat16)
+    layer = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layer.model.layers[0].mlp.register_forward_pre_hook(
+        lambda mod, _: seen.append(str(mod.up_proj.weight.dtype))
+    )
     if opts.get("plant") == "no_clip":  # the planted bug: clipping skipped
         trainer._clip_grad_norm = lambda model: torch.tensor(0.0)
     trainer.train(resume_from_checkpoint=opts.get("resume"))
@@ -98,6 +103,8 @@ def train(world: int, opts: dict, out: str) -> None:
     if trainer.args.process_index == 0:
         with open(os.path.join(out, "logs.json"), "w") as f:
             json.dump(trainer.state.log_history, f)
+        with open(os.path.join(out, "compute_dtype.txt"), "w") as f:
+            f.write(seen[0])
         with open(os.path.join(out, "best.txt"), "w") as f:
             f.write(os.path.basename(trainer.state.best_model_checkpoint or ""))
 
