@@ -119,6 +119,18 @@ def _full_optimizer_state(optimizer: torch.optim.Optimizer, state: ShardState) -
     return full
 
 
+def _held_kinds(held: dict, b: int, slots: range, what: str) -> list:
+    """The (state key, kind) pairs of one sort (``what``) held for ``bucket`` b's slots, in an
+    order every rank agrees on (each pair is one collective)."""
+    pairs = {
+        (key, kind)
+        for i in slots
+        for key, (sort, kind) in held.get((b, i), {}).items()
+        if sort == what
+    }
+    return sorted(pairs, key=repr)
+
+
 def _bucket_state(opt_state, b: int, bucket: FlatParamBucket, held: dict, full: dict) -> None:
     slots = range(len(bucket.params))
     for i in slots:
@@ -126,15 +138,7 @@ def _bucket_state(opt_state, b: int, bucket: FlatParamBucket, held: dict, full: 
             if kind == "value":
                 value = value.clone() if isinstance(value, torch.Tensor) else value
                 full.setdefault(bucket.params[i], {})[key] = value
-    per_element = sorted(
-        {
-            (key, value)
-            for i in slots
-            for key, (kind, value) in held.get((b, i), {}).items()
-            if kind == "piece"
-        },
-        key=repr,
-    )
+    per_element = _held_kinds(held, b, slots, "piece")
     for key, dtype in per_element:  # one all-gather per state tensor kind, for the bucket
         shard = torch.zeros(bucket.shard_end - bucket.shard_start, dtype=dtype)
         shard = shard.to(bucket.data.device)
@@ -172,15 +176,7 @@ def _quantized_state(optimizer, b: int, bucket: FlatParamBucket, held: dict, ful
     the bucket (a piece holds no more codes or scales than elements), then copied into the
     state the optimizer makes for the whole parameter."""
     slots = range(len(bucket.params))
-    kinds = sorted(
-        {
-            (key, kind)
-            for i in slots
-            for key, (what, kind) in held.get((b, i), {}).items()
-            if what == "quantized"
-        },
-        key=repr,
-    )
+    kinds = _held_kinds(held, b, slots, "quantized")
     for key, kind in kinds:
         block, signed, per_code, scale_dtype, dtype = kind
         codes, scales = _gather_codes_and_scales(optimizer.state, bucket, key, scale_dtype)
