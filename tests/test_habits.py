@@ -243,3 +243,41 @@ def _grad_sync_switches(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_require_backward_grad_sync_and_no_sync_accumulate(world_size):
     run_distributed(_grad_sync_switches, world_size)
+
+
+# -- 6. model.zero_grad() instead of the optimizer's ---------------------------------------------
+def _model_zero_grad(rank, world_size):
+    """DDP loops (and transformers' Trainer) clear gradients with ``model.zero_grad()``: it must
+    clear zerokit's gradient buffers as ``opt.zero_grad()`` does, both ways of clearing, with
+    one optimizer and with two (the model's call clears every one's gradients)."""
+    batches = global_batches(STEPS, batch=2 * world_size)
+    for level, set_to_none, two in itertools.product(
+        ("os", "os_g", "p_g_os"), (True, False), (False, True)
+    ):
+        what = f"model.zero_grad(set_to_none={set_to_none}) level={level} two optimizers={two}"
+        (ref, ref_opt), (model, opt) = reference_pair("awkward", "adamw")
+        for x, y in batches:  # one process clears the same way (a zero gradient is stepped)
+            loss_fn(ref(x), y).backward()
+            ref_opt.step()
+            ref.zero_grad(set_to_none=set_to_none)
+        if two:  # make_optimizer's two param groups as two optimizers: the same update
+            opt = [torch.optim.AdamW(**group, eps=1e-6) for group in _groups_as_kwargs(opt)]
+        model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, **SMALL[level])
+        opts = opt if isinstance(opt, list) else [opt]
+        for x, y in batches:
+            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+            loss_fn(model(x), y).backward()
+            for o in opts:
+                o.step()
+            model.zero_grad(set_to_none=set_to_none)
+        assert_same_params(model, ref, ATOL, what)
+
+
+def _groups_as_kwargs(opt) -> list[dict]:
+    keys = ("params", "lr", "weight_decay")
+    return [{k: group[k] for k in keys} for group in opt.param_groups]
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_model_zero_grad_clears_the_sharded_gradients(world_size):
+    run_distributed(_model_zero_grad, world_size)

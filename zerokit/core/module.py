@@ -2,7 +2,8 @@
 
 As FSDP2 does, the model keeps its object identity, forward and ``state_dict`` keys; its class
 becomes a subclass of the original that adds ``no_sync()``, DDP's
-``require_backward_grad_sync`` switch and DDP's ``.module`` (the model itself). Stages 1-2 keep full parameters on
+``require_backward_grad_sync`` switch, a ``zero_grad()`` that reaches zerokit's gradient
+buffers and DDP's ``.module`` (the model itself). Stages 1-2 keep full parameters on
 every rank (views of the flat buckets), so ``state_dict``/``load_state_dict`` work unchanged;
 stage 3 adds state_dict hooks that gather on demand (``hooks.py``).
 """
@@ -51,6 +52,22 @@ class ShardedModule:
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
         self._zerokit.sync_enabled = bool(value)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """DDP loops and transformers' Trainer clear gradients with ``model.zero_grad()``:
+        clear zerokit's gradient buffers too (torch's own would only reach ``param.grad``,
+        leaving the buffers to add into the next step), as every optimizer's ``zero_grad()``
+        together would; a parameter in no bucket (rank-local) is cleared as torch does."""
+        state = self._zerokit
+        state.zero_grad(set_to_none)
+        bucketed = {id(p) for bucket in state.buckets for p in bucket.params}
+        for param in self.parameters():  # type: ignore[attr-defined]
+            if id(param) in bucketed or param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                param.grad.detach_().zero_()
 
     def reduce_gradients(self) -> None:
         """Reduce the gradients accumulated under ``no_sync()`` without another backward

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from .. import checkpoint as zk_checkpoint
 from ..api import group_sharded_parallel
@@ -158,7 +158,6 @@ class ZeroTrainerMixin:
         check_arguments(self.args, self.model)
         self.sharding = sharding_of(self.args, sharding)
         self._zero_sharded = False
-        self.add_callback(ZeroGradAfterStep())
 
     # ---- the model and optimizer, sharded together ----
 
@@ -229,15 +228,6 @@ class ZeroTrainerMixin:
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
-
-
-class ZeroGradAfterStep(TrainerCallback):
-    """The Trainer clears gradients with ``model.zero_grad()``, which reaches the parameters'
-    ``.grad`` only; zerokit's gradients live in its buckets, cleared by the optimizer's
-    ``zero_grad``. Left alone, every step would add the previous steps' gradients."""
-
-    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        getattr(optimizer, "optimizer", optimizer).zero_grad()
 
 
 def export_hf(trainer: Trainer, output_dir: str) -> None:
