@@ -41,11 +41,25 @@ def run_distributed(fn, world_size: int, *args) -> None:
 
 def run_torchrun(script, nproc: int, *args: str, cwd=None, timeout: int = 300):
     """``torchrun --standalone --nproc-per-node N script args`` as a user runs it, one thread
-    per rank; returns the finished ``subprocess.CompletedProcess`` (stdout and stderr as text)."""
+    per rank; returns the finished ``subprocess.CompletedProcess`` (stdout and stderr as text).
+    torchrun and its ranks run in a session of their own: past ``timeout``, or when the test's
+    time limit interrupts the wait, the whole session is killed, ranks included (killing
+    torchrun alone would leave its ranks in a collective for the rest of the suite)."""
+    import signal
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += ["--nproc-per-node", str(nproc), str(script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

@@ -99,7 +99,7 @@ def train(world: int, opts: dict, out: str) -> None:
     if opts.get("plant") == "no_clip":  # the planted bug: clipping skipped
         trainer._clip_grad_norm = lambda model: torch.tensor(0.0)
     trainer.train(resume_from_checkpoint=opts.get("resume"))
-    trainer.save_model(os.path.join(out, "model"))
+    trainer.save_model(opts.get("export_to") or os.path.join(out, "model"))
     if trainer.args.process_index == 0:
         with open(os.path.join(out, "logs.json"), "w") as f:
             json.dump(trainer.state.log_history, f)
@@ -209,7 +209,7 @@ def sft(world: int, opts: dict, out: str) -> None:
         eval_dataset=chat_dataset(12, 2), processing_class=tiny_tokenizer(), **kwargs,
     )
     trainer.train()
-    trainer.save_model(os.path.join(out, "model"))
+    trainer.save_model(opts.get("export_to") or os.path.join(out, "model"))
     if trainer.args.process_index == 0:
         with open(os.path.join(out, "logs.json"), "w") as f:
             json.dump(trainer.state.log_history, f)

@@ -22,7 +22,7 @@ from torch import nn
 
 import zerokit
 from zerokit.core import plan_units
-from zerokit.core.group import NotGatheredError
+from zerokit import NotGatheredError
 from zerokit.core.state import state_of
 
 STEPS = 4

@@ -90,3 +90,32 @@ def test_fabric_names_and_refusals():
 
     with pytest.raises(ValueError, match=r"Fabric\(plugins=\[MyIO"):
         Fabric(accelerator="cpu", devices=2, strategy="zerokit_os", plugins=[MyIO()])
+
+
+def test_level_given_only_in_config_is_the_level(tmp_path):
+    """``ZeroKitFabricStrategy(config=ShardingConfig(level="os"))`` trains at 'os' (its own
+    level argument is not given, so it does not compete with config's); one given both ways
+    differently is refused naming both. One rank: the wrap, not the training, is under test."""
+    from lightning.fabric import Fabric
+    from torch import nn
+
+    from zerokit import ShardingConfig
+    from zerokit.integrations.fabric import ZeroKitFabricStrategy
+
+    environ = dict(os.environ)  # Fabric sets the rendezvous variables: none may leak
+    try:
+        fabric = Fabric(accelerator="cpu", devices=1,
+                        strategy=ZeroKitFabricStrategy(config=ShardingConfig(level="os")))  # fmt: skip
+        fabric.launch()
+        model = nn.Linear(4, 4)
+        model, _ = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+        assert model.module._zerokit.level == "os"
+        both = ZeroKitFabricStrategy("os_g", config=ShardingConfig(level="os"))
+        other = nn.Linear(4, 4)
+        with pytest.raises(ValueError, match=r"level is given twice.*'os_g'.*'os'"):
+            both.setup_module_and_optimizers(other, [torch.optim.SGD(other.parameters())])
+    finally:  # the forked ranks of later tests start from this process
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)

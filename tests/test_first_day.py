@@ -144,6 +144,7 @@ def test_compare_as_a_user_runs_it(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.time_limit(960)  # past its own subprocess timeout (900 s), which names the command
 def test_readme_compare_command_exactly(tmp_path):
     """`zerokit compare` with nothing else, as README prints it: a 5.3M-parameter GPT."""
     argv = shlex.split(_readme_commands()[0].split("&&")[-1])

@@ -138,6 +138,25 @@ def test_save_model_loads_with_from_pretrained(tmp_path):
     assert any((v != R.tiny_llama().state_dict()[k]).any() for k, v in weights.items())
 
 
+def _export_into_a_file(rank, world, out):
+    blocker = os.path.join(out, "model")  # a file where save_model's directory must go
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        open(blocker, "w").close()
+    torch.distributed.barrier()
+    opts = {"level": "os_g", "steps": 1, "export_to": blocker}
+    want = FileExistsError if rank == 0 else RuntimeError  # the others name rank 0 and why
+    with pytest.raises(want) as failed:
+        R.run(rank, world, opts, out)
+    if rank:
+        assert "save_model failed on rank 0: FileExistsError" in str(failed.value)
+    torch.distributed.barrier()  # every rank came back: nobody waits on the saver
+
+
+def test_save_model_failing_on_the_saving_rank_fails_every_rank(tmp_path):
+    run_distributed(_export_into_a_file, 2, str(tmp_path / "zk"))
+
+
 # ---- refused at start-up, before anything is built (every rank runs the same check) ----
 
 def _refused(match, monkeypatch=None, **kwargs):
@@ -216,6 +235,7 @@ def test_settings_from_arguments_and_file(tmp_path):
     from transformers import HfArgumentParser
 
     from zerokit import ShardingConfig
+    from zerokit.config import DEFAULT_LEVEL
     from zerokit.integrations.hf_trainer import ZeroTrainingArguments, sharding_of
 
     config = tmp_path / "zerokit.toml"
@@ -229,9 +249,17 @@ def test_settings_from_arguments_and_file(tmp_path):
     got = sharding_of(args, None)
     assert got.level == "os_g" and got.mixed_precision.param_dtype == torch.bfloat16
     assert got.mixed_precision.output_dtype == torch.float32
-    (args,) = parse([*base, "--zerokit_config", str(config), "--zerokit_level", "os_g"])
-    with pytest.raises(ValueError, match="level is given twice"):
-        sharding_of(args, None)
+    for level in ("os_g", DEFAULT_LEVEL):  # the default given explicitly is given too
+        (args,) = parse([*base, "--zerokit_config", str(config), "--zerokit_level", level])
+        with pytest.raises(ValueError, match="level is given twice"):
+            sharding_of(args, None)
+    (args,) = parse([*base, "--zerokit_config", str(config), "--zerokit_level", "os"])
+    assert sharding_of(args, None).level == "os"  # the same value twice passes
+    (args,) = parse(base)
+    assert sharding_of(args, None).level == DEFAULT_LEVEL
+    (args,) = parse([*base, "--zerokit_level", "os"])
+    with pytest.raises(ValueError, match="given twice, as ZeroTrainer"):
+        sharding_of(args, ShardingConfig(level="os"))
     (args,) = parse([*base, "--bf16"])
     with pytest.raises(ValueError, match="both choose a precision"):
         sharding_of(args, ShardingConfig(level=3, mixed_precision="bf16"))

@@ -241,6 +241,7 @@ PRINTS = [p for doc, path in DOCUMENTS.items() for p in printed_outputs(path.rea
 
 
 @pytest.mark.slow
+@pytest.mark.time_limit(960)  # past run_printed's own timeout (900 s), which names the command
 @pytest.mark.parametrize("printed", PRINTS, ids=[p.test_id for p in PRINTS])
 def test_a_printed_output_is_what_the_command_prints(printed, tmp_path):
     done = run_printed(printed, tmp_path)

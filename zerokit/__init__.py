@@ -9,7 +9,7 @@ from . import _moved, checkpoint, data, pipeline, plans
 from .api import LEVELS, group_sharded_parallel, num_params
 from .clip import clip_grad_norm_
 from .config import ShardingConfig, load_config
-from .core import ShardedGradError
+from .core import NotGatheredError, ShardedGradError
 from .layout import Layout, init_hybrid_parallel, init_mesh
 from .meta_init import MetaInitError, empty_init
 from .mixed_precision import MixedPrecision
@@ -31,6 +31,7 @@ __all__ = [
     "Layout",
     "MetaInitError",
     "MixedPrecision",
+    "NotGatheredError",
     "ShardedGradError",
     "ShardedGradScaler",
     "ShardingConfig",

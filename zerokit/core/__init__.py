@@ -19,6 +19,7 @@ from .checks import (
 from .collectives import all_reduce_, broadcast_, communication_device
 from .compiled import plain_name, unwrap_compiled
 from .grad_placeholder import ShardedGradError, is_placeholder
+from .group import NotGatheredError
 from .module import ShardedModule, broadcast_module_state
 from .optimizer import as_optimizer_list, optimizer_params_of
 from .optimizer_needs import check_optimizer, muon_cost, needs_of, refuse_whole_on_slices
@@ -32,6 +33,7 @@ __all__ = [  # each one's use: docs/ARCHITECTURE.md, 'The core's face'
     "CoreOptions",
     "LevelRules",
     "ShardState",
+    "NotGatheredError",
     "ShardedGradError",
     "ShardedModule",
     "UnitPlan",

@@ -28,9 +28,10 @@ NAMES = {
 
 
 def check_options(
-    who: str, level: str | int, mixed_precision: Any, sharding: dict[str, Any]
-) -> str:
-    """The strategy's constructor arguments checked; returns the level's name."""
+    who: str, level: str | int | None, mixed_precision: Any, sharding: dict[str, Any]
+) -> str | None:
+    """The strategy's constructor arguments checked; returns the level's name (None: not
+    given, so ``config``'s level or the default decides, as ``group_sharded_parallel`` does)."""
     unknown = sorted(set(sharding) - SHARDING_OPTIONS)
     if unknown:
         raise TypeError(
@@ -38,7 +39,7 @@ def check_options(
             f"and the ShardingConfig fields {sorted(SHARDING_OPTIONS)}"
         )
     as_policy(mixed_precision)  # a policy, a name as group_sharded_parallel takes, or None
-    return parse_level(level)
+    return None if level is None else parse_level(level)
 
 
 def sharding_config(config: ShardingConfig | None, sharding: dict[str, Any]) -> ShardingConfig:

@@ -44,7 +44,7 @@ from torch import nn
 from .. import checkpoint as zk_checkpoint
 from ..api import group_sharded_parallel
 from ..clip import clip_grad_norm_
-from ..config import DEFAULT_LEVEL, ShardingConfig
+from ..config import ShardingConfig
 from ..core import ShardedModule, broadcast_module_state
 from ..mixed_precision import MixedPrecision
 from . import _lightning_common as common
@@ -119,7 +119,7 @@ class ZeroKitFabricStrategy(DDPStrategy):
 
     def __init__(
         self,
-        level: str | int = DEFAULT_LEVEL,
+        level: str | int | None = None,
         mixed_precision: MixedPrecision | None = None,
         config: ShardingConfig | None = None,
         process_group_backend: str | None = None,

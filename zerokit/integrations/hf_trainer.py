@@ -68,8 +68,10 @@ class ZeroTrainingArguments(TrainingArguments):
     """``TrainingArguments`` with zerokit's two settings (``HfArgumentParser`` reads them as
     ``--zerokit_level`` and ``--zerokit_config``)."""
 
-    zerokit_level: str = field(
-        default=DEFAULT_LEVEL, metadata={"help": "zerokit ZeRO level: 'os', 'os_g' or 'p_g_os'"}
+    zerokit_level: str | None = field(
+        default=None,
+        metadata={"help": "zerokit ZeRO level: 'os', 'os_g' or 'p_g_os' (default: the "
+                  f"--zerokit_config file's, else {DEFAULT_LEVEL!r})"},
     )
     zerokit_config: str | None = field(
         default=None,
@@ -120,17 +122,20 @@ def check_arguments(args: TrainingArguments, model: Any) -> None:
 
 
 def sharding_of(args: TrainingArguments, sharding: ShardingConfig | None) -> ShardingConfig:
-    """The ``ShardingConfig`` a run uses: ``sharding=``, else the arguments' file and level;
-    ``bf16=True`` as zerokit's bf16 policy with an fp32 loss."""
+    """The ``ShardingConfig`` a run uses: ``sharding=``, else the arguments' file and level
+    (a level given in both is compared, never dropped); ``bf16=True`` as zerokit's bf16
+    policy with an fp32 loss."""
+    file = getattr(args, "zerokit_config", None)
+    level = getattr(args, "zerokit_level", None)
+    if sharding is not None and (file or level is not None):
+        raise ValueError(
+            f"{WHO}: zerokit's settings are given twice, as ZeroTrainer(sharding=...) and as "
+            "--zerokit_level/--zerokit_config; give them one way"
+        )
     if sharding is None:
-        file = getattr(args, "zerokit_config", None)
         sharding = load_config(file) if file else ShardingConfig()
-        level = getattr(args, "zerokit_level", None)
-        if sharding.level is None:
-            sharding = replace(sharding, level=level or DEFAULT_LEVEL)
-        elif level != DEFAULT_LEVEL:  # both given: merge_arguments refuses two different
-            sharding = merge_arguments(sharding, source="--zerokit_level", level=level)
-    elif sharding.level is None:
+        sharding = merge_arguments(sharding, source="--zerokit_level", level=level)
+    if sharding.level is None:
         sharding = replace(sharding, level=DEFAULT_LEVEL)
     if str(getattr(args.optim, "value", args.optim)) in WHOLE_PARAMETER_OPTIMS:
         sharding = replace(sharding, whole_parameter_optimizer=True)
@@ -237,20 +242,36 @@ def export_hf(trainer: Trainer, output_dir: str) -> None:
     staging = os.path.join(os.path.dirname(os.path.abspath(output_dir)),
                            f".{os.path.basename(os.path.abspath(output_dir))}.zerokit-staging")
     zk_checkpoint.save(staging, trainer.model)
+    failure = None
     if trainer.args.should_save:
-        os.makedirs(output_dir, exist_ok=True)
         try:
-            if is_peft(trainer.model):
-                export_adapter(trainer.model, staging, trainer._zero_trainable, output_dir)
-            else:
-                zk_checkpoint.consolidate(staging, output_dir, max_shard_size=EXPORT_SHARD_SIZE)
+            _write_export(trainer, staging, output_dir)
+        except Exception as error:  # every rank must hear of it, not wait for ever
+            failure = error
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        if trainer.processing_class is not None:
-            trainer.processing_class.save_pretrained(output_dir)
-        torch.save(trainer.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
-    if dist.is_initialized():
-        dist.barrier()  # every rank returns once the directory is whole
+    failures = [None]
+    if dist.is_initialized():  # every rank returns once the directory is whole, or fails
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, None if failure is None else repr(failure))
+    if failure is not None:
+        raise failure
+    failed = [(rank, why) for rank, why in enumerate(failures) if why is not None]
+    if failed:
+        rank, why = failed[0]
+        raise RuntimeError(f"{WHO}: save_model failed on rank {rank}: {why}")
+
+
+def _write_export(trainer: Trainer, staging: str, output_dir: str) -> None:
+    """The saving rank's part of ``export_hf``: the directory from the staged shards."""
+    os.makedirs(output_dir, exist_ok=True)
+    if is_peft(trainer.model):
+        export_adapter(trainer.model, staging, trainer._zero_trainable, output_dir)
+    else:
+        zk_checkpoint.consolidate(staging, output_dir, max_shard_size=EXPORT_SHARD_SIZE)
+    if trainer.processing_class is not None:
+        trainer.processing_class.save_pretrained(output_dir)
+    torch.save(trainer.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
 
 
 def is_peft(model) -> bool:

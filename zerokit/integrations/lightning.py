@@ -64,7 +64,7 @@ from ..checkpoint.holdings import OPTIM_PREFIX
 from ..checkpoint.lightning_file import EXTRA_PREFIX
 from ..checkpoint.reading import CheckpointReader
 from ..clip import clip_grad_norm_
-from ..config import DEFAULT_LEVEL, ShardingConfig
+from ..config import ShardingConfig
 from ..core import broadcast_module_state, state_of
 from ..mixed_precision import MixedPrecision
 from . import _lightning_common as common
@@ -159,7 +159,8 @@ class ZeroKitStrategy(DDPStrategy):
     """ZeRO sharded data parallelism for ``lightning.pytorch.Trainer``; see the module doc.
 
     Args:
-        level: ``'os'``, ``'os_g'`` or ``'p_g_os'`` (or 1, 2, 3).
+        level: ``'os'``, ``'os_g'`` or ``'p_g_os'`` (or 1, 2, 3); None: ``config``'s level,
+            else zerokit's default (a level given here and in ``config`` must agree).
         mixed_precision: a ``zerokit.MixedPrecision`` policy, with ``precision="32-true"``
             (the Trainer's ``"bf16-mixed"``/``"16-mixed"`` choose one themselves).
         config: a ``zerokit.ShardingConfig``.
@@ -172,7 +173,7 @@ class ZeroKitStrategy(DDPStrategy):
 
     def __init__(
         self,
-        level: str | int = DEFAULT_LEVEL,
+        level: str | int | None = None,
         mixed_precision: MixedPrecision | None = None,
         config: ShardingConfig | None = None,
         process_group_backend: str | None = None,
