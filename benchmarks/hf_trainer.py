@@ -119,15 +119,19 @@ def _rank(rank: int, world: int, runner: str, opts: dict, out: str) -> None:
         json.dump(record, f)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help keeps the docstring's layout and shows every default."""
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--runners", default=",".join(RUNNERS))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--world", type=int, default=2, help="ranks to start")
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
+    parser.add_argument("--hidden", type=int, default=128, help="the Llama's hidden size")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
+    parser.add_argument("--vocab", type=int, default=2048, help="vocabulary size")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per sample")
+    parser.add_argument("--runners", default=",".join(RUNNERS), help="runners, comma-separated")
     parser.add_argument("--repeat", type=int, default=3, help="rounds over the runners")
     a = parser.parse_args(argv)
     opts = {k: getattr(a, k) for k in ("steps", "hidden", "layers", "vocab", "seq")}
