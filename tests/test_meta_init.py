@@ -94,7 +94,10 @@ def _equal_to_one_process(rank: int, world_size: int) -> None:
         batches = global_batches(3, 6)
         train_reference(ref, make_optimizer("adamw", ref), batches)
         train_sharded(model, opt, batches, rank, world_size)
-        assert_same_params(model, ref, 2e-5, f"{level} after 3 steps")
+        # 3e-5, not 2e-5: at world 3 one element of 42 ends 2.16e-5 from one process at every
+        # level alike, with 'os''s all-reduce too (whole_grads=True): three ranks sum its
+        # gradient in another order and AdamW (eps 1e-6) scales that rounding up
+        assert_same_params(model, ref, 3e-5, f"{level} after 3 steps")
 
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(3, marks=pytest.mark.slow)])
