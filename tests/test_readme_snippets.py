@@ -143,7 +143,9 @@ def test_the_snippets_are_found_and_marked():
     assert len(set(ids)) == len(ids), ids
     assert sum(s.output is not None for s in SNIPPETS) >= 3
     assert sum(s.nproc is None and not s.skip for s in SNIPPETS) >= 2  # the fast ones
-    assert sum(bool(s.skip) for s in SNIPPETS) <= 1, [s.test_id for s in SNIPPETS if s.skip]
+    # the call's signature, and the Trainer script (test_hf_trainer.py::test_guide_snippet runs
+    # it with its printed torchrun command and a model directory)
+    assert sum(bool(s.skip) for s in SNIPPETS) <= 2, [s.test_id for s in SNIPPETS if s.skip]
 
 
 def test_the_parser_reads_markers_and_outputs():
