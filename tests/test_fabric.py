@@ -102,7 +102,11 @@ def test_level_given_only_in_config_is_the_level(tmp_path):
     from zerokit import ShardingConfig
     from zerokit.integrations.fabric import ZeroKitFabricStrategy
 
+    import logging
+
     environ = dict(os.environ)  # Fabric sets the rendezvous variables: none may leak
+    logger = logging.getLogger("zerokit")  # nor the handler the wrap installs
+    handlers, level = list(logger.handlers), logger.level
     try:
         fabric = Fabric(accelerator="cpu", devices=1,
                         strategy=ZeroKitFabricStrategy(config=ShardingConfig(level="os")))  # fmt: skip
@@ -119,3 +123,5 @@ def test_level_given_only_in_config_is_the_level(tmp_path):
             torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(environ)
+        logger.handlers[:] = handlers
+        logger.setLevel(level)
