@@ -31,6 +31,18 @@ from .reduction import AllReduce, ReduceScatter
 from .staging import StagingPool
 
 
+def clear_own_grads(params, set_to_none: bool) -> None:
+    """Parameters in no bucket (rank-local) keep their own ``.grad``: cleared as torch's
+    ``zero_grad`` clears it."""
+    for param in params:
+        if param.grad is None:
+            continue
+        if set_to_none:
+            param.grad = None
+        else:
+            param.grad.detach_().zero_()
+
+
 class _Gradients:
     """What both ways share: the buckets, the reduce dtype and the pieces' gradients."""
 

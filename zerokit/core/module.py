@@ -19,6 +19,7 @@ from torch.distributed import ProcessGroup
 
 from .checks import is_distributed
 from .collectives import broadcast_
+from .gradients import clear_own_grads
 from .state import ShardState
 
 
@@ -61,13 +62,8 @@ class ShardedModule:
         state = self._zerokit
         state.zero_grad(set_to_none)
         bucketed = {id(p) for bucket in state.buckets for p in bucket.params}
-        for param in self.parameters():  # type: ignore[attr-defined]
-            if id(param) in bucketed or param.grad is None:
-                continue
-            if set_to_none:
-                param.grad = None
-            else:
-                param.grad.detach_().zero_()
+        own = [p for p in self.parameters() if id(p) not in bucketed]  # type: ignore[attr-defined]
+        clear_own_grads(own, set_to_none)
 
     def reduce_gradients(self) -> None:
         """Reduce the gradients accumulated under ``no_sync()`` without another backward

@@ -24,6 +24,7 @@ import weakref
 import torch
 
 from .checks import is_distributed
+from .gradients import clear_own_grads
 from .optimizer_needs import is_low_bit
 from .state import ShardState
 
@@ -73,12 +74,7 @@ class ShardedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zerokit.shard_state.zero_grad(set_to_none, optimizer=self)
-        for param in self._zerokit.local_params:  # rank-local: their own .grad, as torch's
-            if param.grad is not None:
-                if set_to_none:
-                    param.grad = None
-                else:
-                    param.grad.detach_().zero_()
+        clear_own_grads(self._zerokit.local_params, set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         raise RuntimeError(
