@@ -27,6 +27,7 @@ from .optimizer import shard_optimizer_
 from .optimizer_needs import Need
 from .params import ShardedParams, WholeParams
 from .reduction import AllReduce, ReduceScatter, ReduceScatterThenAllReduce
+from .replica_sync import ReplicaSync
 from .staging import StagingPool
 from .state import ShardState
 from .units import UnitPlan, plan_groups
@@ -54,8 +55,10 @@ class CoreOptions:
     needs: dict[int, Need] | None = None
 
 
-def _reduce_scatter(group: ProcessGroup, replicas: ProcessGroup | None) -> ReduceScatter:
-    return ReduceScatterThenAllReduce(group, replicas) if replicas else ReduceScatter(group)
+def _reduce_scatter(
+    group: ProcessGroup, replicas: ProcessGroup | None, sync: ReplicaSync | None = None
+) -> ReduceScatter:
+    return ReduceScatterThenAllReduce(group, replicas, sync) if replicas else ReduceScatter(group)
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,9 @@ class LevelRules:
 
     name: str  # 'os', 'os_g' or 'p_g_os': for reports and checkpoints
     gradients: type[FullGradients | ShardedGradients]  # what each unit group holds
-    #: (shard group, replica group or None) -> how the gradients are averaged
-    reduction: Callable[[ProcessGroup, ProcessGroup | None], AllReduce | ReduceScatter]
+    #: (shard group, replica group or None, the model's ReplicaSync) -> how the gradients are
+    #: averaged
+    reduction: Callable[..., AllReduce | ReduceScatter]
     params: type[WholeParams | ShardedParams]  # how the state holds parameters between uses
 
     @property
@@ -151,7 +155,8 @@ def build(
     rules = opts.rules
     device = next((p.device for plan in plans for _, p in plan.params), _CPU)
     staging = StagingPool(device)
-    groups, root, units = _build_groups(model, plans, opts, staging)
+    replica_sync = ReplicaSync(replicas)  # one per model: its reductions and its state read it
+    groups, root, units = _build_groups(model, plans, opts, staging, replica_sync)
     checks.remember_wrapped(model.parameters())
     state = ShardState(
         model,
@@ -165,6 +170,7 @@ def build(
         replica_group=replicas,
         sync_comm=opts.sync_comm,
         frozen=[(n, p) for n, p in model.named_parameters() if not p.requires_grad],
+        replica_sync=replica_sync,
     )
     convert_module_(model, state)
     register_hooks(
@@ -182,12 +188,14 @@ def build(
     return state
 
 
-def _build_groups(model: nn.Module, plans: list[UnitPlan], opts: CoreOptions, staging):
+def _build_groups(
+    model: nn.Module, plans: list[UnitPlan], opts: CoreOptions, staging, replica_sync
+):
     """One ``UnitGroup`` per unit (its buckets, its gradients), the root unit's, and the
     (module, index) of every other unit, for the hooks."""
     mp, group, rules = opts.mixed_precision, opts.group, opts.rules
     reduce_dtype = mp.gradient_reduce_dtype()  # None: the parameters' own dtype
-    reduction = rules.reduction(group, opts.replica_group)
+    reduction = rules.reduction(group, opts.replica_group, replica_sync)
     groups, root, units = [], None, []
     for plan, layouts in plan_groups(plans, group.size(), opts.buffer_max_size, needs=opts.needs):
         buckets = [

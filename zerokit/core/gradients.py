@@ -303,9 +303,14 @@ class ScatteredGradients(FullGradients):
         scratch = (
             self._staging.acquire(self._scratch[b], self._dtype(b)) if self._scratch[b] else None
         )
-        pending = self._reduction.start(full, chunk, bucket.ranges, scratch, accumulate=False)
+        # the kept chunk is added before any replica step, so a deferred replica reduction
+        # (core/replica_sync.py) averages what the earlier micro-batches accumulated too
+        pending = self._reduction.start(
+            full, chunk, bucket.ranges, scratch, accumulate=False,
+            then=lambda: self._add_kept(chunk, kept, scratch),
+        )
         self._reduced[b] = self._averaged[b] = True
-        return pending.then(lambda: self._add_kept(chunk, kept, scratch))
+        return pending
 
     def _add_kept(self, chunk: torch.Tensor, kept, scratch) -> None:
         if kept is not None:

@@ -36,6 +36,10 @@ class ShardedModule:
         >>> #     with model.no_sync(): loss_fn(model(x)).backward()
         >>> # loss_fn(model(micro_batches[-1])).backward()   # reduces the accumulated sum
         """
+        if self._zerokit.replica_sync.replaces_no_sync and self._zerokit.replica_sync.applies:
+            with self.defer_replica_sync():  # no_sync_defers_replica_sync = True
+                yield
+            return
         state = self._zerokit
         previous, state.sync_enabled = state.sync_enabled, False
         try:
@@ -43,16 +47,73 @@ class ShardedModule:
         finally:
             state.sync_enabled = previous
 
+    @contextlib.contextmanager
+    def defer_replica_sync(self) -> Iterator[None]:
+        """Hybrid sharding: accumulate inside each shard group, cross replicas once per step.
+
+        A backward inside reduce-scatters in the shard group and adds into the sharded
+        gradient, but skips the cross-replica all-reduce; the first backward outside (the last
+        micro-batch) averages the whole accumulated shard across replicas. Gradients stay
+        sharded (unlike ``no_sync()``, which holds full ones). Without a replica group it
+        changes nothing. ``optimizer.step()``, clipping and the scaler refuse until the
+        boundary backward ran; ``zero_grad()`` drops what was accumulated.
+
+        >>> # for x in micro_batches[:-1]:
+        >>> #     with model.defer_replica_sync(): (loss_fn(model(x)) / k).backward()
+        >>> # (loss_fn(model(micro_batches[-1])) / k).backward()   # crosses hosts once
+        """
+        sync = self._zerokit.replica_sync
+        previous, sync.deferred = sync.deferred, True
+        try:
+            yield
+        finally:
+            sync.deferred = previous
+
+    @property
+    def requires_replica_sync(self) -> bool:
+        """The switch behind ``defer_replica_sync()`` (FSDP2's ``set_requires_all_reduce``):
+        False, each backward leaves the cross-replica average to the next backward with it
+        True. Read by each backward, so set it before the backward."""
+        return not self._zerokit.replica_sync.deferred
+
+    @requires_replica_sync.setter
+    def requires_replica_sync(self, value: bool) -> None:
+        self._zerokit.replica_sync.deferred = not value
+
+    @property
+    def no_sync_defers_replica_sync(self) -> bool:
+        """What ``no_sync()`` and ``require_backward_grad_sync = False`` mean under hybrid
+        sharding; they are what Lightning's ``accumulate_grad_batches``, Fabric's
+        ``no_backward_sync`` and accelerate's (HF Trainer's) accumulation call. False (the
+        default, DDP's meaning): nothing is reduced, full gradients are held. True: they
+        defer only the cross-replica reduction, as ``defer_replica_sync()`` does. No effect
+        without a replica group."""
+        return self._zerokit.replica_sync.replaces_no_sync
+
+    @no_sync_defers_replica_sync.setter
+    def no_sync_defers_replica_sync(self, value: bool) -> None:
+        self._zerokit.replica_sync.replaces_no_sync = bool(value)
+
     @property
     def require_backward_grad_sync(self) -> bool:
         """DDP's switch, which HF accelerate and Lightning set to ``False`` on the accumulation
         steps: while False, backward accumulates gradients locally exactly as inside
-        ``no_sync()`` (the same flag). Read by each backward, so set it before the backward."""
+        ``no_sync()`` (the same flag; with ``no_sync_defers_replica_sync``, the replica step's
+        flag). Read by each backward, so set it before the backward."""
+        if self._defers():
+            return not self._zerokit.replica_sync.deferred
         return self._zerokit.sync_enabled
 
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
-        self._zerokit.sync_enabled = bool(value)
+        if self._defers():
+            self._zerokit.replica_sync.deferred = not value
+        else:
+            self._zerokit.sync_enabled = bool(value)
+
+    def _defers(self) -> bool:
+        sync = self._zerokit.replica_sync
+        return sync.replaces_no_sync and sync.applies
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """DDP loops and transformers' Trainer clear gradients with ``model.zero_grad()``:

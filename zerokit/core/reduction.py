@@ -10,6 +10,9 @@
 * ``ReduceScatterThenAllReduce``: reduce-scatter inside the shard group, then all-reduce the
   shard across replicas (hybrid sharding: shard inside a host, replicate across hosts).
 
+Under hybrid sharding both consult the model's ``ReplicaSync`` (``core/replica_sync.py``):
+while it is deferred, the replica step is skipped, so only the shard group's bytes move.
+
 A reduction holds no buffers: the gradients object owns them and passes them in.
 """
 
@@ -28,6 +31,7 @@ from .collectives import (
     start_all_reduce_mean,
     start_reduce_scatter_mean,
 )
+from .replica_sync import ReplicaSync
 
 
 @dataclass(frozen=True)
@@ -37,10 +41,11 @@ class AllReduce:
 
     group: ProcessGroup
     replicas: ProcessGroup | None = None
+    sync: ReplicaSync | None = None  # deferred: the replica step waits for the boundary
 
     def start(self, full: torch.Tensor, ranges: Ranges = None) -> Pending:
         pending = start_all_reduce_mean(full, self.group)
-        if self.replicas is None or self.replicas.size() == 1:
+        if not _crosses(self.replicas, self.sync):
             return pending
         # Across replicas only this rank's shard travels (P/N bytes, not P), then the shards
         # are gathered inside the group again: the slow link carries what 'os_g' sends.
@@ -71,12 +76,15 @@ class ReduceScatter:
         ranges: Ranges = None,
         scratch: torch.Tensor | None = None,
         accumulate: bool = True,
+        then=None,
     ) -> Pending:
         """``accumulate``: add to what ``shard`` holds (backwards between steps add up); False:
-        overwrite it (a shard just allocated, its contents undefined)."""
-        return start_reduce_scatter_mean(
+        overwrite it (a shard just allocated, its contents undefined). ``then``: run once the
+        shard group's average is in ``shard``, before any replica step."""
+        pending = start_reduce_scatter_mean(
             full, shard, self.group, accumulate=accumulate, ranges=ranges, scratch=scratch
         )
+        return pending if then is None else pending.then(then)
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,7 @@ class ReduceScatterThenAllReduce(ReduceScatter):
     """
 
     replicas: ProcessGroup | None = None
+    sync: ReplicaSync | None = None  # deferred: the replica step waits for the boundary
 
     def start(
         self,
@@ -97,8 +106,17 @@ class ReduceScatterThenAllReduce(ReduceScatter):
         ranges: Ranges = None,
         scratch: torch.Tensor | None = None,
         accumulate: bool = True,
+        then=None,
     ) -> Pending:
-        pending = super().start(full, shard, ranges, scratch, accumulate)
-        if self.replicas is None or self.replicas.size() == 1:
+        pending = super().start(full, shard, ranges, scratch, accumulate, then)
+        if not _crosses(self.replicas, self.sync):
             return pending
         return pending.then(lambda: start_all_reduce_mean(shard, self.replicas).finish())
+
+
+def _crosses(replicas: ProcessGroup | None, sync: ReplicaSync | None) -> bool:
+    """Does this reduction average across replicas now? (Not while the replica step is
+    deferred to the step's last micro-batch: ``core/replica_sync.py``.)"""
+    if replicas is None or replicas.size() == 1:
+        return False
+    return sync is None or not sync.skips_replicas()

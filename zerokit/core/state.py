@@ -33,6 +33,7 @@ from .collectives import Pending, all_reduce_, communication_device, start_all_r
 from .flat_param import FlatParamBucket, Storage
 from .group import Phase, UnitGroup
 from .params import ShardedParams, WholeParams
+from .replica_sync import ReplicaSync
 from .stand_in import is_stand_in
 
 #: most groups whose reductions are in flight at once; the oldest is finished before another
@@ -44,6 +45,12 @@ MAX_GROUPS_IN_FLIGHT = 1
 # again with a part of the batch's gradient: AdamW's count doubles and the model drifts from
 # one process. Which backward is the last of a step cannot be known while it runs, so the
 # second is refused before it does anything.
+_DEFERRED_STEP = (
+    "step_in_backward=True steps the optimizer inside every synchronised backward, so the "
+    "cross-replica reduction cannot wait for a later micro-batch: leave defer_replica_sync() "
+    "(requires_replica_sync = True), or accumulate under model.no_sync(), or wrap without "
+    "step_in_backward. Nothing of this backward was applied"
+)
 _STEPPED_TWICE = (
     "step_in_backward=True: this backward follows a synchronised backward that already "
     "stepped the optimizer, and optimizer.step() was not called since; every backward outside "
@@ -69,6 +76,7 @@ class ShardState:
         replica_group: ProcessGroup | None = None,
         sync_comm: bool = False,
         frozen: list[tuple[str, nn.Parameter]] = (),
+        replica_sync: ReplicaSync | None = None,
     ):
         self._model = weakref.ref(model)  # the model holds this state: no strong cycle back
         self.level = level  # its name, for reports and checkpoints; never tested here
@@ -77,6 +85,9 @@ class ShardState:
         self.presence = presence.Presence(process_group)  # this rank's last call, for waits
         self.tp_group = tp_group  # given at wrap time: ranks holding other slices of tp layers
         self.replica_group = replica_group  # hybrid sharding: ranks holding the same shards
+        # hybrid accumulation: the replica step deferred to the boundary (core/replica_sync.py)
+        self.replica_sync = replica_sync if replica_sync is not None else ReplicaSync(None)
+        self._vote_crossed = True  # the pending order vote included the replicas
         self.groups = groups
         self.root_group = root_group
         self.staging = staging
@@ -174,7 +185,9 @@ class ShardState:
         extra = [g for g in (self.replica_group, self.tp_group) if g is not None and g.size() > 1]
         return [self.process_group, *extra]
 
-    def check_ready_for_step(self) -> None:
+    def check_ready_for_step(self, deferred_ok: bool = False) -> None:
+        """``deferred_ok``: gradients whose replica step was deferred may be waiting (a
+        ``zero_grad`` drops them; a step, clip or unscale must not read them)."""
         checks.check_params_intact(self.buckets, self._frozen)
         if self.in_backward:
             raise RuntimeError("optimizer.step() was called while a backward was still running")
@@ -183,6 +196,8 @@ class ShardState:
                 "gradients accumulated under no_sync() were never reduced across ranks: run the "
                 "last micro-batch's backward outside `with model.no_sync():` before step()"
             )
+        if not deferred_ok:
+            self.replica_sync.check_step()
 
     def owned_grad_pieces(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(parameter, gradient of this rank's piece): every element of the model once."""
@@ -208,7 +223,7 @@ class ShardState:
     def zero_grad(self, set_to_none: bool = True, optimizer=None) -> None:
         """Zero the gradients ``optimizer`` steps (every gradient: when it is the model's only
         optimizer, or the last of them to zero; the buffers are freed then)."""
-        self.check_ready_for_step()
+        self.check_ready_for_step(deferred_ok=True)
         if optimizer is not None and len(self._optimizer_ids) > 1:
             self._zeroed.add(id(optimizer))
             if not self._zeroed >= self._optimizer_ids:
@@ -217,6 +232,7 @@ class ShardState:
                     g.zero_grad_of(ids, set_to_none)
                 return
         self._zeroed.clear()
+        self.replica_sync.clear()  # the deferred accumulation is dropped with the gradients
         for g in self.groups:
             g.zero_grad(set_to_none)
 
@@ -339,7 +355,7 @@ class ShardState:
         rank's order differs from the last agreed one), nothing at one rank. Started here, at
         the end of a forward; ``_settle_order_vote`` reads the result when backward first
         needs it (``_launch_ready``), so at 'os'/'os_g' the forward never blocks on it."""
-        groups = [g for g in self._data_groups() if g.size() > 1]
+        groups = [g for g in self._data_groups(this_backward=True) if g.size() > 1]
         if not groups or not self.params.order_check_needed(self, groups):
             self._settle_order_vote()  # an earlier forward's, whose backward has not come
             self._order_agreed = True
@@ -353,6 +369,7 @@ class ShardState:
         # an earlier forward's vote (its backward has not come: every rank alike) is kept
         # and finished with this one; this one's order includes it, so it decides
         self._order_votes.append((pending, both, list(self.forward_order)))
+        self._vote_crossed = self.replica_group in groups or not self.replica_sync.applies
 
     def _settle_order_vote(self) -> None:
         """Wait for the votes ``_start_order_vote`` started, if any, and act on the last."""
@@ -365,7 +382,8 @@ class ShardState:
         agreed = int(both[0]) == -int(both[1])
         if not agreed:
             self.params.order_differs()  # stage 3 refuses; otherwise: the registration order
-        self.agreed_order = order if agreed else None
+        if self._vote_crossed:  # a vote inside the shard group binds no other replica
+            self.agreed_order = order if agreed else None
         self._order_agreed = agreed
 
     @functools.cached_property
@@ -387,6 +405,9 @@ class ShardState:
         if self._step_open:
             self._drop_forward()
             raise RuntimeError(_STEPPED_TWICE)
+        if self._steppers is not None and self.replica_sync.skips_replicas():
+            self._drop_forward()
+            raise RuntimeError(_DEFERRED_STEP)
         self.in_backward = True
         self._zeroed.clear()  # a zero_grad before this backward is not one of its gradients'
         Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -439,7 +460,10 @@ class ShardState:
         """Reductions launch in the reverse of the agreed forward order (the registration
         order where the ranks disagreed): the same sequence of collectives on every rank."""
         self._settle_order_vote()
-        if self._order_agreed:
+        # a vote inside the shard group only (taken while the replica step was deferred) does
+        # not order collectives that cross replicas: then the registration order, everyone's
+        crossing = self.replica_sync.applies and not self.replica_sync.skips_replicas()
+        if self._order_agreed and not (crossing and not self._vote_crossed):
             called = list(reversed(self.forward_order))
             return called + [k for k in self._static_order if k not in called]
         return self._static_order
@@ -495,8 +519,15 @@ class ShardState:
     def _agree_contributed(self, groups: list[UnitGroup]):
         """Which parameters of ``groups`` hold a gradient on any rank that splits the batch:
         one MAX all-reduce, one byte each. Each bucket's flags, in order."""
-        flags = [f for g in groups for bucket in g.contributed for f in bucket]  # host lists
-        data_groups = [g for g in self._data_groups() if g.size() > 1]
+        # what earlier backwards left too (has_grad): agreed already, or, after micro-batches
+        # whose replica step was deferred, inside this shard group only
+        flags = [
+            c or h
+            for g in groups
+            for contributed, had in zip(g.contributed, g.has_grad)
+            for c, h in zip(contributed, had)
+        ]
+        data_groups = [g for g in self._data_groups(this_backward=True) if g.size() > 1]
         if data_groups:  # on the control device: no device-to-host read where gloo can reduce
             contributed = torch.tensor(flags, dtype=torch.uint8).to(self.control_device)
             for group in data_groups:
@@ -524,6 +555,7 @@ class ShardState:
             for g in self.groups:
                 g.finish_backward([next(flags) for _ in g.buckets])
             self._unsynced = False
+            self.replica_sync.backward_done()
         else:
             for g in self.groups:  # gradients stay in param.grad until a synchronised backward
                 g.reset()
@@ -534,9 +566,12 @@ class ShardState:
         self._graph_pending = False
         self.params.backward_done()
 
-    def _data_groups(self) -> list[ProcessGroup]:
-        """The ranks that split the batch: the shard group and its replicas."""
-        return [g for g in (self.process_group, self.replica_group) if g is not None]
+    def _data_groups(self, this_backward: bool = False) -> list[ProcessGroup]:
+        """The ranks that split the batch: the shard group and its replicas (``this_backward``:
+        not the replicas while their reduction is deferred, so nothing crosses hosts)."""
+        skip = this_backward and self.replica_sync.skips_replicas()
+        replicas = None if skip else self.replica_group
+        return [g for g in (self.process_group, replicas) if g is not None]
 
 
 def state_of(obj) -> ShardState | None:
