@@ -434,6 +434,12 @@ def _add_plan_parser(commands) -> None:
         help="--level os: all-reduce whole gradients (every rank's .grad whole, 3Ψ(N-1)/N a "
         "step) instead of the default reduce-scatter (DDP's 2Ψ(N-1)/N)",
     )  # fmt: skip
+    plan.add_argument(
+        "--accumulation", type=int, default=PlanConfig.accumulation, metavar="K",
+        help="micro-batches per step: also print the bytes per micro-batch and per step within "
+        "a host and across hosts, reducing every micro-batch, under defer_replica_sync() and "
+        "under no_sync() (default %(default)s)",
+    )  # fmt: skip
     plan.add_argument("--json", metavar="PATH", help="also write the report as JSON")
 
 
@@ -454,6 +460,7 @@ def _plan(args) -> int:
                 mixed_precision=args.mixed_precision,
                 optimizer=args.optimizer,
                 whole_grads=args.whole_grads,
+                accumulation=args.accumulation,
             )
         )
     except ValueError as e:

@@ -116,7 +116,9 @@ def stand_in_world(rank: int, world: int, backend: str = stand_in.BACKEND) -> It
                 dist.destroy_process_group()
 
 
-def _play(job: Job, rank: int, factory: Callable) -> RankRun:
+def _wrapped(job: Job, rank: int, factory: Callable):
+    """The job's model on meta, wrapped as the real run wraps it: (roles of the groups by id,
+    workload, model, optimizer, scaler or None, this rank's batch on meta)."""
     roles, kwargs, layout = job_groups(job, rank)
     work = _meta_workload(factory, job, layout)
     opt = OPTIMIZERS[job.optimizer](work.model)
@@ -126,7 +128,12 @@ def _play(job: Job, rank: int, factory: Callable) -> RankRun:
         scaler=ShardedGradScaler() if job.low == torch.float16 else None,
         config=ShardingConfig(whole_grads=job.whole_grads), **kwargs,
     )  # fmt: skip
-    x, y = (t.to("meta") for t in work.make_batch(0, job.rows))
+    batch = tuple(t.to("meta") for t in work.make_batch(0, job.rows))
+    return roles, work, model, opt, scaler, batch
+
+
+def _play(job: Job, rank: int, factory: Callable) -> RankRun:
+    roles, work, model, opt, scaler, (x, y) = _wrapped(job, rank, factory)
     for _step in range(2):  # the second step is the steady one
         for g in recording_groups():
             g.calls.clear()
@@ -141,6 +148,68 @@ def _play(job: Job, rank: int, factory: Callable) -> RankRun:
     calls = [(roles.get(id(g), "model"), c) for g in recording_groups() for c in g.calls]
     memory = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer}
     return RankRun(rank, memory, calls, step_flops(as_list(opt)))
+
+
+#: how the micro-batches of an accumulated step are reduced: each one in full ("every"), the
+#: cross-replica step deferred to the last ("defer": ``model.defer_replica_sync()``), nothing
+#: but the last ("no_sync": ``model.no_sync()``)
+ACCUMULATION_MODES = ("every", "defer", "no_sync")
+
+
+@dataclass(frozen=True)
+class AccumulatedStep:
+    """What one rank sent in a steady step of several micro-batches, and held between them."""
+
+    micro_batches: list[list[tuple[str, stand_in.Call]]]
+    """Per micro-batch, forward and backward: (the group's role, the call), as issued."""
+    step: list[tuple[str, stand_in.Call]]
+    """The optimizer step's (after the last micro-batch)."""
+    grads_between: int
+    """Gradient bytes held after the first micro-batch (``measure``'s: zerokit's buffers and
+    every ``.grad``)."""
+
+
+def run_accumulation(job: Job, rank: int, factory: Callable, k: int, mode: str):
+    """Play rank ``rank`` of ``job`` for two steps of ``k`` micro-batches each, reduced as
+    ``mode`` says (``ACCUMULATION_MODES``); the second step's ``AccumulatedStep``."""
+    with stand_in_world(rank, job.world):
+        try:
+            return _play_accumulation(job, rank, factory, k, mode)
+        except Exception as e:
+            raise DryRunError(
+                f"playing rank {rank} of {job.world} ({k} micro-batches, {mode}) failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+
+
+def _play_accumulation(job: Job, rank: int, factory: Callable, k: int, mode: str):
+    roles, work, model, opt, scaler, (x, y) = _wrapped(job, rank, factory)
+    scopes = {"every": contextlib.nullcontext, "defer": model.defer_replica_sync}
+    scope = scopes.get(mode, model.no_sync)
+    for _step in range(2):  # the second step is the steady one
+        micro, grads = [], 0
+        for m in range(k):
+            for g in recording_groups():
+                g.calls.clear()
+            with scope() if m < k - 1 else contextlib.nullcontext():
+                set_phase("forward")
+                loss = work.loss_fn(model(x), y)
+                set_phase("backward")
+                (scaler.scale(loss) if scaler else loss).backward()
+            micro.append(_calls(roles))
+            if m == 0:
+                grads = measure(model, opt).grads  # .grad and zerokit's buffers
+        for g in recording_groups():
+            g.calls.clear()
+        set_phase("step")
+        with meta_scalars():
+            step_and_zero(opt, scaler)
+        step = _calls(roles)
+    return AccumulatedStep(micro, step, grads)
+
+
+def _calls(roles: dict[int, str]) -> list[tuple[str, stand_in.Call]]:
+    return [(roles.get(id(g), "model"), c) for g in recording_groups() for c in g.calls]
 
 
 def job_groups(job: Job, rank: int) -> tuple[dict[int, str], dict, object]:

@@ -35,6 +35,7 @@ from ..layout import Layout, init_hybrid_parallel
 from ..memory import STATE_PER_PARAM, paper_bytes_per_step
 from ..mixed_precision import PRECISIONS, MixedPrecision
 from .dry_run import NO_VALUES, DryRunError, Job, RankRun, run_rank, stand_in_world
+from .plan_links import link_bytes
 from .plan_optimizers import FLOPS_RULE, OPTIMIZERS, as_list
 from .workload import accepts_layout, as_workload, load_factory, tp_workload
 
@@ -79,6 +80,11 @@ class PlanConfig:
     whole_grads: bool = False
     """Level 'os': all-reduce whole gradients (``ShardingConfig.whole_grads``, 3Ψ(N-1)/N a
     step) instead of the default reduce-scatter (the paper's 2Ψ(N-1)/N)."""
+    accumulation: int = 1
+    """Micro-batches per optimizer step (gradient accumulation). Above 1 the report gains
+    ``links`` (``zerokit.tools.plan_links``): bytes per micro-batch and per step within a host
+    and across hosts, reducing every micro-batch, under ``defer_replica_sync()`` and under
+    ``no_sync()``."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,11 @@ def check_config(cfg: PlanConfig) -> None:
             + (" (the data-parallel ones: --world / --tp)" if cfg.tp > 1 else "")
             + (" (the data-parallel ones of a stage: --world / --pp)" if cfg.pp > 1 else "")
         )
+    if cfg.accumulation < 1 or (cfg.accumulation > 1 and cfg.pp > 1):
+        raise ValueError(
+            f"--accumulation {cfg.accumulation} must be at least 1, and 1 with --pp (a "
+            "pipeline's micro-batches are --micro-batches)"
+        )
     if cfg.optimizer not in OPTIMIZERS:
         raise ValueError(
             f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}"
@@ -179,7 +190,13 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
     units = per_tp_rank[0][0]
     psi = sum(b.numel for u in units for b in u.layouts)  # what ZeRO shards on a rank
     itemsize = low.itemsize if low is not None else units[0].master if units else 4
+    links = {}
+    if cfg.accumulation > 1:  # each way to accumulate, played: bytes by link
+        sent = lambda call: Collective(call.op, call.group_size, call.bytes, "").sent  # noqa: E731
+        links["links"] = link_bytes(job, factory, cfg.accumulation, sent)
+        links["accumulation"] = cfg.accumulation
     return {
+        **links,
         "params": psi_model if cfg.tp > 1 else psi,
         **report_head(cfg, degree, batch),
         "tp": cfg.tp,

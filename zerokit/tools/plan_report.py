@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..memory import format_bytes, paper_volume
 from .plan import summarize
+from .plan_links import format_links
 
 _MEMORY = ("params", "grads", "optimizer", "transient", "activations")
 
@@ -22,6 +23,8 @@ def format_plan(report: dict) -> str:
         if "stage" in body:
             who += f", stage {body['stage']}"
         lines += _collectives(report, body, who)
+    if "links" in report:  # --accumulation: bytes by link, each way to accumulate
+        lines += format_links(report["links"], report["accumulation"])
     return "\n".join(lines + _flops(report))
 
 
