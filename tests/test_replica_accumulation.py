@@ -252,3 +252,107 @@ def _without_replicas(rank, world):
 
 def test_without_replicas_it_is_a_no_op():
     run_distributed(_without_replicas, 2)
+
+
+# -- zerokit plan --accumulation against a counting group per process group ------------------
+PLAN_MODEL, PLAN_SEQ, PLAN_BUFFER, PLAN_K = "verify_models:tiny_gpt", 8, 600, 3
+_HELPERS = {  # zerokit's collective helpers: (op as the plan names it, where the group is)
+    "start_all_reduce_mean": ("all_reduce", 1),
+    "start_all_reduce_": ("all_reduce", 1),
+    "all_reduce_": ("all_reduce", 1),
+    "start_reduce_scatter_mean": ("reduce_scatter", 2),
+    "start_all_gather_": ("all_gather", 1),
+    "broadcast_": ("broadcast", 1),
+}
+
+
+def _count_helpers(calls: list):
+    """Wrap the helpers wherever zerokit imported them: (group, op, bytes of the whole
+    tensor) per logical collective, the plan's unit."""
+    import sys
+
+    from zerokit.core import collectives
+
+    for name, (op, at) in _HELPERS.items():
+        original = getattr(collectives, name)
+
+        def counted(*args, _fn=original, _op=op, _at=at, **kwargs):
+            group = kwargs["group"] if "group" in kwargs else args[_at]
+            if group is not None and group.size() > 1 and not getattr(counted_depth, "n", 0):
+                calls.append((group, _op, args[0].numel() * args[0].element_size()))
+            counted_depth.n = getattr(counted_depth, "n", 0) + 1
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                counted_depth.n -= 1
+
+        for module in list(sys.modules.values()):
+            if module.__name__.startswith("zerokit") and getattr(module, name, None) is original:
+                setattr(module, name, counted)
+
+
+class _Depth:
+    n = 0
+
+
+counted_depth = _Depth()
+
+
+def _links(calls, replicas) -> dict[str, int]:
+    from zerokit.tools.plan import Collective
+
+    out = {"within": 0, "across": 0}
+    for group, op, nbytes in calls:
+        sent = round(Collective(op, group.size(), nbytes, "").sent)
+        out["across" if group is replicas else "within"] += sent
+    return out
+
+
+def _real_links_equal_plan(rank, world, plans):
+    from zerokit.tools.workload import build_workload, load_factory
+
+    calls: list = []
+    _count_helpers(calls)
+    group, replicas = _groups(2, 2)
+    for level, links in plans.items():
+        for mode, planned in links.items():
+            torch.manual_seed(0)
+            work = build_workload(load_factory(PLAN_MODEL), batch=2 * world, seq=PLAN_SEQ, per_rank=2)
+            opt = torch.optim.AdamW(work.model.parameters(), lr=1e-3)
+            model, opt, _ = zerokit.group_sharded_parallel(
+                work.model, opt, level, group=group, dp_group=replicas,
+                buffer_max_size=PLAN_BUFFER,
+            )
+            scope = {"every": contextlib.nullcontext, "defer": model.defer_replica_sync}.get(
+                mode, model.no_sync
+            )
+            x, y = (t[2 * rank : 2 * rank + 2] for t in work.make_batch(0, 2 * world))
+            for _step in range(2):  # the second is the steady one the plan describes
+                seen = []
+                for m in range(PLAN_K):
+                    calls.clear()
+                    with scope() if m < PLAN_K - 1 else contextlib.nullcontext():
+                        work.loss_fn(model(x), y).backward()
+                    seen.append(_links(calls, replicas))
+                opt.step()
+                opt.zero_grad()
+            what = f"{level} {mode} rank {rank}"
+            assert seen[0] == planned["inner_micro_batch"], (what, seen, planned)
+            assert seen[-1] == planned["last_micro_batch"], (what, seen, planned)
+
+
+def test_plan_links_equal_a_counting_group_per_process_group():
+    from zerokit.tools.plan import PlanConfig, make_plan
+
+    plans = {}
+    for level in ("os", "os_g", "p_g_os"):
+        report = make_plan(PlanConfig(
+            world=4, level=level, model=PLAN_MODEL, sharding_degree=2, batch=8, seq=PLAN_SEQ,
+            buffer_max_size=PLAN_BUFFER, accumulation=PLAN_K,
+        ))  # fmt: skip
+        links = report["links"]
+        # the deferral crosses hosts once: 1/K of reducing every micro-batch's replica bytes
+        every, defer = links["every"]["per_step"], links["defer"]["per_step"]
+        assert defer["across"] * PLAN_K == every["across"] and defer["within"] == every["within"]
+        plans[level] = links
+    run_distributed(_real_links_equal_plan, 4, plans)
