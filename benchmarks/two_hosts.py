@@ -3,20 +3,28 @@
 Host 0 is 10.77.0.1, host 1 is 10.77.0.2; each runs ``torchrun --nnodes 2 --nproc-per-node 2
 --rdzv-backend c10d --rdzv-endpoint 10.77.0.1:PORT`` with gloo bound to its veth
 (``GLOO_SOCKET_IFNAME``), so ranks on one host talk over its loopback and only traffic between
-hosts crosses the veth. The ranks run benchmarks/two_hosts_worker.py. Three checks:
+hosts crosses the veth. The ranks run benchmarks/two_hosts_worker.py. Four checks:
 
 * ``traffic``: per level, full sharding over the 4 ranks and hybrid sharding
   (``init_hybrid_parallel(2, 1, sharding_degree=2)``: shard inside a host, replicate across)
   each match one process (2e-5, final parameters); the bytes that crossed the veth per step
   (minus an idle window as long) are printed, and hybrid must send at most 1/2 (1 / sharding
   degree) of full sharding's.
+* ``accumulation``: hybrid sharding at ``--accumulation`` K (4) micro-batches a step, three
+  ways: every micro-batch reduced in full, the cross-host reduction deferred to the last
+  (``model.defer_replica_sync()``), and ``no_sync()``; each matches one process; the bytes
+  across the veth per step, the step time and the gradient bytes held between micro-batches
+  are printed with their ratios. The deferral must send at most 0.3x of reducing every
+  micro-batch, as much as ``no_sync()`` (within 10%), and hold at most 1/2 (1 / sharding
+  degree) of ``no_sync()``'s gradient bytes at 'os_g' and 'p_g_os'.
 * ``restart``: under ``--max-restarts 1``, hybrid training checkpoints (with step and RNG state)
   every 3 steps; host 1's ranks SIGKILL themselves at step 4 on the first attempt; torchrun
   restarts both hosts, the job resumes from step 3 and ends equal to one process.
 * ``shrink``: host 0 alone (``--nnodes 1``, 2 ranks) resumes that step-3 checkpoint and ends
   equal to one process.
 
-    python benchmarks/two_hosts.py                       # all three, about a minute
+    python benchmarks/two_hosts.py                       # all but accumulation, about a minute
+    python benchmarks/two_hosts.py --checks accumulation --accumulation 4
     python benchmarks/two_hosts.py --checks traffic --json two_hosts.json
 
 Needs root and ``ip netns``; without them it prints "cannot run: <why>" and exits 0. Exits 1
@@ -205,6 +213,64 @@ def check_traffic(hosts, work, args, failures) -> dict:
     return report
 
 
+DEFER_TARGET = 0.3  # the deferral's cross-host bytes per step, at most this of "every"'s
+
+
+def check_accumulation(hosts, work, args, failures) -> dict:
+    """Hybrid accumulation at ``--accumulation`` K: bytes across hosts per step and step time,
+    the cross-host reduction deferred (``defer_replica_sync()``) beside reducing every
+    micro-batch and beside ``no_sync()``, and the gradient bytes each holds between
+    micro-batches."""
+    worker_args = ["accumulation", "--levels", args.levels, "--steps", str(args.steps),
+                   "--accumulation", str(args.accumulation)]  # fmt: skip
+    codes, ranks = launch(hosts, work, "accumulation", [0, 1], worker_args + args.plant)
+    if any(codes) or len(ranks) != 2 * NPROC:
+        failures.append(f"accumulation: exit codes {codes}, {len(ranks)} rank results")
+        return {}
+    k = args.accumulation
+    print(f"accumulation {k} micro-batches a step, hybrid 2 hosts x {NPROC} ranks")
+    print("level    mode     bytes across hosts/step  step s  grads held B  max |diff|")
+    report = {"accumulation": k, "levels": {}}
+    for level in args.levels.split(","):
+        row = {}
+        for mode in ("every", "defer", "no_sync"):
+            r = ranks[0][f"{level}/{mode}"]
+            diff = max(rank[f"{level}/{mode}"]["max_diff"] for rank in ranks)
+            held = r["grads_between_micro_batches"]
+            print(
+                f"{level:8} {mode:8} {r['bytes_per_step']:>23,.0f} {r['step_s']:7.3f}"
+                f" {held:>13,}  {diff:.1e}"
+            )
+            row[mode] = {**r, "max_diff_all_ranks": diff}
+            if not diff <= ATOL:
+                failures.append(f"accumulation: {level} {mode} differs from one process by {diff}")
+        row["ratios"] = _accumulation_ratios(level, row, failures)
+        report["levels"][level] = row
+    return report
+
+
+def _accumulation_ratios(level: str, row: dict, failures: list[str]) -> dict:
+    """defer / every and defer / no_sync, in bytes, time and gradient memory, checked."""
+    ratio = {
+        f"{what} defer/{other}": row["defer"][key] / row[other][key]
+        for other in ("every", "no_sync")
+        for what, key in (("bytes", "bytes_per_step"), ("time", "step_s"),
+                          ("grads", "grads_between_micro_batches"))
+    }  # fmt: skip
+    print(f"{level:8} " + ", ".join(f"{name} = {v:.3f}" for name, v in ratio.items()))
+    if ratio["bytes defer/every"] > DEFER_TARGET:
+        failures.append(f"accumulation: {level}: defer sends {ratio['bytes defer/every']:.3f} "
+                        f"of every micro-batch's bytes (target <= {DEFER_TARGET})")  # fmt: skip
+    if not 0.9 <= ratio["bytes defer/no_sync"] <= 1.1:
+        failures.append(f"accumulation: {level}: defer sends {ratio['bytes defer/no_sync']:.3f}"
+                        " of no_sync's bytes across hosts (expected equal)")  # fmt: skip
+    # stage 1 keeps its full gradient buffer by design; stages 2-3 hold 1/S of no_sync's
+    if level != "os" and ratio["grads defer/no_sync"] > 1 / NPROC * 1.01:
+        failures.append(f"accumulation: {level}: defer holds {ratio['grads defer/no_sync']:.3f}"
+                        f" of no_sync's gradient bytes (expected <= 1/{NPROC})")  # fmt: skip
+    return ratio
+
+
 def check_restart(hosts, work, args, failures) -> dict:
     worker_args = ["train", "--levels", args.train_level, "--steps", str(TRAIN_STEPS),
                    "--every", str(EVERY), "--kill-step", str(KILL_STEP), "--kill-host", "1",
@@ -264,7 +330,10 @@ def main() -> int:
     p.add_argument(
         "--checks",
         default="traffic,restart,shrink",
-        help="comma-separated: traffic, restart, shrink (shrink needs restart)",
+        help="comma-separated: traffic, accumulation, restart, shrink (shrink needs restart)",
+    )
+    p.add_argument(
+        "--accumulation", type=int, default=4, help="micro-batches a step (accumulation check)"
     )
     p.add_argument("--levels", default="os,os_g,p_g_os", help="levels whose traffic is measured")
     p.add_argument("--steps", type=int, default=4, help="timed steps per traffic measurement")
@@ -274,10 +343,11 @@ def main() -> int:
     p.add_argument(
         "--plant",
         default="",
-        choices=("", "swap-groups", "no-replicas", "no-rng"),
+        choices=("", "swap-groups", "no-replicas", "no-rng", "early-replicas"),
         help="plant a bug in the workers, to see a check fail: swap-groups (shard "
         "across hosts, replicate inside), no-replicas (hybrid without dp_group), "
-        "no-rng (resume without the RNG state)",
+        "no-rng (resume without the RNG state), early-replicas (defer_replica_sync "
+        "defers nothing)",
     )
     args = p.parse_args()
     args.plant = ["--bug", args.plant] if args.plant else []
@@ -294,8 +364,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="zerokit-two-hosts-"))
     try:
         with TwoHosts() as hosts:
-            for name, check in (("traffic", check_traffic), ("restart", check_restart),
-                                ("shrink", check_shrink)):  # fmt: skip
+            for name, check in (("traffic", check_traffic), ("accumulation", check_accumulation),
+                                ("restart", check_restart), ("shrink", check_shrink)):  # fmt: skip
                 if name in checks:
                     report[name] = check(hosts, work, args, failures)
     finally:

@@ -1,10 +1,13 @@
 """One rank of benchmarks/two_hosts.py, started by torchrun inside a host's network namespace.
 
-Two modes, each checked on every rank against one process training on the whole global batch:
+Three modes, each checked on every rank against one process training on the whole global batch:
 
 * ``traffic``: per level, full sharding over every rank (``group=WORLD``), then hybrid sharding
   (shard inside a host, replicate across hosts); counts the bytes that crossed this host's
   veth during the timed steps, minus an idle window of the same length.
+* ``accumulation``: hybrid sharding, K micro-batches a step, reduced each in full, with the
+  cross-host reduction deferred to the last (``defer_replica_sync()``), or under ``no_sync()``;
+  the bytes across the veth per step, the step time and the gradient bytes held.
 * ``train``: hybrid sharding with a checkpoint (model, optimizer, step, RNG) every ``--every``
   steps; resumes from the newest complete one; on torchrun's first attempt the ranks of host
   ``--kill-host`` SIGKILL themselves at step ``--kill-step``.
@@ -16,6 +19,7 @@ that did not restore the RNG state would train on other data and fail the check.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import zerokit
+import zerokit.memory
 from zerokit.checkpoint import RNGState
 from zerokit.models.gpt import GPT, GPTConfig, lm_loss
 
@@ -47,17 +52,19 @@ def make_model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-6)
 
 
-def draw_batch(gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ + 1), generator=gen)  # [B, T+1]
+def draw_batch(
+    gen: torch.Generator | None = None, rows: int = BATCH
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, CONFIG.vocab_size, (rows, SEQ + 1), generator=gen)  # [B, T+1]
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def reference(steps: int) -> dict[str, torch.Tensor]:
+def reference(steps: int, rows: int = BATCH) -> dict[str, torch.Tensor]:
     """One process, the whole global batch, ``steps`` steps: what every layout must equal."""
     model, opt = make_model_and_optimizer()
     gen = torch.Generator().manual_seed(DATA_SEED)  # the same stream as the default generator
     for _ in range(steps):
-        x, y = draw_batch(gen)
+        x, y = draw_batch(gen, rows)
         lm_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
@@ -149,6 +156,63 @@ def traffic(args, rank: int, world: int) -> dict:
     return results
 
 
+ACCUMULATION_MODES = ("every", "defer", "no_sync")
+
+
+def accumulation(args, rank: int, world: int) -> dict:
+    """Hybrid sharding, ``--accumulation`` K micro-batches a step, three ways: each
+    micro-batch reduced in full (``every``), the cross-host reduction deferred to the last
+    (``defer``: ``model.defer_replica_sync()``), nothing reduced but the last (``no_sync``).
+    A step's global batch is K times the traffic check's, so each micro-batch is its size."""
+    k, rows = args.accumulation, BATCH * args.accumulation
+    ref = reference(args.warmup + args.steps, rows)
+    group, replicas, hosts = host_layout(int(os.environ["LOCAL_WORLD_SIZE"]))
+    results = {"hosts": hosts, "params": sum(p.numel() for p in make_model_and_optimizer()[0].parameters())}
+    for level in args.levels:
+        for mode in ACCUMULATION_MODES:
+            model, opt = make_model_and_optimizer()
+            model, opt, _ = zerokit.group_sharded_parallel(
+                model, opt, level, group=group, dp_group=replicas
+            )
+            if args.bug == "early-replicas" and mode == "defer":  # planted: defers nothing
+                model.defer_replica_sync = contextlib.nullcontext
+            held = []
+            torch.manual_seed(DATA_SEED)
+            step = lambda m=model, o=opt, mode=mode: accumulated_step(  # noqa: E731
+                m, o, rank, world, k, mode, held
+            )
+            for _ in range(args.warmup):
+                step()
+            moved, seconds = crossed(lambda: [step() for _ in range(args.steps)])
+            idle, _ = crossed(lambda s=seconds: time.sleep(s))
+            results[f"{level}/{mode}"] = {
+                "bytes_per_step": (moved - idle) / args.steps,
+                "step_s": seconds / args.steps,
+                "grads_between_micro_batches": held[-1],
+                "max_diff": max_diff(model, ref),
+            }
+            del model, opt
+    return results
+
+
+def accumulated_step(model, opt, rank, world, k, mode, held) -> None:
+    """One optimizer step of ``k`` micro-batches of this rank's slice; ``held`` gets the
+    gradient bytes held after the first micro-batch (``zerokit.memory.measure``'s)."""
+    x, y = draw_batch(rows=BATCH * k)
+    per = BATCH * k // world
+    xs, ys = x[rank * per : (rank + 1) * per].chunk(k), y[rank * per : (rank + 1) * per].chunk(k)
+    scope = {"defer": model.defer_replica_sync, "no_sync": model.no_sync}.get(
+        mode, contextlib.nullcontext
+    )
+    for m in range(k):
+        with scope() if m < k - 1 else contextlib.nullcontext():
+            (lm_loss(model(xs[m]), ys[m]) / k).backward()
+        if m == 0:
+            held.append(zerokit.memory.measure(model, opt).grads)
+    opt.step()
+    opt.zero_grad()
+
+
 def newest_checkpoint(directory: Path) -> Path | None:
     """The newest complete checkpoint: saves are atomic, so a ``step_N`` directory is one."""
     done = sorted(p for p in directory.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
@@ -195,7 +259,7 @@ def train(args, rank: int, world: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=("traffic", "train"))
+    p.add_argument("mode", choices=("traffic", "train", "accumulation"))
     p.add_argument("--out", required=True, help="directory for each rank's result JSON")
     p.add_argument("--levels", default="os_g,p_g_os", help="comma-separated zerokit levels")
     p.add_argument("--steps", type=int, default=4, help="timed steps, or steps in all (train)")
@@ -205,7 +269,10 @@ def main() -> None:
     p.add_argument("--resume-from", default="", help="this checkpoint, not the newest (train)")
     p.add_argument("--kill-step", type=int, default=-1, help="first attempt dies here (train)")
     p.add_argument("--kill-host", default="1", help="the host whose ranks die (train)")
-    p.add_argument("--bug", default="", help="plant a bug: swap-groups | no-replicas | no-rng")
+    p.add_argument("--accumulation", type=int, default=4, help="micro-batches a step (accumulation)")
+    p.add_argument(
+        "--bug", default="", help="plant a bug: swap-groups | no-replicas | no-rng | early-replicas"
+    )
     args = p.parse_args()
     args.levels = args.levels.split(",")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -213,7 +280,8 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        result = (traffic if args.mode == "traffic" else train)(args, rank, world)
+        modes = {"traffic": traffic, "train": train, "accumulation": accumulation}
+        result = modes[args.mode](args, rank, world)
         result.update(rank=rank, world=world, host=int(os.environ["ZK_HOST"]))
         Path(args.out, f"rank{rank}.json").write_text(json.dumps(result, indent=1))
     finally:
