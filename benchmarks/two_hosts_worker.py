@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
@@ -167,7 +168,10 @@ def accumulation(args, rank: int, world: int) -> dict:
     k, rows = args.accumulation, BATCH * args.accumulation
     ref = reference(args.warmup + args.steps, rows)
     group, replicas, hosts = host_layout(int(os.environ["LOCAL_WORLD_SIZE"]))
-    results = {"hosts": hosts, "params": sum(p.numel() for p in make_model_and_optimizer()[0].parameters())}
+    results = {
+        "hosts": hosts,
+        "params": sum(p.numel() for p in make_model_and_optimizer()[0].parameters()),
+    }
     for level in args.levels:
         for mode in ACCUMULATION_MODES:
             model, opt = make_model_and_optimizer()
@@ -176,14 +180,12 @@ def accumulation(args, rank: int, world: int) -> dict:
             )
             if args.bug == "early-replicas" and mode == "defer":  # planted: defers nothing
                 model.defer_replica_sync = contextlib.nullcontext
-            held = []
+            held: list[int] = []
             torch.manual_seed(DATA_SEED)
-            step = lambda m=model, o=opt, mode=mode: accumulated_step(  # noqa: E731
-                m, o, rank, world, k, mode, held
-            )
+            step = functools.partial(accumulated_step, model, opt, rank, world, k, mode, held)
             for _ in range(args.warmup):
                 step()
-            moved, seconds = crossed(lambda: [step() for _ in range(args.steps)])
+            moved, seconds = crossed(lambda s=step: [s() for _ in range(args.steps)])
             idle, _ = crossed(lambda s=seconds: time.sleep(s))
             results[f"{level}/{mode}"] = {
                 "bytes_per_step": (moved - idle) / args.steps,
@@ -269,7 +271,9 @@ def main() -> None:
     p.add_argument("--resume-from", default="", help="this checkpoint, not the newest (train)")
     p.add_argument("--kill-step", type=int, default=-1, help="first attempt dies here (train)")
     p.add_argument("--kill-host", default="1", help="the host whose ranks die (train)")
-    p.add_argument("--accumulation", type=int, default=4, help="micro-batches a step (accumulation)")
+    p.add_argument(
+        "--accumulation", type=int, default=4, help="micro-batches a step (accumulation)"
+    )
     p.add_argument(
         "--bug", default="", help="plant a bug: swap-groups | no-replicas | no-rng | early-replicas"
     )

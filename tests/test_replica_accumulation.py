@@ -116,8 +116,13 @@ def _matches_one_process(rank, world, sharding, k, opt_kinds, cases=CASES):
             what = f"S={sharding} R={world // sharding} k={k} {level} whole={whole} {opt_kind}"
             model = make_model("awkward")
             model, opt, _ = zerokit.group_sharded_parallel(
-                model, _optimizer(opt_kind, model), level, group=group, dp_group=replicas,
-                config=zerokit.ShardingConfig(whole_grads=whole), **SMALL[level],
+                model,
+                _optimizer(opt_kind, model),
+                level,
+                group=group,
+                dp_group=replicas,
+                config=zerokit.ShardingConfig(whole_grads=whole),
+                **SMALL[level],
             )
             seen = _train(model, opt, batches, rank, world, k, replicas)
             assert_same_params(model, ref, ATOL, what)
@@ -161,7 +166,9 @@ def _memory(rank, world, out):
                 loss_fn(model(x), y).backward()
             state = state_of(model)
             grads = state.held_tensors()["grads"] + [
-                p.grad for p in model.parameters() if type(p.grad) is torch.Tensor  # not a placeholder
+                p.grad
+                for p in model.parameters()
+                if type(p.grad) is torch.Tensor  # not a placeholder
             ]
             unique = {t.untyped_storage().data_ptr(): t for t in grads if t.numel()}
             held[(level, mode)] = sum(t.numel() * t.element_size() for t in unique.values())
@@ -221,15 +228,27 @@ def _rules(rank, world):
         loss_fn(model(x), y).backward()
     assert _replica_bytes(calls, replicas)[0] == 0 and state_of(model).replica_sync.owed
     assert any(c[0] is group for c in calls), "reduce-scattered in the shard group"
-    model.require_backward_grad_sync = False
+    model.require_backward_grad_sync = False  # accelerate's and Lightning's switch
     assert model.requires_replica_sync is False
     model.require_backward_grad_sync = True
+    loss_fn(model(x), y).backward()
+    opt.step()
+    model.zero_grad()
+    from zerokit.integrations.fabric import _NoSync  # fabric.no_backward_sync's control
+
+    with _NoSync().no_backward_sync(model, True), counting_by_group() as calls:
+        loss_fn(model(x), y).backward()
+    assert _replica_bytes(calls, replicas)[0] == 0 and state_of(model).replica_sync.owed
     loss_fn(model(x), y).backward()
     opt.step()
     # step_in_backward: each synchronised backward steps, so it cannot defer
     model = make_model("awkward")
     model, opt, _ = zerokit.group_sharded_parallel(
-        model, make_optimizer("adamw", model), "os_g", group=group, dp_group=replicas,
+        model,
+        make_optimizer("adamw", model),
+        "os_g",
+        group=group,
+        dp_group=replicas,
         step_in_backward=True,
     )
     with model.defer_replica_sync(), pytest.raises(RuntimeError, match="step_in_backward"):
@@ -317,10 +336,16 @@ def _real_links_equal_plan(rank, world, plans):
     for level, links in plans.items():
         for mode, planned in links.items():
             torch.manual_seed(0)
-            work = build_workload(load_factory(PLAN_MODEL), batch=2 * world, seq=PLAN_SEQ, per_rank=2)
+            work = build_workload(
+                load_factory(PLAN_MODEL), batch=2 * world, seq=PLAN_SEQ, per_rank=2
+            )
             opt = torch.optim.AdamW(work.model.parameters(), lr=1e-3)
             model, opt, _ = zerokit.group_sharded_parallel(
-                work.model, opt, level, group=group, dp_group=replicas,
+                work.model,
+                opt,
+                level,
+                group=group,
+                dp_group=replicas,
                 buffer_max_size=PLAN_BUFFER,
             )
             scope = {"every": contextlib.nullcontext, "defer": model.defer_replica_sync}.get(

@@ -306,7 +306,11 @@ class ScatteredGradients(FullGradients):
         # the kept chunk is added before any replica step, so a deferred replica reduction
         # (core/replica_sync.py) averages what the earlier micro-batches accumulated too
         pending = self._reduction.start(
-            full, chunk, bucket.ranges, scratch, accumulate=False,
+            full,
+            chunk,
+            bucket.ranges,
+            scratch,
+            accumulate=False,
             then=lambda: self._add_kept(chunk, kept, scratch),
         )
         self._reduced[b] = self._averaged[b] = True

@@ -15,7 +15,9 @@ adamw)``) wraps the model and its optimizers in place. Fabric's calls become zer
 * ``fabric.backward(loss)`` -> ``loss.backward()`` (scaled for ``precision="16-mixed"``);
 * ``fabric.clip_gradients(model, optimizer, max_norm=...)`` -> ``zerokit.clip_grad_norm_``,
   the norm one process computes; ``clip_val=...`` clamps the pieces each rank steps (exact);
-* ``fabric.no_backward_sync(model)`` -> ``model.no_sync()``: nothing is reduced inside;
+* ``fabric.no_backward_sync(model)`` -> ``model.no_sync()``: nothing is reduced inside (under
+  hybrid sharding with ``model.no_sync_defers_replica_sync = True``: reduce-scattered inside
+  the host, only the cross-host reduction left to the last micro-batch);
 * ``precision="bf16-mixed"``/``"16-mixed"`` -> ``MixedPrecision`` (fp32 master shards, no
   autocast), fp16 with zerokit's loss scaler;
 * ``fabric.save(path, state)`` -> a zerokit sharded checkpoint directory holding the one

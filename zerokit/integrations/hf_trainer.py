@@ -18,7 +18,8 @@ How the Trainer's steps map:
   ``accelerator.prepare``; the model is marked prepared so accelerate neither wraps it in DDP
   nor autocasts it (zerokit reduces the gradients and casts at module boundaries);
 * ``gradient_accumulation_steps`` -> the model's ``no_sync()`` (accelerate's ``no_sync`` calls
-  it): nothing is reduced until the last micro-batch;
+  it): nothing is reduced until the last micro-batch (under hybrid sharding with
+  ``model.no_sync_defers_replica_sync = True``: only the cross-host reduction waits);
 * ``max_grad_norm`` -> ``zerokit.clip_grad_norm_`` over the sharded gradients;
 * ``bf16=True`` -> ``MixedPrecision("bf16")`` with fp32 master shards and an fp32 loss;
 * ``save_steps`` -> zerokit's sharded checkpoint (model and optimizer) in ``checkpoint-N/zerokit``

@@ -17,7 +17,8 @@ keep the optimizer they were built on). Lightning's options become zerokit's:
   master shards, compute in the low dtype, the loss returned in fp32 (no autocast); fp16 adds
   zerokit's loss scaler, whose overflow check every rank agrees on;
 * ``accumulate_grad_batches`` -> ``no_sync()`` on the accumulating micro-batches (nothing is
-  reduced there);
+  reduced there; under hybrid sharding with ``no_sync_defers_replica_sync = True`` on
+  ``trainer.strategy.model``, only the cross-host reduction waits for the last);
 * ``trainer.save_checkpoint(path)`` (and ``ModelCheckpoint``) -> a zerokit sharded checkpoint
   directory, Lightning's own state (epoch, step, loops, callbacks, schedulers, hparams) in its
   ``extra``; ``fit(ckpt_path=path)`` resumes from it, at another level or world size too;
