@@ -59,7 +59,8 @@ class TwoHosts:
     """Two network namespaces joined by a veth pair; removed (with anything still running in
     them, all started here) on exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, link_rate: str = "") -> None:
+        self.link_rate = link_rate  # "": the veth as fast as the CPUs; else tc's rate, e.g. 200mbit
         pid = os.getpid()
         self.netns = (f"zk2h-{pid}-0", f"zk2h-{pid}-1")
         self.veth = (f"zk2h{pid}a", f"zk2h{pid}b")  # interface names: at most 15 characters
@@ -75,6 +76,8 @@ class TwoHosts:
                 _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
                 _ip("-n", ns, "link", "set", veth, "up")
                 _ip("-n", ns, "link", "set", "lo", "up")  # a host's ranks talk over it
+                if self.link_rate:  # a slow link between hosts: each direction shaped
+                    _tc(ns, veth, self.link_rate)
         except BaseException:
             self.close()
             raise
@@ -112,6 +115,14 @@ def _ip(*args: str) -> None:
     out = subprocess.run(["ip", *args], capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
+
+
+def _tc(ns: str, dev: str, rate: str) -> None:
+    argv = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+            "rate", rate, "burst", "256kb", "latency", "1s"]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{' '.join(argv)}: {out.stderr.strip()}")
 
 
 def cannot_run() -> str | None:
@@ -336,6 +347,12 @@ def main() -> int:
         "--accumulation", type=int, default=4, help="micro-batches a step (accumulation check)"
     )
     p.add_argument("--levels", default="os,os_g,p_g_os", help="levels whose traffic is measured")
+    p.add_argument(
+        "--link-rate",
+        default="",
+        help="shape the link between the hosts to this rate (tc's units: 200mbit), each "
+        "direction; empty: unshaped, as fast as the CPUs",
+    )
     p.add_argument("--steps", type=int, default=4, help="timed steps per traffic measurement")
     p.add_argument("--train-level", default="p_g_os", help="level of the restart/shrink job")
     p.add_argument("--json", default="", help="write the measurements and results here")
@@ -363,7 +380,7 @@ def main() -> int:
     report: dict = {}
     work = Path(tempfile.mkdtemp(prefix="zerokit-two-hosts-"))
     try:
-        with TwoHosts() as hosts:
+        with TwoHosts(args.link_rate) as hosts:
             for name, check in (("traffic", check_traffic), ("accumulation", check_accumulation),
                                 ("restart", check_restart), ("shrink", check_shrink)):  # fmt: skip
                 if name in checks:

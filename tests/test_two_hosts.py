@@ -136,6 +136,30 @@ def test_shrink_to_one_host_resumes_equal_to_one_process(run):
 
 
 @pytest.mark.slow
+def test_deferred_accumulation_crosses_hosts_once_per_step(tmp_path):
+    """``--checks accumulation`` (its own run, 2 timed steps of 4 micro-batches): the deferral
+    sends at most 0.3x of reducing every micro-batch across hosts (1/4 of the shard
+    all-reduces), as much as ``no_sync()``, holds 1/2 of its gradient bytes, and each way
+    ends equal to one process. Seen to fail with ``--plant early-replicas`` (1.000x)."""
+    _skip_unless_namespaces()
+    report = tmp_path / "report.json"
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--checks", "accumulation", "--levels", "os_g,p_g_os",
+         "--steps", "2", "--json", str(report)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    levels = json.loads(report.read_text())["accumulation"]["levels"]
+    for level, row in levels.items():
+        ratios = row["ratios"]
+        assert ratios["bytes defer/every"] <= 0.3, (level, ratios, out.stdout)
+        assert ratios["bytes defer/no_sync"] == pytest.approx(1.0, abs=0.1), (level, ratios)
+        assert ratios["grads defer/no_sync"] <= 0.5 * 1.01, (level, ratios)
+        for mode in ("every", "defer", "no_sync"):
+            assert row[mode]["max_diff_all_ranks"] <= ATOL, (level, mode, out.stdout)
+
+
+@pytest.mark.slow
 def test_namespaces_are_removed_after_a_run(run):
     _, _, pid = run
     assert f"zk2h-{pid}-" not in _namespaces()
