@@ -341,7 +341,7 @@ def main() -> int:
     p.add_argument(
         "--checks",
         default="traffic,restart,shrink",
-        help="comma-separated: traffic, accumulation, restart, shrink (shrink needs restart)",
+        help="comma-separated: traffic, accumulation, restart, shrink",
     )
     p.add_argument(
         "--accumulation", type=int, default=4, help="micro-batches a step (accumulation check)"
