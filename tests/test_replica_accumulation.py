@@ -219,6 +219,11 @@ def _rules(rank, world):
         (loss_fn(model(xs[:2]), ys[:2]) / 2).backward()
     model.requires_replica_sync = True
     (loss_fn(model(xs[2:]), ys[2:]) / 2).backward()
+    # after the boundary the clip sees one process's gradient (a bound it does not reach)
+    one = make_model("awkward")
+    loss_fn(one(batches[1][0]), batches[1][1]).backward()
+    want = torch.nn.utils.clip_grad_norm_(one.parameters(), 1e9)
+    torch.testing.assert_close(zerokit.clip_grad_norm_(model, 1e9), want, atol=1e-6, rtol=1e-5)
     opt.step()
     assert_same_params(model, ref, ATOL, "no_sync inside the deferral")
     # the integrations' switch: no_sync() and require_backward_grad_sync defer the replica step

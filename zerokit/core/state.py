@@ -45,12 +45,6 @@ MAX_GROUPS_IN_FLIGHT = 1
 # again with a part of the batch's gradient: AdamW's count doubles and the model drifts from
 # one process. Which backward is the last of a step cannot be known while it runs, so the
 # second is refused before it does anything.
-_DEFERRED_STEP = (
-    "step_in_backward=True steps the optimizer inside every synchronised backward, so the "
-    "cross-replica reduction cannot wait for a later micro-batch: leave defer_replica_sync() "
-    "(requires_replica_sync = True), or accumulate under model.no_sync(), or wrap without "
-    "step_in_backward. Nothing of this backward was applied"
-)
 _STEPPED_TWICE = (
     "step_in_backward=True: this backward follows a synchronised backward that already "
     "stepped the optimizer, and optimizer.step() was not called since; every backward outside "
@@ -58,6 +52,13 @@ _STEPPED_TWICE = (
     "the last under `with model.no_sync():`, then call optimizer.step() (which closes the "
     "step) before the next micro-batch's backward; or wrap without step_in_backward. Nothing "
     "of this backward was applied"
+)
+
+_DEFERRED_STEP = (
+    "step_in_backward=True steps the optimizer inside every synchronised backward, so the "
+    "cross-replica reduction cannot wait for a later micro-batch: leave defer_replica_sync() "
+    "(requires_replica_sync = True), or accumulate under model.no_sync(), or wrap without "
+    "step_in_backward. Nothing of this backward was applied"
 )
 
 
@@ -359,6 +360,7 @@ class ShardState:
         if not groups or not self.params.order_check_needed(self, groups):
             self._settle_order_vote()  # an earlier forward's, whose backward has not come
             self._order_agreed = True
+            self._vote_crossed = True  # the last order every rank agreed on (agreed_order)
             return
         digest = hashlib.sha256(repr(self.forward_order).encode()).digest()
         value = int.from_bytes(digest[:7], "little")  # < 2**56: -value fits an int64 too
