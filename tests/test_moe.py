@@ -1,0 +1,67 @@
+"""Expert parallelism (zerokit.moe) composed with every level: a tiny Hugging Face Mixtral,
+its experts split over ep ranks (all-to-all dispatch and combine), the experts sharded over
+the expert-data-parallel ranks and the dense parameters over all ranks, trains the same
+steps as one process holding the whole model on the global batch (AdamW, fp32, 2e-5 on
+parameters and losses). World 3 runs ep 3 with 6 experts: ep 2 does not divide 3 ranks (an
+ep group must hold every expert once, so ep divides the data-parallel ranks)."""
+
+import pytest
+import torch
+from dist_helpers import run_distributed
+from moe_models import (
+    assert_same_as_reference,
+    batches,
+    reference_copy,
+    tiny_moe,
+    train_ranks,
+    train_reference,
+)
+
+import zerokit
+from zerokit.moe import apply_expert_parallel, init_expert_groups
+
+ATOL = 2e-5
+STEPS = 3
+LEVELS = ("os", "os_g", "p_g_os")
+
+
+def _equal(rank, world, ep, levels, experts=4, family="mixtral", constant_rows=0, aux=False):
+    tokens = batches(STEPS, 2 * world, constant_rows=constant_rows)
+    groups = init_expert_groups(ep)
+    for level in levels:
+        what = f"{family} world {world} ep {ep} level {level}"
+        model = tiny_moe(family, experts, aux=aux)
+        ref = reference_copy(model)
+        want = train_reference(ref, tokens)
+        apply_expert_parallel(model, groups)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, segment_size=10)
+        got = train_ranks(model, opt, tokens, rank, world)
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert abs(g - w) <= ATOL, f"{what}: step {step}: loss {g} != {w}"
+        assert_same_as_reference(model, ref, ATOL, what)
+
+
+def test_world2_ep2_every_level():
+    run_distributed(_equal, 2, 2, LEVELS)
+
+
+def test_world2_uneven_routing():
+    """Rank 0's rows repeat one token: in the first layer its tokens all choose the same two
+    experts, so some expert (and ep rank) receives none of them."""
+    run_distributed(_equal, 2, 2, LEVELS, 4, "mixtral", 2)
+
+
+@pytest.mark.slow
+def test_world4_ep2_every_level():
+    run_distributed(_equal, 4, 2, LEVELS)
+
+
+@pytest.mark.slow
+def test_world4_ep4_every_level():
+    run_distributed(_equal, 4, 4, LEVELS)
+
+
+@pytest.mark.slow
+def test_world3_ep3():
+    run_distributed(_equal, 3, 3, LEVELS, 6)
