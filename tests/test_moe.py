@@ -18,7 +18,7 @@ from moe_models import (
 )
 
 import zerokit
-from zerokit.moe import apply_expert_parallel, init_expert_groups
+from zerokit.moe import ExpertParallelExperts, apply_expert_parallel, init_expert_groups
 
 ATOL = 2e-5
 STEPS = 3
@@ -35,11 +35,29 @@ def _equal(rank, world, ep, levels, experts=4, family="mixtral", constant_rows=0
         want = train_reference(ref, tokens)
         apply_expert_parallel(model, groups)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        unused = _count_unused(model)
         model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, segment_size=10)
         got = train_ranks(model, opt, tokens, rank, world)
+        if constant_rows and rank == 0:  # the routing this test is about did happen
+            assert unused, f"{what}: every expert got tokens from rank 0; nothing uneven"
         for step, (g, w) in enumerate(zip(got, want)):
             assert abs(g - w) <= ATOL, f"{what}: step {step}: loss {g} != {w}"
         assert_same_as_reference(model, ref, ATOL, what)
+
+
+def _count_unused(model) -> list:
+    """(layer, expert) pairs this rank sends no token to, seen by a hook on every split
+    experts module."""
+    unused = []
+
+    def hook(module, args):
+        counts = torch.bincount(args[1].reshape(-1), minlength=module.num_experts)
+        unused.extend((id(module), e) for e in range(module.num_experts) if counts[e] == 0)
+
+    for m in model.modules():
+        if isinstance(m, ExpertParallelExperts):
+            m.register_forward_pre_hook(hook)
+    return unused
 
 
 def test_world2_ep2_every_level():
