@@ -30,6 +30,15 @@ def tiny_moe(family: str = "mixtral", experts: int = 4, aux: bool = False, seed:
     elif family == "olmoe":
         config = tf.OlmoeConfig(num_experts=experts, intermediate_size=12, **common)
         cls = tf.OlmoeForCausalLM
+    elif family == "deepseek_v3":  # its first layer dense, the second MoE with a shared expert
+        common.update(num_key_value_heads=2)
+        config = tf.DeepseekV3Config(
+            n_routed_experts=experts, n_shared_experts=1, moe_intermediate_size=12,
+            intermediate_size=24, first_k_dense_replace=1, kv_lora_rank=8, q_lora_rank=None,
+            qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, n_group=1, topk_group=1,
+            **common,
+        )  # fmt: skip
+        cls = tf.DeepseekV3ForCausalLM
     else:
         raise ValueError(family)
     config._attn_implementation = "eager"

@@ -25,15 +25,16 @@ STEPS = 3
 LEVELS = ("os", "os_g", "p_g_os")
 
 
-def _equal(rank, world, ep, levels, experts=4, family="mixtral", constant_rows=0, aux=False):
+def _equal(rank, world, ep, levels, experts=4, family="mixtral", constant_rows=0, aux=None):
+    """``aux``: None (the router's aux loss off), else ``apply_expert_parallel``'s mode."""
     tokens = batches(STEPS, 2 * world, constant_rows=constant_rows)
     groups = init_expert_groups(ep)
     for level in levels:
         what = f"{family} world {world} ep {ep} level {level}"
-        model = tiny_moe(family, experts, aux=aux)
+        model = tiny_moe(family, experts, aux=aux is not None)
         ref = reference_copy(model)
         want = train_reference(ref, tokens)
-        apply_expert_parallel(model, groups)
+        apply_expert_parallel(model, groups, aux_loss=aux or "global")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         unused = _count_unused(model)
         model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, segment_size=10)
@@ -83,3 +84,24 @@ def test_world4_ep4_every_level():
 @pytest.mark.slow
 def test_world3_ep3():
     run_distributed(_equal, 3, 3, LEVELS, 6)
+
+
+def test_world2_aux_loss_global():
+    """``output_router_logits=True``: the load-balancing loss from the whole batch's routing
+    statistics, as one process computes it (the per-rank form, DDP's, is not: see
+    GUIDE.md)."""
+    run_distributed(_equal, 2, 2, ("os_g",), 4, "mixtral", 0, "global")
+
+
+@pytest.mark.slow
+def test_world4_aux_loss_global_every_level():
+    run_distributed(_equal, 4, 2, LEVELS, 4, "mixtral", 2, "global")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v3"])
+def test_families_world2_ep2(family):
+    """The other plans: Qwen3-MoE and OLMoE with their aux loss on, DeepSeek-V3 (a dense
+    first layer, a shared expert beside the routed ones, grouped sigmoid routing)."""
+    aux = None if family == "deepseek_v3" else "global"
+    run_distributed(_equal, 2, 2, LEVELS, 4, family, 0, aux)
