@@ -83,6 +83,9 @@ def parallelize(
     ensure_process_group("parallelize")  # the world size below is the launched one
     optimizers = as_optimizer_list(optimizer)
     degrees = _degrees(mesh, strategy)
+    ep = strategy.ep if strategy is not None else 1
+    if ep > 1:
+        _check_expert_parallel(model, ep, degrees)
     plan = _plan_of(plan, degrees["tp"])
     if plan:  # the whole model: every name must exist; nothing is changed before the checks
         planned = resolve_plan(model, plan, degrees["tp"])
@@ -105,12 +108,32 @@ def parallelize(
     if layout.tp_degree > 1 and plan:
         local = resolve_plan(stage, plan, layout.tp_degree, partial=layout.pp_degree > 1)
         apply_plan(stage, local, layout)  # a split finds its tied copies by name: still found
+    if ep > 1:  # after tp, before ZeRO: the experts become units on their own group
+        _expert_parallel(stage, layout, ep, strategy.aux_loss)
     carried = [_carry_over(opt, stage, names) for opt, names in zip(optimizers, group_of)]
     model, carried, _ = group_sharded_parallel(
         model, carried, config=config, shard_group=layout.shard_group,
         replica_group=layout.replica_group,
     )  # fmt: skip
     return model, carried if isinstance(optimizer, (list, tuple)) else carried[0]
+
+
+def _check_expert_parallel(model: nn.Module, ep: int, degrees: dict[str, int]) -> None:
+    """Before anything changes: ep > 1 runs on a dp-only mesh, over experts the plan knows."""
+    if degrees["tp"] > 1 or degrees["pp"] > 1:
+        raise ValueError(
+            f"ep = {ep} with tp = {degrees['tp']}, pp = {degrees['pp']} is not supported yet: "
+            "expert parallelism composes with dp (every ZeRO level); use tp = pp = 1"
+        )
+    from .moe.plan import check_plan
+
+    check_plan(model, ep)
+
+
+def _expert_parallel(model: nn.Module, layout: Layout, ep: int, aux_loss: str) -> None:
+    from .moe import apply_expert_parallel, init_expert_groups
+
+    apply_expert_parallel(model, init_expert_groups(ep, layout.shard_group), aux_loss=aux_loss)
 
 
 def _one_value(name: str, argument, strategy: Strategy | None):

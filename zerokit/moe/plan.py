@@ -47,6 +47,24 @@ def find_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return known
 
 
+def check_plan(model: nn.Module, ep: int) -> list[tuple[str, nn.Module]]:
+    """The experts modules ``ep`` splits, every check passed (no communication): the plan
+    knows each, and ep divides its number of experts."""
+    found = find_experts(model)
+    if not found:
+        raise ValueError(
+            f"ep = {ep} but {type(model).__name__} has no experts module the plan knows "
+            f"({sorted(EXPERTS_PLAN)}); use ep = 1 for a dense model"
+        )
+    for name, module in found:
+        if module.num_experts % ep:
+            raise ValueError(
+                f"{name} has {module.num_experts} experts, which ep = {ep} does not divide; "
+                "choose an ep dividing the number of experts"
+            )
+    return found
+
+
 def _has_3d(module: nn.Module, name: str) -> bool:
     p = getattr(module, name, None)
     return isinstance(p, nn.Parameter) and p.dim() == 3
@@ -63,18 +81,7 @@ def apply_expert_parallel(
     changes."""
     if aux_loss not in AUX_LOSS_MODES:
         raise ValueError(f"aux_loss must be one of {AUX_LOSS_MODES}, got {aux_loss!r}")
-    found = find_experts(model)
-    if not found:
-        raise ValueError(
-            f"ep = {groups.ep} but {type(model).__name__} has no experts module the plan knows "
-            f"({sorted(EXPERTS_PLAN)}); use ep = 1 for a dense model"
-        )
-    for name, module in found:
-        if module.num_experts % groups.ep:
-            raise ValueError(
-                f"{name} has {module.num_experts} experts, which ep = {groups.ep} does not "
-                "divide; choose an ep dividing the number of experts"
-            )
+    found = check_plan(model, groups.ep)
     modules = dict(model.named_modules())
     made = []
     for name, module in found:
