@@ -13,11 +13,12 @@ def tiny_moe(family: str = "mixtral", experts: int = 4, aux: bool = False, seed:
     """A 2-layer MoE causal LM, hidden 16, ``experts`` experts, top-2, fp32, eager."""
     import transformers as tf
 
-    common = dict(
-        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, num_experts_per_tok=2, output_router_logits=aux,
-        router_aux_loss_coef=0.5, max_position_embeddings=32, tie_word_embeddings=False,
-    )  # fmt: skip
+    common = {
+        "vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "num_experts_per_tok": 2,
+        "output_router_logits": aux, "router_aux_loss_coef": 0.5,
+        "max_position_embeddings": 32, "tie_word_embeddings": False,
+    }  # fmt: skip
     if family == "mixtral":
         config = tf.MixtralConfig(num_local_experts=experts, intermediate_size=24, **common)
         cls = tf.MixtralForCausalLM
@@ -102,9 +103,7 @@ def assert_same_as_reference(model, ref, atol, what):
     got = model.state_dict()
     want = ref.state_dict()
     assert got.keys() == want.keys(), what
-    split = {
-        name: m for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)
-    }
+    split = {name: m for name, m in model.named_modules() if isinstance(m, ExpertParallelExperts)}
     for name, value in want.items():
         owner, _, _ = name.rpartition(".")
         if owner in split:

@@ -35,7 +35,9 @@ class MyExperts(nn.Module):
 
 def test_unknown_moe_module_refused_by_name():
     model = nn.Sequential(nn.Linear(4, 4), MyExperts())
-    with pytest.raises(ValueError, match=r"no expert-parallel plan knows the MoE modules \['1 \(MyExperts\)'\]"):
+    with pytest.raises(
+        ValueError, match=r"no expert-parallel plan knows the MoE modules \['1 \(MyExperts\)'\]"
+    ):
         find_experts(model)
 
 

@@ -83,20 +83,14 @@ def parallelize(
     ensure_process_group("parallelize")  # the world size below is the launched one
     optimizers = as_optimizer_list(optimizer)
     degrees = _degrees(mesh, strategy)
-    ep = strategy.ep if strategy is not None else 1
-    if ep > 1:
-        _check_expert_parallel(model, ep, degrees)
+    _check_expert_parallel(model, strategy, degrees)
     plan = _plan_of(plan, degrees["tp"])
     if plan:  # the whole model: every name must exist; nothing is changed before the checks
         planned = resolve_plan(model, plan, degrees["tp"])
         if degrees["tp"] > 1:
             _refuse_whole_on_planned_slices(model, planned, optimizers)
     _check_split_points(model, split_points, degrees["pp"])
-    if plan and degrees["pp"] > 1 and "sequence" in plan.values():
-        raise ValueError(
-            "a plan's 'sequence' style with pp > 1 is not supported yet (a stage boundary would "
-            "carry one block of the sequence); drop the 'sequence' entries or use pp = 1"
-        )
+    _check_sequence_with_pp(plan, degrees["pp"])
     group_of = [_groups_by_name(model, opt) for opt in optimizers]
     if recompute:  # on the whole model, before any split: its blocks keep the setting
         _enable_recompute(model)
@@ -108,8 +102,7 @@ def parallelize(
     if layout.tp_degree > 1 and plan:
         local = resolve_plan(stage, plan, layout.tp_degree, partial=layout.pp_degree > 1)
         apply_plan(stage, local, layout)  # a split finds its tied copies by name: still found
-    if ep > 1:  # after tp, before ZeRO: the experts become units on their own group
-        _expert_parallel(stage, layout, ep, strategy.aux_loss)
+    _expert_parallel(stage, layout, strategy)  # after tp, before ZeRO (ep > 1)
     carried = [_carry_over(opt, stage, names) for opt, names in zip(optimizers, group_of)]
     model, carried, _ = group_sharded_parallel(
         model, carried, config=config, shard_group=layout.shard_group,
@@ -118,8 +111,20 @@ def parallelize(
     return model, carried if isinstance(optimizer, (list, tuple)) else carried[0]
 
 
-def _check_expert_parallel(model: nn.Module, ep: int, degrees: dict[str, int]) -> None:
-    """Before anything changes: ep > 1 runs on a dp-only mesh, over experts the plan knows."""
+def _check_sequence_with_pp(plan, pp: int) -> None:
+    if plan and pp > 1 and "sequence" in plan.values():
+        raise ValueError(
+            "a plan's 'sequence' style with pp > 1 is not supported yet (a stage boundary would "
+            "carry one block of the sequence); drop the 'sequence' entries or use pp = 1"
+        )
+
+
+def _check_expert_parallel(model: nn.Module, strategy, degrees: dict[str, int]) -> None:
+    """The strategy's ep, checked before anything changes: ep > 1 runs on a dp-only mesh, over
+    experts the plan knows."""
+    ep = strategy.ep if strategy is not None else 1
+    if ep == 1:
+        return
     if degrees["tp"] > 1 or degrees["pp"] > 1:
         raise ValueError(
             f"ep = {ep} with tp = {degrees['tp']}, pp = {degrees['pp']} is not supported yet: "
@@ -130,10 +135,14 @@ def _check_expert_parallel(model: nn.Module, ep: int, degrees: dict[str, int]) -
     check_plan(model, ep)
 
 
-def _expert_parallel(model: nn.Module, layout: Layout, ep: int, aux_loss: str) -> None:
+def _expert_parallel(model: nn.Module, layout: Layout, strategy) -> None:
+    """The strategy's ep > 1: the experts split over ep ranks of the shard group (dp)."""
+    if strategy is None or strategy.ep == 1:
+        return
     from .moe import apply_expert_parallel, init_expert_groups
 
-    apply_expert_parallel(model, init_expert_groups(ep, layout.shard_group), aux_loss=aux_loss)
+    groups = init_expert_groups(strategy.ep, layout.shard_group)
+    apply_expert_parallel(model, groups, aux_loss=strategy.aux_loss)
 
 
 def _one_value(name: str, argument, strategy: Strategy | None):

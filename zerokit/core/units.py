@@ -105,13 +105,7 @@ def plan_units(
             and id(m) not in taken
             and any(_shared(p) for p in m.parameters())
         ]
-    own = {id(m): g for m, g in (own_groups or {}).items()}
-    if own:
-        chosen = [c for c in chosen if id(c[1]) not in own]
-        chosen += [(name, m, False) for name, m in model.named_modules() if id(m) in own]
-    plans = _assign_params(model, trainable, chosen)
-    if own:
-        plans = [replace(plan, group=own.get(id(plan.module))) for plan in plans]
+    plans = _with_own_groups(model, trainable, chosen, own_groups or {})
     if not full_precision:
         return plans
     return [
@@ -121,6 +115,16 @@ def plan_units(
         )
         for plan in plans
     ]
+
+
+def _with_own_groups(model, trainable, chosen, own_groups) -> list[UnitPlan]:
+    """The units' plans, the modules of ``own_groups`` units of their own on their group."""
+    own = {id(m): g for m, g in own_groups.items()}
+    if own:
+        chosen = [c for c in chosen if id(c[1]) not in own]
+        chosen += [(name, m, False) for name, m in model.named_modules() if id(m) in own]
+    plans = _assign_params(model, trainable, chosen)
+    return [replace(plan, group=own.get(id(plan.module))) for plan in plans] if own else plans
 
 
 def _never_called(module: nn.Module) -> bool:

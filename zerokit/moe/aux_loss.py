@@ -79,7 +79,6 @@ class GlobalAuxLoss:
         self.group = group
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
-
     def _hook(self, model, args, kwargs, output):
         local = getattr(output, "aux_loss", None)
         logits = getattr(output, "router_logits", None)

@@ -98,7 +98,5 @@ def expert_groups_of(model: nn.Module) -> dict[nn.Module, object]:
     """Each split experts module of ``model`` -> its shard group (the expert-data-parallel
     ranks): the units ``group_sharded_parallel`` gives a group of their own."""
     return {
-        m: m.groups.expert_dp_group
-        for m in model.modules()
-        if isinstance(m, ExpertParallelExperts)
+        m: m.groups.expert_dp_group for m in model.modules() if isinstance(m, ExpertParallelExperts)
     }
