@@ -105,3 +105,34 @@ def test_families_world2_ep2(family):
     first layer, a shared expert beside the routed ones, grouped sigmoid routing)."""
     aux = None if family == "deepseek_v3" else "global"
     run_distributed(_equal, 2, 2, LEVELS, 4, family, 0, aux)
+
+
+def _knobs(rank, world, level, knobs, tol):
+    """``knobs`` (mixed precision, step_in_backward) with split experts: the losses and
+    parameters of one fp32 process on the global batch, within ``tol``."""
+    tokens = batches(STEPS, 2 * world, constant_rows=1)
+    groups = init_expert_groups(2)
+    model = tiny_moe("mixtral")
+    ref = reference_copy(model)
+    want = train_reference(ref, tokens)
+    apply_expert_parallel(model, groups)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, segment_size=10, **knobs)
+    got = train_ranks(model, opt, tokens, rank, world)
+    what = f"world {world} ep 2 level {level} {sorted(knobs)}"
+    for step, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= tol * abs(w), f"{what}: step {step}: loss {g} != {w}"
+    if tol < 1e-4:
+        assert_same_as_reference(model, ref, ATOL, what)
+
+
+def test_world2_step_in_backward():
+    run_distributed(_knobs, 2, "os_g", {"step_in_backward": True}, 1e-6)
+
+
+@pytest.mark.slow
+def test_world2_bf16_step_in_backward():
+    """bf16 compute, fp32 masters: tracks the fp32 process within bf16's 3e-2 relative."""
+    bf16 = zerokit.MixedPrecision(param_dtype=torch.bfloat16)
+    knobs = {"mixed_precision": bf16, "step_in_backward": True}
+    run_distributed(_knobs, 2, "p_g_os", knobs, 3e-2)
