@@ -8,6 +8,7 @@ from .aux_loss import global_load_balancing_loss
 from .experts import ExpertParallelExperts
 from .groups import ExpertGroups, init_expert_groups
 from .plan import EXPERTS_PLAN, apply_expert_parallel, expert_groups_of, find_experts
+from .state_dict import full_state_dict, load_full_state_dict
 
 __all__ = [
     "EXPERTS_PLAN",
@@ -16,6 +17,8 @@ __all__ = [
     "apply_expert_parallel",
     "expert_groups_of",
     "find_experts",
+    "full_state_dict",
     "global_load_balancing_loss",
     "init_expert_groups",
+    "load_full_state_dict",
 ]
