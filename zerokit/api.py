@@ -265,7 +265,7 @@ def _validate(call: _Call) -> _Checked:
     refuse_whole_on_slices(needs, {id(p): n for n, p in model.named_parameters() if id(p) in split})
     experts = expert_groups_of(model)  # split experts: units on their own shard group
     if experts:
-        _check_experts(call, experts)
+        _check_experts(call, experts, needs)
     plans = plan_units(
         model, named, segment_size=config.segment_size, wrap=config.wrap,
         exclude=config.exclude_layer,
@@ -275,10 +275,25 @@ def _validate(call: _Call) -> _Checked:
     return _Checked(level, scaler, policy, needs, named, plans)
 
 
-def _check_experts(call: _Call, experts: dict) -> None:
+def _check_experts(call: _Call, experts: dict, needs: dict) -> None:
     """Experts split across ep ranks (``zerokit.moe``): the dense parameters' shard group must
-    be every data-parallel rank the experts' groups were made from, with no replicas."""
+    be every data-parallel rank the experts' groups were made from, with no replicas; their
+    optimizer steps elementwise."""
     dense = {m.groups.dense_group for m in experts}
+    whole = [
+        type(call.optimizers[needs[id(p)].optimizer]).__name__
+        for m in experts
+        for p in m.parameters()
+        if id(p) in needs and needs[id(p)].whole
+    ]
+    if whole:
+        raise ValueError(
+            f"{whole[0]} reads each parameter whole (Adafactor scales its step by the "
+            "parameter's RMS, Muon orthogonalises it), but with ep each rank holds only E / ep "
+            "experts of a layer's 3-D expert parameters, so its step would not be one "
+            "process's: step the experts with an elementwise optimizer (AdamW) beside it for "
+            "the rest, or use ep = 1"
+        )
     problem = None
     if len(dense) != 1 or dist.get_process_group_ranks(next(iter(dense))) != (
         dist.get_process_group_ranks(call.shard_group)
