@@ -4,12 +4,16 @@ what ``from_pretrained`` loads), ``load_full_state_dict`` cuts them per rank. Tr
 steps at (world 4, ep 2, 'p_g_os'), then 2 more at ep 4 ('os_g'), at ep 1 (2 ranks, 'os'):
 one process's 4 steps (SGD: no optimizer state to carry), 2e-5."""
 
+import os
+
+import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_distributed
 from moe_models import batches, tiny_moe
 
 import zerokit
+import zerokit.checkpoint
 from zerokit.moe import (
     apply_expert_parallel,
     full_state_dict,
@@ -81,3 +85,14 @@ def _same(got, want, what):
 
 def test_save_ep2_load_ep4_and_ep1_and_from_pretrained(tmp_path):
     run_distributed(_round_trip, 4, str(tmp_path))
+
+
+def _sharded_save_refused(rank, world, path):
+    model, opt = _wrapped(2, "os_g")
+    with pytest.raises(NotImplementedError, match=r"zerokit\.moe\.full_state_dict"):
+        zerokit.checkpoint.save(path, model, opt)
+    assert not os.path.exists(path), "nothing written"
+
+
+def test_sharded_save_of_split_experts_refused(tmp_path):
+    run_distributed(_sharded_save_refused, 2, str(tmp_path / "ckpt"))

@@ -56,3 +56,15 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
                 )
             state[key] = state[key][mine]
     model.load_state_dict(state)
+
+
+def refuse_split_experts(model: nn.Module, call: str) -> None:
+    """A sharded checkpoint of split experts is not written yet: say what to use instead
+    (every rank raises it alike: the model's structure is the same on every rank)."""
+    if any(isinstance(m, ExpertParallelExperts) for m in model.modules()):
+        raise NotImplementedError(
+            f"{call} does not save experts split across ep ranks yet (each rank holds E / ep "
+            "of a layer's experts under the same names); save "
+            "zerokit.moe.full_state_dict(model) (the whole model, every rank) and load it with "
+            "zerokit.moe.load_full_state_dict at any ep"
+        )
