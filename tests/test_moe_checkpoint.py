@@ -96,3 +96,18 @@ def _sharded_save_refused(rank, world, path):
 
 def test_sharded_save_of_split_experts_refused(tmp_path):
     run_distributed(_sharded_save_refused, 2, str(tmp_path / "ckpt"))
+
+
+def _unwrap(rank, world):
+    model, opt = _wrapped(2, "p_g_os")
+    _train(model, opt, batches(1, 2 * world), rank, world)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model, opt = zerokit.unwrap(model, opt)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], atol=0, rtol=0)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape[0] == 2  # this rank's 2 of 4 experts, whole again
+
+
+def test_unwrap_gives_back_this_ranks_experts():
+    run_distributed(_unwrap, 2)
