@@ -47,16 +47,29 @@ def tiny_moe(family: str = "mixtral", experts: int = 4, aux: bool = False, seed:
     return cls(config).float()
 
 
-def batches(steps: int, batch: int, seq: int = 6, seed: int = 1, constant_rows: int = 0):
+def batches(
+    steps: int, batch: int, seq: int = 6, seed: int = 1, constant_rows: int = 0, token=None
+):
     """Token batches; the first ``constant_rows`` rows of each repeat one token, so every
-    token of those rows routes alike (some experts receive none of them)."""
+    token of those rows routes alike (some experts receive none of them); ``token``: every
+    row of every batch is that one token."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
         tokens = torch.randint(0, VOCAB, (batch, seq), generator=gen)
         tokens[:constant_rows] = tokens[:constant_rows, :1]
-        out.append(tokens)
+        out.append(tokens if token is None else torch.full_like(tokens, token))
     return out
+
+
+def token_avoiding(experts: set[int], family: str = "mixtral") -> int:
+    """A token whose repeated sequence the first layer routes to none of ``experts``."""
+    model = tiny_moe(family, aux=True)
+    for token in range(VOCAB):
+        logits = model(input_ids=torch.full((1, 6), token)).router_logits[0]
+        if not set(logits.topk(2, dim=-1).indices.flatten().tolist()) & experts:
+            return token
+    raise AssertionError(f"no token avoids experts {experts}")
 
 
 def train_reference(model, tokens_list, lr=1e-2):

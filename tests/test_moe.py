@@ -13,6 +13,7 @@ from moe_models import (
     batches,
     reference_copy,
     tiny_moe,
+    token_avoiding,
     train_ranks,
     train_reference,
 )
@@ -25,9 +26,11 @@ STEPS = 3
 LEVELS = ("os", "os_g", "p_g_os")
 
 
-def _equal(rank, world, ep, levels, experts=4, family="mixtral", constant_rows=0, aux=None):
+def _equal(
+    rank, world, ep, levels, experts=4, family="mixtral", constant_rows=0, aux=None, token=None
+):
     """``aux``: None (the router's aux loss off), else ``apply_expert_parallel``'s mode."""
-    tokens = batches(STEPS, 2 * world, constant_rows=constant_rows)
+    tokens = batches(STEPS, 2 * world, constant_rows=constant_rows, token=token)
     groups = init_expert_groups(ep)
     for level in levels:
         what = f"{family} world {world} ep {ep} level {level}"
@@ -84,6 +87,13 @@ def test_world4_ep4_every_level():
 @pytest.mark.slow
 def test_world3_ep3():
     run_distributed(_equal, 3, 3, LEVELS, 6)
+
+
+def test_world2_a_rank_receiving_no_tokens():
+    """Every token of both ranks is one token that the first layer routes to experts 2 and 3
+    only (at the first step): ep rank 0 receives no rows at all there, and its experts' units
+    still reduce (zero gradients), as one process leaves those experts untouched."""
+    run_distributed(_equal, 2, 2, LEVELS, 4, "mixtral", 0, None, token_avoiding({0, 1}))
 
 
 def test_world2_aux_loss_global():

@@ -61,13 +61,19 @@ class ExpertParallelExperts(nn.Module):
         return final.index_add(0, routing.token, back.to(final.dtype))
 
     def _compute(self, rows, local_expert):
-        """Each local expert on its rows, as the model's own forward computes one expert."""
+        """Each local expert on its rows, as the model's own forward computes one expert.
+
+        Note: a rank receiving no rows at all still ties its (empty) output to the rows and
+        the weights: without the rows, autograd would never run the dispatch's backward here,
+        so this rank would skip an all-to-all its ep group runs (a hang); without the weights,
+        the experts' unit would get no gradient to reduce (zeros: one process leaves unused
+        experts' rows of the gradient zero too)."""
         scale = 1.0 / self.groups.ep
         gate_up = _ScaleGrad.apply(self.gate_up_proj, scale)
         down = _ScaleGrad.apply(self.down_proj, scale)
         out = rows.new_zeros(rows.shape[0], self.hidden_dim)
-        if rows.shape[0] == 0:  # no tokens here: zero gradients, so the unit still reduces
-            return out + 0 * (gate_up.sum() + down.sum()).to(out.dtype)
+        if rows.shape[0] == 0:  # no tokens here: see the Note below
+            return out + 0 * (gate_up.sum() + down.sum() + rows.sum()).to(out.dtype)
         for e in range(self.num_local_experts):
             (index,) = torch.where(local_expert == e)
             if index.numel() == 0:
