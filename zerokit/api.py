@@ -53,6 +53,7 @@ from .core import (
 from .memory import format_bytes, measure
 from .meta_init import materialize, on_meta
 from .mixed_precision import MixedPrecision
+from .moe.plan import expert_groups_of
 from .pipeline.module import PipelineModule
 from .runtime.world import ensure_process_group
 from .scaler import ShardedGradScaler
@@ -262,12 +263,51 @@ def _validate(call: _Call) -> _Checked:
     needs = needs_of(call.optimizers, whole_declared=config.whole_parameter_optimizer)
     split = tensor_parallel_params(model)
     refuse_whole_on_slices(needs, {id(p): n for n, p in model.named_parameters() if id(p) in split})
+    experts = expert_groups_of(model)  # split experts: units on their own shard group
+    if experts:
+        _check_experts(call, experts, needs)
     plans = plan_units(
         model, named, segment_size=config.segment_size, wrap=config.wrap,
         exclude=config.exclude_layer,
         full_precision=policy.full_precision_modules if policy.param_dtype is not None else (),
+        own_groups=experts,
     )  # fmt: skip
     return _Checked(level, scaler, policy, needs, named, plans)
+
+
+def _check_experts(call: _Call, experts: dict, needs: dict) -> None:
+    """Experts split across ep ranks (``zerokit.moe``): the dense parameters' shard group must
+    be every data-parallel rank the experts' groups were made from, with no replicas; their
+    optimizer steps elementwise."""
+    dense = {m.groups.dense_group for m in experts}
+    whole = [
+        type(call.optimizers[needs[id(p)].optimizer]).__name__
+        for m in experts
+        for p in m.parameters()
+        if id(p) in needs and needs[id(p)].whole
+    ]
+    if whole:
+        raise ValueError(
+            f"{whole[0]} reads each parameter whole (Adafactor scales its step by the "
+            "parameter's RMS, Muon orthogonalises it), but with ep each rank holds only E / ep "
+            "experts of a layer's 3-D expert parameters, so its step would not be one "
+            "process's: step the experts with an elementwise optimizer (AdamW) beside it for "
+            "the rest, or use ep = 1"
+        )
+    problem = None
+    if len(dense) != 1 or dist.get_process_group_ranks(next(iter(dense))) != (
+        dist.get_process_group_ranks(call.shard_group)
+    ):
+        problem = "the shard group is not the data-parallel group the ep groups were made from"
+    elif call.replica_group is not None and call.replica_group.size() > 1:
+        problem = "hybrid sharding (a replica group) with split experts is not supported yet"
+    elif call.meta:
+        problem = "a model built on meta with split experts is not supported yet"
+    if problem:
+        raise ValueError(
+            f"{problem}: shard the model with split experts over the ranks given to "
+            "zerokit.moe.init_expert_groups (parallelize(..., strategy=Strategy(ep=...)) does)"
+        )
 
 
 def _build(call: _Call, checked: _Checked):

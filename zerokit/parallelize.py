@@ -83,17 +83,14 @@ def parallelize(
     ensure_process_group("parallelize")  # the world size below is the launched one
     optimizers = as_optimizer_list(optimizer)
     degrees = _degrees(mesh, strategy)
+    _check_expert_parallel(model, strategy, degrees)
     plan = _plan_of(plan, degrees["tp"])
     if plan:  # the whole model: every name must exist; nothing is changed before the checks
         planned = resolve_plan(model, plan, degrees["tp"])
         if degrees["tp"] > 1:
             _refuse_whole_on_planned_slices(model, planned, optimizers)
     _check_split_points(model, split_points, degrees["pp"])
-    if plan and degrees["pp"] > 1 and "sequence" in plan.values():
-        raise ValueError(
-            "a plan's 'sequence' style with pp > 1 is not supported yet (a stage boundary would "
-            "carry one block of the sequence); drop the 'sequence' entries or use pp = 1"
-        )
+    _check_sequence_with_pp(plan, degrees["pp"])
     group_of = [_groups_by_name(model, opt) for opt in optimizers]
     if recompute:  # on the whole model, before any split: its blocks keep the setting
         _enable_recompute(model)
@@ -105,12 +102,47 @@ def parallelize(
     if layout.tp_degree > 1 and plan:
         local = resolve_plan(stage, plan, layout.tp_degree, partial=layout.pp_degree > 1)
         apply_plan(stage, local, layout)  # a split finds its tied copies by name: still found
+    _expert_parallel(stage, layout, strategy)  # after tp, before ZeRO (ep > 1)
     carried = [_carry_over(opt, stage, names) for opt, names in zip(optimizers, group_of)]
     model, carried, _ = group_sharded_parallel(
         model, carried, config=config, shard_group=layout.shard_group,
         replica_group=layout.replica_group,
     )  # fmt: skip
     return model, carried if isinstance(optimizer, (list, tuple)) else carried[0]
+
+
+def _check_sequence_with_pp(plan, pp: int) -> None:
+    if plan and pp > 1 and "sequence" in plan.values():
+        raise ValueError(
+            "a plan's 'sequence' style with pp > 1 is not supported yet (a stage boundary would "
+            "carry one block of the sequence); drop the 'sequence' entries or use pp = 1"
+        )
+
+
+def _check_expert_parallel(model: nn.Module, strategy, degrees: dict[str, int]) -> None:
+    """The strategy's ep, checked before anything changes: ep > 1 runs on a dp-only mesh, over
+    experts the plan knows."""
+    ep = strategy.ep if strategy is not None else 1
+    if ep == 1:
+        return
+    if degrees["tp"] > 1 or degrees["pp"] > 1:
+        raise ValueError(
+            f"ep = {ep} with tp = {degrees['tp']}, pp = {degrees['pp']} is not supported yet: "
+            "expert parallelism composes with dp (every ZeRO level); use tp = pp = 1"
+        )
+    from .moe.plan import check_plan
+
+    check_plan(model, ep)
+
+
+def _expert_parallel(model: nn.Module, layout: Layout, strategy) -> None:
+    """The strategy's ep > 1: the experts split over ep ranks of the shard group (dp)."""
+    if strategy is None or strategy.ep == 1:
+        return
+    from .moe import apply_expert_parallel, init_expert_groups
+
+    groups = init_expert_groups(strategy.ep, layout.shard_group)
+    apply_expert_parallel(model, groups, aux_loss=strategy.aux_loss)
 
 
 def _one_value(name: str, argument, strategy: Strategy | None):

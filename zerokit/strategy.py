@@ -31,6 +31,15 @@ class Strategy(ShardingConfig):
     """Tensor-parallel degree: ranks splitting each planned layer (neighbouring ranks)."""
     pp: int = 1
     """Pipeline degree: stages, split at ``split_points`` (given to ``parallelize``)."""
+    ep: int = 1
+    """Expert-parallel degree, within dp: neighbouring dp ranks splitting each MoE layer's
+    experts (tokens exchanged by all-to-all); the experts are sharded over dp / ep ranks, the
+    dense parameters over dp. Divides dp and the number of experts; 1: experts are sharded
+    like any dense parameter. ``zerokit.moe``."""
+    aux_loss: str = "global"
+    """With ep > 1 and ``output_router_logits=True``: the router's load-balancing loss from
+    the routing statistics of every dp rank ("global": one process's on the whole batch) or
+    from this rank's tokens alone ("per_rank": the model's own, as DDP runs it)."""
     level: str | int = DEFAULT_LEVEL
     """ZeRO level over dp: 'os' (stage 1), 'os_g' (stage 2) or 'p_g_os' (stage 3), or the
     stage number 1, 2, 3 (held as the name)."""
@@ -45,7 +54,7 @@ class Strategy(ShardingConfig):
     """Recompute activations in backward (Hugging Face models' gradient checkpointing)."""
 
     def __post_init__(self):
-        for name in ("dp", "tp", "pp", "micro_batches"):
+        for name in ("dp", "tp", "pp", "ep", "micro_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Strategy.{name} must be an integer >= 1, got {value!r}")
@@ -56,6 +65,15 @@ class Strategy(ShardingConfig):
                 f"Strategy.level must be one of 'os', 'os_g', 'p_g_os' or a stage number 1, 2, "
                 f"3; got {self.level!r}"
             ) from None
+        if self.dp % self.ep:
+            raise ValueError(
+                f"Strategy.ep = {self.ep} must divide dp = {self.dp}: each group of ep dp ranks "
+                "holds every expert once"
+            )
+        if self.aux_loss not in ("global", "per_rank"):
+            raise ValueError(
+                f"Strategy.aux_loss must be 'global' or 'per_rank', got {self.aux_loss!r}"
+            )
         super().__post_init__()  # the ZeRO knobs, checked as ShardingConfig checks them
         if not (self.plan is None or isinstance(self.plan, (str, dict))):
             raise ValueError(f"Strategy.plan must be a name or a dict, got {self.plan!r}")

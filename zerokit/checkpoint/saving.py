@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import agree_all, alive, gather, state_of
+from ..moe.state_dict import refuse_split_experts
 from ..runtime import presence
 from ..runtime.timeouts import AgreementError, CollectiveTimeout
 from . import extra as extra_state
@@ -372,6 +373,7 @@ def save(
     """
     from .background import wait_in_flight  # background imports this module
 
+    refuse_split_experts(model, "zerokit.checkpoint.save()")  # before anything is written
     wait_in_flight()  # this process's async_save first: one save at a time
     path = os.path.abspath(os.fspath(path))
     group = world_group()

@@ -18,6 +18,7 @@ from torch.distributed import ProcessGroup
 
 from ..mixed_precision import MixedPrecision
 from . import checks
+from .collectives import broadcast_
 from .flat_param import FlatParamBucket
 from .gradients import FullGradients, ScatteredGradients, ShardedGradients
 from .group import UnitGroup
@@ -140,9 +141,14 @@ def build(
     # every rank starts from rank 0's model: replica 0's, then shard-group rank 0's (each
     # rank keeps its own rank-local parameters: they are different slices)
     from_shards = opts.initial_shards is not None
+    own = [plan for plan in plans if plan.group is not None]  # units on groups of their own
+    skip = frozenset(id(p) for plan in own for _, p in plan.params)
     if opts.replica_group is not None:
-        broadcast_module_state(model, opts.replica_group, params=not from_shards)
-    broadcast_module_state(model, group, params=not from_shards)
+        broadcast_module_state(model, opts.replica_group, params=not from_shards, skip=skip)
+    broadcast_module_state(model, group, params=not from_shards, skip=skip)
+    for plan in own if not from_shards else ():  # from their own group's rank 0
+        for _, p in plan.params:
+            broadcast_(p.data, plan.group)
     full_precision = [  # trainable ones are units of their own (plan.full_precision)
         m
         for m in model.modules()
@@ -198,11 +204,12 @@ def _build_groups(
     reduction = rules.reduction(group, opts.replica_group, replica_sync)
     groups, root, units = [], None, []
     for plan, layouts in plan_groups(plans, group.size(), opts.buffer_max_size, needs=opts.needs):
+        own = plan.group if plan.group is not None else group
         buckets = [
             FlatParamBucket(
                 layout,
                 [plan.params[s.param_index][1] for s in layout.slots],
-                group,
+                own,
                 compute_dtype=None if plan.full_precision else mp.param_dtype,
                 master_device=_CPU if opts.offload else None,
                 shard_params=rules.shard_params,
@@ -215,7 +222,7 @@ def _build_groups(
             buckets,
             rules.gradients(
                 buckets,
-                reduction,
+                reduction if plan.group is None else rules.reduction(plan.group, None),
                 staging,
                 reduce_dtype=reduce_dtype,
                 tp_group=opts.tp_group,

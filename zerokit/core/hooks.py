@@ -105,7 +105,7 @@ def register_hooks(
     handles = state.hook_handles
     masters = None
     if any(b.separate_masters for b in state.buckets):
-        masters = MasterStateDict(model, state.buckets, state.process_group)
+        masters = MasterStateDict(model, state.buckets)
     state.state_dict_hooks = StateDictHooks(state, masters)
     state.state_dict_hooks.register(model)
     if sync_buffers:  # before every forward, rank 0's buffers go to every rank

@@ -20,9 +20,8 @@ class MasterStateDict:
     """The two hooks (``hooks.py`` registers them on the model when any bucket has masters of
     its own)."""
 
-    def __init__(self, model: nn.Module, buckets: list[FlatParamBucket], group):
-        self.buckets = [b for b in buckets if b.separate_masters]
-        self.group = group
+    def __init__(self, model: nn.Module, buckets: list[FlatParamBucket]):
+        self.buckets = [b for b in buckets if b.separate_masters]  # each on its own group
         self.names = _names(model)  # id(parameter) -> every name it has
 
     def state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
@@ -36,7 +35,7 @@ class MasterStateDict:
                 bucket.layout.padded_numel, dtype=bucket.shard_data.dtype, device=bucket.data.device
             )
             bucket.shard(full).copy_(bucket.shard_data)
-            start_all_gather_(full, self.group, ranges=bucket.ranges).finish()
+            start_all_gather_(full, bucket.group, ranges=bucket.ranges).finish()
             for i, param in enumerate(bucket.params):
                 for name in names.get(id(param), ()):
                     state_dict[prefix + name] = bucket.slot_view(full, i)

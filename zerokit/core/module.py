@@ -154,12 +154,15 @@ def restore_module_(model: nn.Module) -> nn.Module:
     return model
 
 
-def broadcast_module_state(model: nn.Module, group: ProcessGroup, *, params: bool) -> None:
+def broadcast_module_state(
+    model: nn.Module, group: ProcessGroup, *, params: bool, skip: frozenset[int] = frozenset()
+) -> None:
     """Make every rank's buffers (and parameters, if ``params``) equal to group rank 0's;
-    rank-local (``is_distributed``) tensors stay each rank's own: they are different slices."""
+    rank-local (``is_distributed``) tensors stay each rank's own: they are different slices.
+    ``skip``: ids of tensors left alone (a unit's own group broadcasts them)."""
     with torch.no_grad():
         tensors = list(model.buffers()) + (list(model.parameters()) if params else [])
-        seen = set()
+        seen = set(skip)
         for tensor in tensors:
             if id(tensor) not in seen and not is_distributed(tensor):
                 seen.add(id(tensor))

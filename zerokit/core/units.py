@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from .bucket_layout import BucketLayout, ParamSpec, plan_buckets, with_owners
 from .checks import is_distributed
@@ -31,6 +32,9 @@ class UnitPlan:
     params: tuple[tuple[str, nn.Parameter], ...]
     keep_whole: bool = False  # an ``exclude_layer``: gathered once and never freed
     full_precision: bool = False  # mixed precision leaves it in its own dtype (BatchNorm)
+    # its own shard group (a layer's experts, over the expert-data-parallel ranks: zerokit/moe/);
+    # None: the model's shard group
+    group: ProcessGroup | None = None
 
 
 def plan_units(
@@ -42,6 +46,7 @@ def plan_units(
     exclude: Sequence[nn.Module | type[nn.Module]] = (),
     full_precision: tuple[type[nn.Module], ...] = (),
     shape_of: Callable[[nn.Parameter], tuple[int, ...]] | None = None,
+    own_groups: Mapping[nn.Module, ProcessGroup] | None = None,
 ) -> list[UnitPlan]:
     """Units in the order of their first parameter's registration; the root unit included.
 
@@ -55,6 +60,8 @@ def plan_units(
     Rank-local (``is_distributed``) parameters belong to no unit.
     ``shape_of``: a parameter's true shape, where it differs from ``p.shape`` (the parameters
     of a model wrapped at 'p_g_os' are empty between uses); default ``p.shape``.
+    ``own_groups``: modules that are units of their own (inside another unit or not), sharded
+    over the process group given for each instead of the model's (an MoE layer's experts).
     """
     shape_of = shape_of or _shape
     trainable = [(n, p) for n, p in trainable if not is_distributed(p)]
@@ -98,7 +105,7 @@ def plan_units(
             and id(m) not in taken
             and any(_shared(p) for p in m.parameters())
         ]
-    plans = _assign_params(model, trainable, chosen)
+    plans = _with_own_groups(model, trainable, chosen, own_groups or {})
     if not full_precision:
         return plans
     return [
@@ -108,6 +115,16 @@ def plan_units(
         )
         for plan in plans
     ]
+
+
+def _with_own_groups(model, trainable, chosen, own_groups) -> list[UnitPlan]:
+    """The units' plans, the modules of ``own_groups`` units of their own on their group."""
+    own = {id(m): g for m, g in own_groups.items()}
+    if own:
+        chosen = [c for c in chosen if id(c[1]) not in own]
+        chosen += [(name, m, False) for name, m in model.named_modules() if id(m) in own]
+    plans = _assign_params(model, trainable, chosen)
+    return [replace(plan, group=own.get(id(plan.module))) for plan in plans] if own else plans
 
 
 def _never_called(module: nn.Module) -> bool:
@@ -200,11 +217,15 @@ def plan_groups(
         ]
         for plan in plans
     ]
-    # owners over the whole model at once, not unit by unit in model order
-    specs = iter(with_owners([s for unit in units for s in unit], world_size))
-    units = [[next(specs) for _ in unit] for unit in units]
+    sizes = [plan.group.size() if plan.group is not None else world_size for plan in plans]
+    for size in sorted(set(sizes)):  # owners over all units of one size at once, not in order
+        ks = [k for k, s in enumerate(sizes) if s == size]
+        specs = iter(with_owners([s for k in ks for s in units[k]], size))
+        for k in ks:
+            units[k] = [next(specs) for _ in units[k]]
     return [
-        (plan, plan_buckets(unit, world_size, buffer_max_size)) for plan, unit in zip(plans, units)
+        (plan, plan_buckets(unit, size, buffer_max_size))
+        for plan, unit, size in zip(plans, units, sizes)
     ]
 
 
