@@ -26,7 +26,12 @@ from .module import broadcast_module_state, convert_module_
 from .optimizer import shard_optimizer_
 from .optimizer_needs import Need
 from .params import ShardedParams, WholeParams
-from .reduction import AllReduce, ReduceScatter, ReduceScatterThenAllReduce
+from .reduction import (
+    AllReduce,
+    ReduceScatter,
+    ReduceScatterThenAllReduce,
+    ReduceScatterThenReduceScatter,
+)
 from .staging import StagingPool
 from .state import ShardState
 from .units import UnitPlan, plan_groups
@@ -52,6 +57,17 @@ class CoreOptions:
     outer: nn.Module | None = None  # what the user passed: a torch.compile wrapper of the model
     # id(parameter) -> what its optimizer needs of the layout (core/optimizer_needs.py)
     needs: dict[int, Need] | None = None
+    # hybrid sharding: the optimizer state sharded over the replicas too (each steps 1/R of
+    # its shard: ShardingConfig.shard_optimizer_over_replicas); no-op without replicas
+    optimizer_over_replicas: bool = False
+
+    @property
+    def optimizer_replicas(self) -> int:
+        """Sub-shards per shard: the replica group's size where the optimizer state is sharded
+        over it, else 1."""
+        if not self.optimizer_over_replicas or self.replica_group is None:
+            return 1
+        return self.replica_group.size()
 
 
 def _reduce_scatter(group: ProcessGroup, replicas: ProcessGroup | None) -> ReduceScatter:
@@ -77,6 +93,18 @@ class LevelRules:
     def shard_grads(self) -> bool:
         """Each rank keeps only its shard of the reduced gradients (stages 2 and 3)."""
         return self.gradients is ShardedGradients
+
+    def reduction_for(self, group: ProcessGroup, replicas: ProcessGroup | None, sub_shards: int):
+        """The reduction this level builds; ``sub_shards`` > 1 (the optimizer state sharded
+        over the replicas): reduce-scatter across them, not all-reduce."""
+        if sub_shards == 1:
+            return self.reduction(group, replicas)
+        if self.reduction is AllReduce:
+            raise ValueError(
+                "shard_optimizer_over_replicas needs the reduce-scatter of the gradients: "
+                "whole_grads=True all-reduces whole gradients on every rank; drop one of them"
+            )
+        return ReduceScatterThenReduceScatter(group, replicas)
 
     @staticmethod
     def decode(level: str, *, whole_grads: bool = False) -> LevelRules:
@@ -187,9 +215,12 @@ def _build_groups(model: nn.Module, plans: list[UnitPlan], opts: CoreOptions, st
     (module, index) of every other unit, for the hooks."""
     mp, group, rules = opts.mixed_precision, opts.group, opts.rules
     reduce_dtype = mp.gradient_reduce_dtype()  # None: the parameters' own dtype
-    reduction = rules.reduction(group, opts.replica_group)
+    sub_shards = opts.optimizer_replicas
+    reduction = rules.reduction_for(group, opts.replica_group, sub_shards)
     groups, root, units = [], None, []
-    for plan, layouts in plan_groups(plans, group.size(), opts.buffer_max_size, needs=opts.needs):
+    for plan, layouts in plan_groups(
+        plans, group.size(), opts.buffer_max_size, needs=opts.needs, replicas=sub_shards
+    ):
         buckets = [
             FlatParamBucket(
                 layout,
@@ -199,6 +230,7 @@ def _build_groups(model: nn.Module, plans: list[UnitPlan], opts: CoreOptions, st
                 master_device=_CPU if opts.offload else None,
                 shard_params=rules.shard_params,
                 initial_shard=_initial_shard(opts, plan, layout),
+                replica_group=opts.replica_group if sub_shards > 1 else None,
             )
             for layout in layouts
         ]

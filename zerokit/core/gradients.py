@@ -303,7 +303,10 @@ class ScatteredGradients(FullGradients):
         scratch = (
             self._staging.acquire(self._scratch[b], self._dtype(b)) if self._scratch[b] else None
         )
-        pending = self._reduction.start(full, chunk, bucket.ranges, scratch, accumulate=False)
+        pending = self._reduction.start(
+            full, chunk, bucket.ranges, scratch, accumulate=False,
+            replica_ranges=bucket.replica_ranges,
+        )  # fmt: skip
         self._reduced[b] = self._averaged[b] = True
         return pending.then(lambda: self._add_kept(chunk, kept, scratch))
 
@@ -410,8 +413,9 @@ class ShardedGradients(_Gradients):
             self._staging.acquire(self._scratch[b], self._dtype(b)) if self._scratch[b] else None
         )
         pending = self._reduction.start(
-            full, self.grads[b], self.buckets[b].ranges, scratch, accumulate=not fresh
-        )
+            full, self.grads[b], self.buckets[b].ranges, scratch, accumulate=not fresh,
+            replica_ranges=self.buckets[b].replica_ranges,
+        )  # fmt: skip
         return pending.then(lambda: self._release(full, scratch))
 
     def _release(self, full: torch.Tensor, scratch: torch.Tensor | None) -> None:

@@ -177,11 +177,13 @@ def plan_groups(
     buffer_max_size: int,
     shape_of: Callable[[nn.Parameter], tuple[int, ...]] | None = None,
     needs: Mapping[int, Need] | None = None,
+    replicas: int = 1,
 ) -> list[tuple[UnitPlan, tuple[BucketLayout, ...]]]:
     """Each unit's flat buckets: one per dtype, split further at ``buffer_max_size`` elements
     (``shape_of`` as for ``plan_units``). ``needs``: ``id(parameter)`` -> what its optimizer
     needs of the layout (``core/optimizer_needs.needs_of``); owners are balanced over all
-    the model's buckets together.
+    the model's buckets together. ``replicas`` > 1: each shard cut into that many sub-shards
+    (optimizer state sharded over replicas too: ``core/bucket_layout``), owners over all of them.
 
     >>> import torch
     >>> from torch import nn
@@ -201,10 +203,11 @@ def plan_groups(
         for plan in plans
     ]
     # owners over the whole model at once, not unit by unit in model order
-    specs = iter(with_owners([s for unit in units for s in unit], world_size))
+    specs = iter(with_owners([s for unit in units for s in unit], world_size * replicas))
     units = [[next(specs) for _ in unit] for unit in units]
     return [
-        (plan, plan_buckets(unit, world_size, buffer_max_size)) for plan, unit in zip(plans, units)
+        (plan, plan_buckets(unit, world_size, buffer_max_size, replicas=replicas))
+        for plan, unit in zip(plans, units)
     ]
 
 

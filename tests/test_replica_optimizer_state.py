@@ -1,0 +1,314 @@
+"""Optimizer state sharded over replicas too (``ShardingConfig.shard_optimizer_over_replicas``).
+
+Under hybrid sharding (S shard ranks x R replicas) each rank steps 1/R of its shard. Checked:
+training equals one process on the global batch (2e-5, fp32, several steps) at S x R = 2 x 2
+and 3 x 2 (uneven shards), every level, AdamW and SGD, Muon and Adafactor (owners over the
+whole world), torchao's AdamW8bit (blocks aligned at every sub-shard); the optimizer state
+per rank is 1/R of the same run without the field (the tensors' bytes counted); the bytes
+each rank sends across replicas in a step equal today's all-reduce (a counting group); the
+layout, as data, cuts each shard into R sub-shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import run_distributed
+from models import (
+    MatrixNet,
+    assert_same_params,
+    global_batches,
+    local_slice,
+    loss_fn,
+    make_optimizers,
+    reference_pair,
+    train_reference,
+    train_sharded,
+)
+
+import zerokit
+from zerokit.core.bucket_layout import ParamSpec, plan_buckets
+from zerokit.core.state import state_of
+
+ATOL = 2e-5
+STEPS = 4
+LEVEL_OPTIONS = {"os": {"buffer_max_size": 40}, "os_g": {"buffer_max_size": 40}, "p_g_os": {
+    "segment_size": 10}}  # fmt: skip
+ON = zerokit.ShardingConfig(shard_optimizer_over_replicas=True)
+
+
+def _groups(shards: int, replicas: int):
+    layout = zerokit.init_hybrid_parallel(replicas, 1, sharding_degree=shards)
+    return layout.sharding_group, layout.dp_group
+
+
+def state_bytes(optimizers) -> int:
+    """Bytes of every tensor in the optimizers' state (torchao's subclasses: codes + scales)."""
+    total = 0
+    for opt in optimizers:
+        for state in opt.state.values():
+            for value in state.values():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                if hasattr(value, "codes") and hasattr(value, "scale"):
+                    parts = (value.codes, value.scale)
+                else:
+                    parts = (value,)
+                total += sum(t.numel() * t.element_size() for t in parts)
+    return total
+
+
+# -- equality with one process -----------------------------------------------------------------
+def _elementwise(rank, world, shards, replicas, levels, kinds, model_kinds):
+    group, replica_group = _groups(shards, replicas)
+    batches = global_batches(STEPS, batch=2 * world)
+    for level in levels:
+        for kind in kinds:
+            for model_kind in model_kinds:
+                what = f"{shards}x{replicas} {level} {kind} {model_kind}"
+                (ref, ref_opt), (model, opt) = reference_pair(model_kind, kind)
+                ref_losses = train_reference(ref, ref_opt, batches)
+                model, opt, _ = zerokit.group_sharded_parallel(
+                    model, opt, level, group=group, dp_group=replica_group, config=ON,
+                    **LEVEL_OPTIONS[level],
+                )  # fmt: skip
+                losses = train_sharded(model, opt, batches, rank, world)
+                for step, (got, want) in enumerate(zip(losses, ref_losses)):
+                    assert abs(got - want) <= ATOL, f"{what}: step {step}: {got} != {want}"
+                assert_same_params(model, ref, ATOL, what)
+
+
+def test_2x2_every_level_adamw_matches_one_process():
+    run_distributed(_elementwise, 4, 2, 2, ("os", "os_g", "p_g_os"), ("adamw",), ("awkward",))
+
+
+@pytest.mark.slow
+def test_2x2_and_3x2_sgd_adamw_gpt_match_one_process():
+    levels = ("os", "os_g", "p_g_os")
+    run_distributed(_elementwise, 4, 2, 2, levels, ("sgd", "adamw"), ("gpt",))
+    run_distributed(_elementwise, 6, 3, 2, levels, ("sgd", "adamw"), ("awkward", "gpt"))
+
+
+@contextlib.contextmanager
+def _newton_schulz_in_fp32():
+    """Muon's Newton-Schulz in fp32 (as tests/test_optimizers.py checks it): a last-bit
+    difference in a reduced gradient stays one, so 2e-5 holds."""
+    import torch.optim._muon as muon
+
+    from zerokit.tools.plan_optimizers import newton_schulz_fp32
+
+    saved = muon._zeropower_via_newtonschulz
+    muon._zeropower_via_newtonschulz = newton_schulz_fp32
+    try:
+        yield
+    finally:
+        muon._zeropower_via_newtonschulz = saved
+
+
+def _families(rank, world, shards, replicas, kinds, levels, micro=1):
+    group, replica_group = _groups(shards, replicas)
+    batches = global_batches(STEPS, batch=4 * world)
+    for level in levels:
+        for kind in kinds:
+            what = f"{shards}x{replicas} {level} {kind} micro {micro}"
+            torch.manual_seed(0)
+            ref = MatrixNet()
+            model = copy.deepcopy(ref)
+            ref_opts = make_optimizers(kind, ref)
+            model, opts, _ = zerokit.group_sharded_parallel(
+                model, make_optimizers(kind, model), level, group=group,
+                dp_group=replica_group, config=ON, **LEVEL_OPTIONS[level],
+            )  # fmt: skip
+            _check_owners_over_world(model, replicas)
+            for x, y in batches:
+                loss_fn(ref(x), y).backward()
+                for opt in ref_opts:
+                    opt.step()
+                    opt.zero_grad()
+                xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
+                for xm, ym in zip(xs.chunk(micro), ys.chunk(micro)):  # accumulated
+                    (loss_fn(model(xm), ym) / micro).backward()
+                for opt in opts:
+                    opt.step()
+                for opt in opts:
+                    opt.zero_grad()
+            assert_same_params(model, ref, ATOL, what)
+
+
+def _check_owners_over_world(model, replicas):
+    """A whole parameter lies in one sub-shard: stepped by one rank of the whole world."""
+    for bucket in state_of(model).buckets:
+        layout = bucket.layout
+        assert layout.replicas == replicas
+        for slot in layout.slots:
+            if slot.whole:
+                holders = [
+                    (r, q)
+                    for r in range(layout.world_size)
+                    for q in range(replicas)
+                    if any(layout.slots[p.slot] is slot for p in layout.pieces(r, q))
+                ]
+                assert len(holders) == 1, f"{slot.name} is held by {holders}"
+
+
+@pytest.mark.parametrize("shards", [2, 3])
+def test_muon_and_adafactor_owners_over_the_world_match_one_process(shards):
+    with _newton_schulz_in_fp32():
+        levels = ("os_g",) if shards == 2 else ("os", "p_g_os")
+        run_distributed(_families, 2 * shards, shards, 2, ("muon", "adafactor"), levels)
+
+
+@pytest.mark.slow
+def test_every_family_every_level_with_accumulation_matches_one_process():
+    with _newton_schulz_in_fp32():
+        levels = ("os", "os_g", "p_g_os")
+        run_distributed(_families, 4, 2, 2, ("muon", "adafactor"), levels, 2)
+        run_distributed(_families, 6, 3, 2, ("muon", "adafactor"), levels, 2)
+
+
+@pytest.mark.slow
+def test_torchao_low_bit_blocks_aligned_match_one_process():
+    pytest.importorskip("torchao")
+    run_distributed(_families, 4, 2, 2, ("adamw8bit",), ("os_g", "p_g_os"))
+
+
+# -- memory: optimizer state per rank ----------------------------------------------------------
+def _state_bytes_ratio(rank, world, shards, replicas, level, out):
+    group, replica_group = _groups(shards, replicas)
+    batches = global_batches(2, batch=2 * world)
+    measured = []
+    for config in (zerokit.ShardingConfig(), ON):
+        torch.manual_seed(0)
+        model = MatrixNet()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt, _ = zerokit.group_sharded_parallel(
+            model, opt, level, group=group, dp_group=replica_group, config=config
+        )
+        train_sharded(model, opt, batches, rank, world)
+        measured.append(state_bytes([opt]))
+    total = torch.tensor(measured, dtype=torch.float64)
+    dist.all_reduce(total)  # the whole state: equal with and without
+    out[rank] = (measured, total.tolist())
+
+
+@pytest.mark.parametrize("level", ["os_g", "p_g_os"])
+def test_optimizer_state_per_rank_is_one_over_replicas(level):
+    run_distributed(_state_bytes_ratio_collect, 4, 2, 2, level)
+
+
+def _state_bytes_ratio_collect(rank, world, shards, replicas, level):
+    out = {}
+    _state_bytes_ratio(rank, world, shards, replicas, level, out)
+    (without, with_field), (total_without, total_with) = out[rank]
+    # the same elements stepped over the world (each once: R copies without the field)
+    assert total_without == replicas * total_with, (total_without, total_with)
+    # per rank: this rank's sub-shard of its shard; the shard sizes are even here up to the
+    # padding and the step counters (one 8-byte scalar per piece), so within 1/R + 10%
+    assert with_field <= without / replicas * 1.1 + 64, (with_field, without)
+    assert with_field >= without / replicas * 0.9 - 64, (with_field, without)
+
+
+# -- bytes across replicas ---------------------------------------------------------------------
+@contextlib.contextmanager
+def counting_sent():
+    """Bytes this rank sends, by the ranks of the group it sends in: an ``isend``'s tensor;
+    a broadcast's from its source, to each of the group's other ranks; an all-reduce as a
+    ring sends it, 2n(N-1)/N."""
+    sent: dict[tuple[int, ...], float] = {}
+    names = ("isend", "broadcast", "all_reduce")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def wrap(name, fn):
+        def counted(tensor, *args, **kwargs):
+            group = kwargs.get("group")
+            ranks = tuple(dist.get_process_group_ranks(group)) if group else ()
+            n, size = tensor.numel() * tensor.element_size(), max(len(ranks), 1)
+            if name == "isend":
+                bytes_ = n
+            elif name == "broadcast":
+                src = kwargs.get("group_src", 0)
+                bytes_ = n * (size - 1) if group.rank() == src else 0
+            else:
+                bytes_ = 2 * n * (size - 1) / size
+            sent[ranks] = sent.get(ranks, 0) + bytes_
+            return fn(tensor, *args, **kwargs)
+
+        return counted
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield sent
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _replica_bytes(rank, world, shards, replicas, level):
+    group, replica_group = _groups(shards, replicas)
+    key = tuple(dist.get_process_group_ranks(replica_group))
+    batches = global_batches(3, batch=2 * world)
+    per_step = []
+    for config in (zerokit.ShardingConfig(), ON):
+        torch.manual_seed(0)
+        model = MatrixNet()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt, _ = zerokit.group_sharded_parallel(
+            model, opt, level, group=group, dp_group=replica_group, config=config
+        )
+        train_sharded(model, opt, batches[:1], rank, world)  # the first step: state made
+        x, y = batches[1]
+        with counting_sent() as sent:
+            loss_fn(model(local_slice(x, rank, world)), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+        per_step.append(sent.get(key, 0))
+    without, with_field = per_step
+    shard_bytes = sum(b.shard_end - b.shard_start for b in state_of(model).buckets) * 4
+    # today's all-reduce of the gradient shard: 2 x shard x (R-1)/R, plus the control flags
+    assert without >= 2 * shard_bytes * (replicas - 1) / replicas
+    assert with_field == pytest.approx(without, rel=0.01), (with_field, without, shard_bytes)
+
+
+@pytest.mark.parametrize("shards", [2, 3])
+def test_bytes_across_replicas_equal_the_all_reduce(shards):
+    run_distributed(_replica_bytes, 2 * shards, shards, 2, "os_g")
+
+
+def test_bytes_across_replicas_equal_at_stage_1_and_3():
+    for level in ("os", "p_g_os"):
+        run_distributed(_replica_bytes, 4, 2, 2, level)
+
+
+# -- the layout, as data -----------------------------------------------------------------------
+def test_layout_cuts_each_shard_into_one_sub_shard_per_replica():
+    f32, cpu = torch.float32, torch.device("cpu")
+    specs = [ParamSpec("w", (7, 3), f32, cpu), ParamSpec("b", (5,), f32, cpu)]
+    for shards, replicas in ((2, 2), (3, 2), (1, 4)):
+        (layout,) = plan_buckets(specs, shards, 1000, replicas=replicas)
+        assert layout.padded_numel % (shards * replicas) == 0
+        for r in range(shards):
+            lo, hi = layout.shard_range(r)
+            subs = [layout.sub_range(r, q) for q in range(replicas)]
+            assert subs[0][0] == lo and subs[-1][1] == hi
+            assert all(a[1] == b[0] for a, b in zip(subs, subs[1:]))
+            whole = sum(p.numel for p in layout.pieces(r))
+            assert sum(p.numel for q in range(replicas) for p in layout.pieces(r, q)) == whole
+    whole = [ParamSpec(f"m{i}", (4, 4), f32, cpu, whole=True, cost=1.0) for i in range(6)]
+    (layout,) = plan_buckets(whole + specs, 3, 1000, replicas=2)
+    assert len(layout.bounds) == 3 * 2 + 1
+    owners = {
+        layout.slots[p.slot].name for r in range(3) for q in range(2) for p in layout.pieces(r, q)
+        if layout.slots[p.slot].whole
+    }  # fmt: skip
+    assert owners == {f"m{i}" for i in range(6)}
+    held = [
+        sum(1 for p in layout.pieces(r, q) if layout.slots[p.slot].whole)
+        for r in range(3)
+        for q in range(2)
+    ]
+    assert held == [1] * 6, f"one matrix per rank of the world: {held}"
