@@ -46,13 +46,14 @@ def _groups(shards: int, replicas: int):
     return layout.sharding_group, layout.dp_group
 
 
-def state_bytes(optimizers) -> int:
-    """Bytes of every tensor in the optimizers' state (torchao's subclasses: codes + scales)."""
+def state_bytes(optimizers, scalars: bool = True) -> int:
+    """Bytes of every tensor in the optimizers' state (torchao's subclasses: codes + scales);
+    ``scalars=False``: without the 0-dim ones (a step counter per piece)."""
     total = 0
     for opt in optimizers:
         for state in opt.state.values():
             for value in state.values():
-                if not isinstance(value, torch.Tensor):
+                if not isinstance(value, torch.Tensor) or (value.dim() == 0 and not scalars):
                     continue
                 if hasattr(value, "codes") and hasattr(value, "scale"):
                     parts = (value.codes, value.scale)
@@ -180,7 +181,7 @@ def test_torchao_low_bit_blocks_aligned_match_one_process():
 def _state_bytes_ratio(rank, world, shards, replicas, level, out):
     group, replica_group = _groups(shards, replicas)
     batches = global_batches(2, batch=2 * world)
-    measured = []
+    measured, opts = [], []
     for config in (zerokit.ShardingConfig(), ON):
         torch.manual_seed(0)
         model = MatrixNet()
@@ -189,8 +190,10 @@ def _state_bytes_ratio(rank, world, shards, replicas, level, out):
             model, opt, level, group=group, dp_group=replica_group, config=config
         )
         train_sharded(model, opt, batches, rank, world)
+        opts.append(opt)
         measured.append(state_bytes([opt]))
-    total = torch.tensor(measured, dtype=torch.float64)
+    per_element = [state_bytes([opt], scalars=False) for opt in opts]
+    total = torch.tensor(per_element, dtype=torch.float64)
     dist.all_reduce(total)  # the whole state: equal with and without
     out[rank] = (measured, total.tolist())
 
@@ -204,7 +207,7 @@ def _state_bytes_ratio_collect(rank, world, shards, replicas, level):
     out = {}
     _state_bytes_ratio(rank, world, shards, replicas, level, out)
     (without, with_field), (total_without, total_with) = out[rank]
-    # the same elements stepped over the world (each once: R copies without the field)
+    # the same per-element state over the world (R copies of it without the field)
     assert total_without == replicas * total_with, (total_without, total_with)
     # per rank: this rank's sub-shard of its shard; the shard sizes are even here up to the
     # padding and the step counters (one 8-byte scalar per piece), so within 1/R + 10%
