@@ -315,3 +315,65 @@ def test_layout_cuts_each_shard_into_one_sub_shard_per_replica():
         for q in range(2)
     ]
     assert held == [1] * 6, f"one matrix per rank of the world: {held}"
+
+
+# -- clipping and unwrap -----------------------------------------------------------------------
+def _assert_same_state(opts, ref_opts, model, ref, what):
+    """Each parameter's whole optimizer state equals one process's (tensors and scalars)."""
+    ref_of = dict(zip((id(p) for p in model.parameters()), ref.parameters()))
+    ref_state = {id(p): s for opt in ref_opts for p, s in opt.state.items()}
+    checked = 0
+    for opt in opts:
+        for p, state in opt.state.items():
+            want = ref_state[id(ref_of[id(p)])]
+            assert state.keys() == want.keys(), what
+            for key, value in state.items():
+                got, expected = torch.as_tensor(value).float(), torch.as_tensor(want[key]).float()
+                if hasattr(value, "dequantize"):
+                    got, expected = value.dequantize(), want[key].dequantize()
+                torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=f"{what} {key}")
+                checked += 1
+    assert checked, f"{what}: no state to compare"
+
+
+def _clip_and_unwrap(rank, world, shards, replicas, level, kind):
+    group, replica_group = _groups(shards, replicas)
+    batches = global_batches(STEPS, batch=2 * world)
+    what = f"{shards}x{replicas} {level} {kind}"
+    torch.manual_seed(0)
+    ref = MatrixNet()
+    model = copy.deepcopy(ref)
+    ref_opts = make_optimizers(kind, ref) if kind != "adamw" else [
+        torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-6)]  # fmt: skip
+    opts = make_optimizers(kind, model) if kind != "adamw" else [
+        torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6)]  # fmt: skip
+    model, opts, _ = zerokit.group_sharded_parallel(
+        model, opts, level, group=group, dp_group=replica_group, config=ON,
+        **LEVEL_OPTIONS[level],
+    )  # fmt: skip
+    for x, y in batches:
+        loss_fn(ref(x), y).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)  # binds: norm ~1
+        xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
+        loss_fn(model(xs), ys).backward()
+        got = zerokit.clip_grad_norm_(model, 0.05)
+        assert abs(float(got) - float(want)) <= 1e-5, f"{what}: norm {got} != {want}"
+        for opt in ref_opts + opts:
+            opt.step()
+            opt.zero_grad()
+    assert_same_params(model, ref, ATOL, what)
+    model, opts = zerokit.unwrap(model, opts)
+    _assert_same_state(opts, ref_opts, model, ref, what)
+
+
+def test_clip_and_unwrap_give_one_process_norm_and_state():
+    run_distributed(_clip_and_unwrap, 4, 2, 2, "os_g", "adamw")
+
+
+@pytest.mark.slow
+def test_unwrap_gives_one_process_state_every_level_and_family():
+    with _newton_schulz_in_fp32():
+        for level in ("os", "p_g_os"):
+            run_distributed(_clip_and_unwrap, 6, 3, 2, level, "adamw")
+        run_distributed(_clip_and_unwrap, 6, 3, 2, "os_g", "muon")
+        run_distributed(_clip_and_unwrap, 4, 2, 2, "p_g_os", "adafactor")
