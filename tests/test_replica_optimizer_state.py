@@ -377,3 +377,60 @@ def test_unwrap_gives_one_process_state_every_level_and_family():
             run_distributed(_clip_and_unwrap, 6, 3, 2, level, "adamw")
         run_distributed(_clip_and_unwrap, 6, 3, 2, "os_g", "muon")
         run_distributed(_clip_and_unwrap, 4, 2, 2, "p_g_os", "adafactor")
+
+
+# -- the memory formula: plan and estimate against what a real run holds ------------------------
+PLAN_MODEL, PLAN_SEQ, PLAN_BUFFER = "verify_models:tiny_gpt", 8, 600
+
+
+def _plan_reports(world, degree, level):
+    from zerokit.tools.plan import PlanConfig, make_plan
+
+    config = {"world": world, "model": PLAN_MODEL, "batch": 2 * world, "seq": PLAN_SEQ,
+              "buffer_max_size": PLAN_BUFFER, "sharding_degree": degree, "level": level}  # fmt: skip
+    return [
+        make_plan(PlanConfig(shard_optimizer_over_replicas=on, **config)) for on in (False, True)
+    ]
+
+
+def _real_state_equals_plan(rank, world, degree, level, reports):
+    from zerokit.memory import estimate, measure
+    from zerokit.tools.workload import build_workload, load_factory
+
+    group, replica_group = _groups(degree, world // degree)
+    measured = []
+    for config, report in zip((zerokit.ShardingConfig(), ON), reports):
+        torch.manual_seed(0)
+        work = build_workload(load_factory(PLAN_MODEL), batch=2 * world, seq=PLAN_SEQ, per_rank=2)
+        opt = torch.optim.AdamW(work.model.parameters(), lr=1e-3)
+        psi = sum(p.numel() for p in work.model.parameters() if p.requires_grad)
+        model, opt, _ = zerokit.group_sharded_parallel(
+            work.model, opt, level, buffer_max_size=PLAN_BUFFER, group=group,
+            dp_group=replica_group, config=config,
+        )  # fmt: skip
+        mine = slice(rank * 2, rank * 2 + 2)
+        for step in range(2):
+            x, y = (t[mine] for t in work.make_batch(step, 2 * world))
+            work.loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        got = measure(model, opt).optimizer
+        planned = report["ranks"][rank]["memory"]["optimizer"]
+        assert got == planned, f"{level} {config}: rank {rank} holds {got}, the plan says {planned}"
+        measured.append(got)
+    without, with_field = measured
+    replicas = world // degree
+    # 1/R of today's, up to the padding to R sub-shards and one step counter per piece
+    assert abs(with_field - without / replicas) <= 0.02 * without, (with_field, without)
+    formula = estimate(psi, level, world, sharding_degree=degree, optimizer_over_replicas=True)
+    assert abs(formula.optimizer - with_field) <= 0.02 * formula.optimizer, (formula, with_field)
+
+
+@pytest.mark.parametrize("level", ["os", "p_g_os"])
+def test_plan_and_estimate_give_the_optimizer_bytes_a_real_run_holds(level):
+    run_distributed(_real_state_equals_plan, 4, 2, level, _plan_reports(4, 2, level))
+
+
+@pytest.mark.slow
+def test_plan_and_estimate_at_3x2():
+    run_distributed(_real_state_equals_plan, 6, 3, "os_g", _plan_reports(6, 3, "os_g"))

@@ -146,6 +146,11 @@ def _add_compare_parser(commands) -> None:
         "replicate across the groups (default %(default)s: shard over every rank)",
     )
     compare.add_argument(
+        "--shard-optimizer-over-replicas", action="store_true",
+        help="with --sharding-degree: the zerokit levels shard the optimizer state over the "
+        "replicas too (default: off)",
+    )
+    compare.add_argument(
         "--json", metavar="PATH", help="also write the report as JSON (default: none)"
     )
     compare.add_argument(
@@ -235,6 +240,7 @@ def _compare(args) -> int:
         seq=args.seq,
         mixed_precision=args.mixed_precision,
         sharding_degree=args.sharding_degree,
+        shard_optimizer_over_replicas=args.shard_optimizer_over_replicas,
     )
 
     def progress(line: str) -> None:
@@ -434,6 +440,11 @@ def _add_plan_parser(commands) -> None:
         help="--level os: all-reduce whole gradients (every rank's .grad whole, 3Ψ(N-1)/N a "
         "step) instead of the default reduce-scatter (DDP's 2Ψ(N-1)/N)",
     )  # fmt: skip
+    plan.add_argument(
+        "--shard-optimizer-over-replicas", action="store_true",
+        help="with --sharding-degree: the optimizer state sharded over the replicas too "
+        "(1/R of it per rank, the same bytes across replicas)",
+    )  # fmt: skip
     plan.add_argument("--json", metavar="PATH", help="also write the report as JSON")
 
 
@@ -454,6 +465,7 @@ def _plan(args) -> int:
                 mixed_precision=args.mixed_precision,
                 optimizer=args.optimizer,
                 whole_grads=args.whole_grads,
+                shard_optimizer_over_replicas=args.shard_optimizer_over_replicas,
             )
         )
     except ValueError as e:
