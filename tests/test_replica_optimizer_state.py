@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 
 import pytest
 import torch
@@ -298,7 +299,7 @@ def test_layout_cuts_each_shard_into_one_sub_shard_per_replica():
             lo, hi = layout.shard_range(r)
             subs = [layout.sub_range(r, q) for q in range(replicas)]
             assert subs[0][0] == lo and subs[-1][1] == hi
-            assert all(a[1] == b[0] for a, b in zip(subs, subs[1:]))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(subs))
             whole = sum(p.numel for p in layout.pieces(r))
             assert sum(p.numel for q in range(replicas) for p in layout.pieces(r, q)) == whole
     whole = [ParamSpec(f"m{i}", (4, 4), f32, cpu, whole=True, cost=1.0) for i in range(6)]
@@ -434,3 +435,59 @@ def test_plan_and_estimate_give_the_optimizer_bytes_a_real_run_holds(level):
 @pytest.mark.slow
 def test_plan_and_estimate_at_3x2():
     run_distributed(_real_state_equals_plan, 6, 3, "os_g", _plan_reports(6, 3, "os_g"))
+
+
+# -- checkpoints across layouts ----------------------------------------------------------------
+def _wrapped(kind, level, groups: dict, config):
+    (_, _), (model, opt) = reference_pair("awkward", kind)
+    model, opt, _ = zerokit.group_sharded_parallel(
+        model, opt, level, config=config, **groups, **LEVEL_OPTIONS[level]
+    )
+    return model, opt
+
+
+def _checkpoints(rank, world, directory, kind):
+    """Saved with the field after half the steps; loaded with it, without it at another layout
+    (and saved there, loaded back with it): each then trains the other half as one process."""
+    from zerokit import checkpoint
+
+    group, replica_group = _groups(2, world // 2)
+    hybrid = {"group": group, "dp_group": replica_group}
+    batches = global_batches(2 * STEPS, batch=2 * world)
+    first, rest = batches[:STEPS], batches[STEPS:]
+    (ref, ref_opt), _ = reference_pair("awkward", kind)
+    train_reference(ref, ref_opt, batches)
+    model, opt = _wrapped(kind, "os_g", hybrid, ON)
+    train_sharded(model, opt, first, rank, world)
+    checkpoint.save(f"{directory}/on", model, opt)
+    cases = [  # (what, level, groups, config, a checkpoint to save after loading)
+        ("with the field, p_g_os", "p_g_os", hybrid, ON, None),
+        ("without it, os over all ranks", "os", {}, zerokit.ShardingConfig(), f"{directory}/off"),
+    ]
+    for what, level, groups, config, save_to in cases:
+        model, opt = _wrapped(kind, level, groups, config)
+        checkpoint.load(f"{directory}/on", model, opt)
+        if save_to is not None:
+            checkpoint.save(save_to, model, opt)
+        train_sharded(model, opt, rest, rank, world)
+        assert_same_params(model, ref, ATOL, f"loaded {what}")
+    model, opt = _wrapped(kind, "os", hybrid, ON)  # and back: with the field, at 'os'
+    checkpoint.load(f"{directory}/off", model, opt)
+    checkpoint.async_save(f"{directory}/async", model, opt).result()
+    checkpoint.save(f"{directory}/dcp", model, opt, format="dcp")
+    train_sharded(model, opt, rest, rank, world)
+    assert_same_params(model, ref, ATOL, "saved without the field, loaded with it")
+    for saved in ("async", "dcp"):  # the other writers and DCP's reader, with the field
+        model, opt = _wrapped(kind, "os_g", hybrid, ON)
+        checkpoint.load(f"{directory}/{saved}", model, opt)
+        train_sharded(model, opt, rest, rank, world)
+        assert_same_params(model, ref, ATOL, f"{saved} with the field")
+
+
+def test_checkpoints_load_across_layouts_with_and_without_the_field(tmp_path):
+    run_distributed(_checkpoints, 4, str(tmp_path), "adamw")
+
+
+@pytest.mark.slow
+def test_checkpoints_at_3x2_sgd(tmp_path):
+    run_distributed(_checkpoints, 6, str(tmp_path), "sgd")

@@ -121,6 +121,12 @@ class FlatParamBucket:
         """This rank's shard of a full-size buffer."""
         return flat[self.shard_start : self.shard_end]
 
+    def use_pieces(self, pieces) -> None:
+        """Step (and show checkpoints) ``pieces`` of this rank's shard: the whole shard's for
+        a checkpoint where the optimizer state is sharded over replicas (``whole_shards``)."""
+        self.pieces = tuple(pieces)
+        self.param_pieces = self.piece_views(self.shard_data)
+
     def piece_views(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """Views of this rank's pieces inside a shard-size buffer: 1-D, or shaped like the
         parameter where its optimizer steps it whole (``Slot.whole``: Muon needs a matrix)."""

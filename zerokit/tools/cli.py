@@ -146,7 +146,8 @@ def _add_compare_parser(commands) -> None:
         "replicate across the groups (default %(default)s: shard over every rank)",
     )
     compare.add_argument(
-        "--shard-optimizer-over-replicas", action="store_true",
+        "--shard-optimizer-over-replicas",
+        action="store_true",
         help="with --sharding-degree: the zerokit levels shard the optimizer state over the "
         "replicas too (default: off)",
     )
