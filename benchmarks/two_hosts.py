@@ -15,9 +15,15 @@ hosts crosses the veth. The ranks run benchmarks/two_hosts_worker.py. Three chec
   restarts both hosts, the job resumes from step 3 and ends equal to one process.
 * ``shrink``: host 0 alone (``--nnodes 1``, 2 ranks) resumes that step-3 checkpoint and ends
   equal to one process.
+* ``optimizer`` (not in the default set): per level, hybrid sharding without and with the
+  optimizer state sharded over the replicas (``shard_optimizer_over_replicas``), alternating
+  step by step in one job: each must match one process; the optimizer bytes a rank holds with
+  it must be at most 1/R (+2%) of without, the bytes across hosts per step equal (within 5%);
+  the step-time ratio is printed.
 
     python benchmarks/two_hosts.py                       # all three, about a minute
     python benchmarks/two_hosts.py --checks traffic --json two_hosts.json
+    python benchmarks/two_hosts.py --checks optimizer --steps 8
 
 Needs root and ``ip netns``; without them it prints "cannot run: <why>" and exits 0. Exits 1
 if a check fails. Namespaces and veth are named after this process's pid and removed at exit,
@@ -205,6 +211,43 @@ def check_traffic(hosts, work, args, failures) -> dict:
     return report
 
 
+def check_optimizer(hosts, work, args, failures) -> dict:
+    """Hybrid sharding with the optimizer state sharded over the replicas against without."""
+    worker_args = ["optimizer", "--levels", args.levels, "--steps", str(args.steps)]
+    codes, ranks = launch(hosts, work, "optimizer", [0, 1], worker_args)
+    if any(codes) or len(ranks) != 2 * NPROC:
+        failures.append(f"optimizer: exit codes {codes}, {len(ranks)} rank results")
+        return {}
+    replicas = len(ranks) // NPROC
+    print(
+        f"optimizer state sharded over the {replicas} replicas (on) against hybrid sharding (off)"
+    )
+    print("level    opt bytes/rank off -> on  ratio  cross-host bytes/step off -> on  ratio"
+          "  step s off -> on  ratio  max |diff|")  # fmt: skip
+    report = {"replicas": replicas, "levels": {}}
+    for level in args.levels.split(","):
+        off, on = (ranks[0][f"{level}/{k}"] for k in ("off", "on"))
+        state = max(r[f"{level}/on"]["optimizer_bytes"] / r[f"{level}/off"]["optimizer_bytes"]
+                    for r in ranks)  # fmt: skip
+        moved = on["bytes_per_step"] / off["bytes_per_step"]
+        slower = on["step_s"] / off["step_s"]
+        diff = max(r[f"{level}/{k}"]["max_diff"] for r in ranks for k in ("off", "on"))
+        print(
+            f"{level:8} {off['optimizer_bytes']:>10,} -> {on['optimizer_bytes']:>10,} {state:5.3f}"
+            f" {off['bytes_per_step']:>14,.0f} -> {on['bytes_per_step']:>14,.0f} {moved:5.3f}"
+            f"  {off['step_s']:.4f} -> {on['step_s']:.4f} {slower:5.2f}  {diff:.1e}"
+        )
+        report["levels"][level] = {"off": off, "on": on, "state_ratio": state,
+                                   "bytes_ratio": moved, "time_ratio": slower, "max_diff": diff}  # fmt: skip
+        if not diff <= ATOL:
+            failures.append(f"optimizer: {level} differs from one process by {diff}")
+        if state > 1 / replicas * 1.02:
+            failures.append(f"optimizer: {level}: a rank holds {state:.3f} of the state, not 1/R")
+        if not 0.95 <= moved <= 1.05:
+            failures.append(f"optimizer: {level}: {moved:.3f} of the cross-host bytes, not equal")
+    return report
+
+
 def check_restart(hosts, work, args, failures) -> dict:
     worker_args = ["train", "--levels", args.train_level, "--steps", str(TRAIN_STEPS),
                    "--every", str(EVERY), "--kill-step", str(KILL_STEP), "--kill-host", "1",
@@ -264,7 +307,7 @@ def main() -> int:
     p.add_argument(
         "--checks",
         default="traffic,restart,shrink",
-        help="comma-separated: traffic, restart, shrink (shrink needs restart)",
+        help="comma-separated: traffic, restart, shrink (shrink needs restart), optimizer",
     )
     p.add_argument("--levels", default="os,os_g,p_g_os", help="levels whose traffic is measured")
     p.add_argument("--steps", type=int, default=4, help="timed steps per traffic measurement")
@@ -295,7 +338,7 @@ def main() -> int:
     try:
         with TwoHosts() as hosts:
             for name, check in (("traffic", check_traffic), ("restart", check_restart),
-                                ("shrink", check_shrink)):  # fmt: skip
+                                ("shrink", check_shrink), ("optimizer", check_optimizer)):  # fmt: skip
                 if name in checks:
                     report[name] = check(hosts, work, args, failures)
     finally:
