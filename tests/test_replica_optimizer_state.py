@@ -491,3 +491,78 @@ def test_checkpoints_load_across_layouts_with_and_without_the_field(tmp_path):
 @pytest.mark.slow
 def test_checkpoints_at_3x2_sgd(tmp_path):
     run_distributed(_checkpoints, 6, str(tmp_path), "sgd")
+
+
+# -- the loop's features, the refusals, the setting's reach --------------------------------------
+def _loop_features(rank, world):
+    """bf16 compute with fp32 masters, no_sync accumulation, step_in_backward: each as one
+    process (bf16: as hybrid sharding without the field, 2e-5 apart)."""
+    group, replica_group = _groups(2, 2)
+    hybrid = {"group": group, "dp_group": replica_group}
+    batches = global_batches(STEPS, batch=4 * world)
+    for level in ("os_g", "p_g_os"):
+        (ref, ref_opt), _ = reference_pair("gpt", "adamw")
+        train_reference(ref, ref_opt, batches)
+        for options in ({"step_in_backward": True}, {}):
+            (_, _), (model, opt) = reference_pair("gpt", "adamw")
+            model, opt, _ = zerokit.group_sharded_parallel(
+                model, opt, level, config=ON, **hybrid, **options, **LEVEL_OPTIONS[level]
+            )
+            for x, y in batches:  # two micro-batches, the first under no_sync
+                xs, ys = local_slice(x, rank, world), local_slice(y, rank, world)
+                (xa, xb), (ya, yb) = xs.chunk(2), ys.chunk(2)
+                if options:
+                    (loss_fn(model(xs), ys)).backward()
+                else:
+                    with model.no_sync():
+                        (loss_fn(model(xa), ya) / 2).backward()
+                    (loss_fn(model(xb), yb) / 2).backward()
+                opt.step()
+                opt.zero_grad()
+            assert_same_params(model, ref, ATOL, f"{level} {options or 'no_sync'}")
+        bf16 = zerokit.MixedPrecision(param_dtype=torch.bfloat16)
+        got = []
+        for config in (zerokit.ShardingConfig(), ON):
+            (_, _), (model, opt) = reference_pair("gpt", "adamw")
+            model, opt, _ = zerokit.group_sharded_parallel(
+                model, opt, level, config=config, mixed_precision=bf16, **hybrid,
+                **LEVEL_OPTIONS[level],
+            )  # fmt: skip
+            train_sharded(model, opt, batches, rank, world)
+            got.append(model)
+        assert_same_params(got[1], got[0], ATOL, f"{level} bf16, with the field and without")
+
+
+def test_bf16_no_sync_and_step_in_backward_with_the_field():
+    run_distributed(_loop_features, 4)
+
+
+def _no_replicas_and_refusals(rank, world):
+    """Without a replica group the field changes nothing; with whole_grads it is refused
+    before anything changes; ranks that disagree on it are told so, every rank."""
+    (ref, ref_opt), (model, opt) = reference_pair("awkward", "adamw")
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "os_g", config=ON)
+    assert all(b.replica_group is None for b in state_of(model).buckets)
+    batches = global_batches(STEPS, batch=2 * world)
+    train_reference(ref, ref_opt, batches)
+    train_sharded(model, opt, batches, rank, world)
+    assert_same_params(model, ref, ATOL, "without replicas")
+    group, replica_group = _groups(2, 2)
+    (_, _), (model, opt) = reference_pair("awkward", "adamw")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="whole_grads=True"):
+        both = zerokit.ShardingConfig(whole_grads=True, shard_optimizer_over_replicas=True)
+        zerokit.group_sharded_parallel(model, opt, "os", group=group, dp_group=replica_group,
+                                       config=both)  # fmt: skip
+    assert state_of(model) is None and type(opt) is torch.optim.AdamW, "half-applied"
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # each shard group holds a rank with it and one without (the groups are agreed in turn)
+    mine = ON if dist.get_process_group_ranks(group)[0] == rank else zerokit.ShardingConfig()
+    with pytest.raises(Exception, match="shard_optimizer_over_replicas"):
+        zerokit.group_sharded_parallel(
+            model, opt, "os_g", group=group, dp_group=replica_group, config=mine
+        )
+
+
+def test_no_op_without_replicas_refused_with_whole_grads_and_agreed():
+    run_distributed(_no_replicas_and_refusals, 4)

@@ -240,7 +240,10 @@ def _validate(call: _Call) -> _Checked:
     _check_group_spans_no_tp_pair(model, call.shard_group)
     _agree(call)
     level = LevelRules.decode(config.level, whole_grads=config.whole_grads)  # decoded, once
-    level.check(step_in_backward=config.step_in_backward, exclude_layer=config.exclude_layer)
+    level.check(
+        step_in_backward=config.step_in_backward, exclude_layer=config.exclude_layer,
+        over_replicas=config.shard_optimizer_over_replicas,
+    )  # fmt: skip
     scaler = _sharded_scaler(call.scaler)
     if config.step_in_backward and scaler is not None and scaler.is_enabled():
         raise ValueError(

@@ -74,6 +74,12 @@ def _reduce_scatter(group: ProcessGroup, replicas: ProcessGroup | None) -> Reduc
     return ReduceScatterThenAllReduce(group, replicas) if replicas else ReduceScatter(group)
 
 
+_WHOLE_GRADS_OVER_REPLICAS = (
+    "shard_optimizer_over_replicas needs the reduce-scatter of the gradients: whole_grads=True "
+    "all-reduces whole gradients on every rank; drop one of them"
+)
+
+
 @dataclass(frozen=True)
 class LevelRules:
     """A level, decoded: what varies between the stages, as the classes to build."""
@@ -99,11 +105,8 @@ class LevelRules:
         over the replicas): reduce-scatter across them, not all-reduce."""
         if sub_shards == 1:
             return self.reduction(group, replicas)
-        if self.reduction is AllReduce:
-            raise ValueError(
-                "shard_optimizer_over_replicas needs the reduce-scatter of the gradients: "
-                "whole_grads=True all-reduces whole gradients on every rank; drop one of them"
-            )
+        if self.reduction is AllReduce:  # refused by ``check`` before anything changed
+            raise ValueError(_WHOLE_GRADS_OVER_REPLICAS)
         return ReduceScatterThenReduceScatter(group, replicas)
 
     @staticmethod
@@ -131,8 +134,10 @@ class LevelRules:
             "'p_g_os' (stage 3), or the stage numbers 1, 2, 3"
         )
 
-    def check(self, *, step_in_backward: bool, exclude_layer) -> None:
+    def check(self, *, step_in_backward: bool, exclude_layer, over_replicas: bool = False) -> None:
         """Refuse the options this level cannot honour."""
+        if over_replicas and self.reduction is AllReduce:
+            raise ValueError(_WHOLE_GRADS_OVER_REPLICAS)
         if step_in_backward and issubclass(self.gradients, FullGradients):
             raise ValueError(
                 "step_in_backward needs sharded gradients (level 'os_g' or 'p_g_os'), "
