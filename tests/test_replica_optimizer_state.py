@@ -637,3 +637,28 @@ def _no_replicas_and_refusals(rank, world):
 
 def test_no_op_without_replicas_refused_with_whole_grads_and_agreed():
     run_distributed(_no_replicas_and_refusals, 4)
+
+
+def _built_on_meta(rank, world):
+    """A model built on meta at 'p_g_os' with the field: each rank initialises its shard of the
+    sub-shard layout (meta_init plans the same layout). It trains as the same model built on
+    meta without the field (which tests/test_meta_init.py holds to one process)."""
+    group, replica_group = _groups(2, 2)
+    batches = global_batches(STEPS, batch=2 * world)
+    trained = []
+    for config in (zerokit.ShardingConfig(), ON):
+        torch.manual_seed(0)
+        with zerokit.empty_init():
+            model = MatrixNet()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        model, opt, _ = zerokit.group_sharded_parallel(
+            model, opt, "p_g_os", group=group, dp_group=replica_group, config=config,
+            segment_size=10,
+        )  # fmt: skip
+        train_sharded(model, opt, batches, rank, world)
+        trained.append(model)
+    assert_same_params(trained[1], trained[0], ATOL, "built on meta, with the field")
+
+
+def test_a_model_built_on_meta_with_the_field():
+    run_distributed(_built_on_meta, 4)
