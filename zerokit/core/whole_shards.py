@@ -39,7 +39,7 @@ _CALL = "checkpoint: the optimizer state of whole shards"
 def whole_shards(model, optimizer):
     """Collective over the replicas (every rank of a checkpoint call). A no-op where the
     optimizer state is not sharded over replicas."""
-    state = state_of(model)
+    state = state_of(getattr(model, "stage", model))  # a PipelineModule: its stage's
     buckets = [] if state is None else [b for b in state.buckets if b.replica_group is not None]
     if not buckets:
         yield
