@@ -3,7 +3,7 @@
 Host 0 is 10.77.0.1, host 1 is 10.77.0.2; each runs ``torchrun --nnodes 2 --nproc-per-node 2
 --rdzv-backend c10d --rdzv-endpoint 10.77.0.1:PORT`` with gloo bound to its veth
 (``GLOO_SOCKET_IFNAME``), so ranks on one host talk over its loopback and only traffic between
-hosts crosses the veth. The ranks run benchmarks/two_hosts_worker.py. Four checks:
+hosts crosses the veth. The ranks run benchmarks/two_hosts_worker.py. Five checks:
 
 * ``traffic``: per level, full sharding over the 4 ranks and hybrid sharding
   (``init_hybrid_parallel(2, 1, sharding_degree=2)``: shard inside a host, replicate across)
@@ -22,10 +22,16 @@ hosts crosses the veth. The ranks run benchmarks/two_hosts_worker.py. Four check
   restarts both hosts, the job resumes from step 3 and ends equal to one process.
 * ``shrink``: host 0 alone (``--nnodes 1``, 2 ranks) resumes that step-3 checkpoint and ends
   equal to one process.
+* ``optimizer`` (not in the default set): per level, hybrid sharding without and with the
+  optimizer state sharded over the replicas (``shard_optimizer_over_replicas``), alternating
+  step by step in one job: each must match one process; the optimizer bytes a rank holds with
+  it must be at most 1/R (+2%) of without, the bytes across hosts per step equal (within 5%);
+  the step-time ratio is printed.
 
-    python benchmarks/two_hosts.py                       # all but accumulation, about a minute
+    python benchmarks/two_hosts.py            # traffic, restart, shrink: about a minute
     python benchmarks/two_hosts.py --checks accumulation --accumulation 4
     python benchmarks/two_hosts.py --checks traffic --json two_hosts.json
+    python benchmarks/two_hosts.py --checks optimizer --steps 8
 
 Needs root and ``ip netns``; without them it prints "cannot run: <why>" and exits 0. Exits 1
 if a check fails. Namespaces and veth are named after this process's pid and removed at exit,
@@ -282,6 +288,43 @@ def _accumulation_ratios(level: str, row: dict, failures: list[str]) -> dict:
     return ratio
 
 
+def check_optimizer(hosts, work, args, failures) -> dict:
+    """Hybrid sharding with the optimizer state sharded over the replicas against without."""
+    worker_args = ["optimizer", "--levels", args.levels, "--steps", str(args.steps)]
+    codes, ranks = launch(hosts, work, "optimizer", [0, 1], worker_args)
+    if any(codes) or len(ranks) != 2 * NPROC:
+        failures.append(f"optimizer: exit codes {codes}, {len(ranks)} rank results")
+        return {}
+    replicas = len(ranks) // NPROC
+    print(
+        f"optimizer state sharded over the {replicas} replicas (on) against hybrid sharding (off)"
+    )
+    print("level    opt bytes/rank off -> on  ratio  cross-host bytes/step off -> on  ratio"
+          "  step s off -> on  ratio  max |diff|")  # fmt: skip
+    report = {"replicas": replicas, "levels": {}}
+    for level in args.levels.split(","):
+        off, on = (ranks[0][f"{level}/{k}"] for k in ("off", "on"))
+        state = max(r[f"{level}/on"]["optimizer_bytes"] / r[f"{level}/off"]["optimizer_bytes"]
+                    for r in ranks)  # fmt: skip
+        moved = on["bytes_per_step"] / off["bytes_per_step"]
+        slower = on["step_s"] / off["step_s"]
+        diff = max(r[f"{level}/{k}"]["max_diff"] for r in ranks for k in ("off", "on"))
+        print(
+            f"{level:8} {off['optimizer_bytes']:>10,} -> {on['optimizer_bytes']:>10,} {state:5.3f}"
+            f" {off['bytes_per_step']:>14,.0f} -> {on['bytes_per_step']:>14,.0f} {moved:5.3f}"
+            f"  {off['step_s']:.4f} -> {on['step_s']:.4f} {slower:5.2f}  {diff:.1e}"
+        )
+        report["levels"][level] = {"off": off, "on": on, "state_ratio": state,
+                                   "bytes_ratio": moved, "time_ratio": slower, "max_diff": diff}  # fmt: skip
+        if not diff <= ATOL:
+            failures.append(f"optimizer: {level} differs from one process by {diff}")
+        if state > 1 / replicas * 1.02:
+            failures.append(f"optimizer: {level}: a rank holds {state:.3f} of the state, not 1/R")
+        if not 0.95 <= moved <= 1.05:
+            failures.append(f"optimizer: {level}: {moved:.3f} of the cross-host bytes, not equal")
+    return report
+
+
 def check_restart(hosts, work, args, failures) -> dict:
     worker_args = ["train", "--levels", args.train_level, "--steps", str(TRAIN_STEPS),
                    "--every", str(EVERY), "--kill-step", str(KILL_STEP), "--kill-host", "1",
@@ -341,7 +384,7 @@ def main() -> int:
     p.add_argument(
         "--checks",
         default="traffic,restart,shrink",
-        help="comma-separated: traffic, accumulation, restart, shrink",
+        help="comma-separated: traffic, accumulation, restart, shrink, optimizer",
     )
     p.add_argument(
         "--accumulation", type=int, default=4, help="micro-batches a step (accumulation check)"
@@ -382,7 +425,8 @@ def main() -> int:
     try:
         with TwoHosts(args.link_rate) as hosts:
             for name, check in (("traffic", check_traffic), ("accumulation", check_accumulation),
-                                ("restart", check_restart), ("shrink", check_shrink)):  # fmt: skip
+                                ("restart", check_restart), ("shrink", check_shrink),
+                                ("optimizer", check_optimizer)):  # fmt: skip
                 if name in checks:
                     report[name] = check(hosts, work, args, failures)
     finally:

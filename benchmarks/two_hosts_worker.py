@@ -1,6 +1,6 @@
 """One rank of benchmarks/two_hosts.py, started by torchrun inside a host's network namespace.
 
-Three modes, each checked on every rank against one process training on the whole global batch:
+Four modes, each checked on every rank against one process training on the whole global batch:
 
 * ``traffic``: per level, full sharding over every rank (``group=WORLD``), then hybrid sharding
   (shard inside a host, replicate across hosts); counts the bytes that crossed this host's
@@ -8,6 +8,10 @@ Three modes, each checked on every rank against one process training on the whol
 * ``accumulation``: hybrid sharding, K micro-batches a step, reduced each in full, with the
   cross-host reduction deferred to the last (``defer_replica_sync()``), or under ``no_sync()``;
   the bytes across the veth per step, the step time and the gradient bytes held.
+* ``optimizer``: per level, hybrid sharding without and with the optimizer state sharded over
+  the replicas (``ShardingConfig.shard_optimizer_over_replicas``), the two alternating step by
+  step: the optimizer-state bytes each rank holds, the bytes across the veth per step and the
+  step time of each.
 * ``train``: hybrid sharding with a checkpoint (model, optimizer, step, RNG) every ``--every``
   steps; resumes from the newest complete one; on torchrun's first attempt the ranks of host
   ``--kill-host`` SIGKILL themselves at step ``--kill-step``.
@@ -213,6 +217,58 @@ def accumulated_step(model, opt, rank, world, k, mode, held) -> None:
             held.append(zerokit.memory.measure(model, opt).grads)
     opt.step()
     opt.zero_grad()
+def optimizer_state(args, rank: int, world: int) -> dict:
+    """Hybrid sharding without and with ``shard_optimizer_over_replicas``, per level. The two
+    runs alternate step by step (warm-up, then one timed step of each in turn), so a busy
+    machine slows both alike; each run's veth bytes are counted over its own steps."""
+    from zerokit.memory import measure
+
+    ref = ref_with_batches(args)
+    group, replicas, _ = host_layout(int(os.environ["LOCAL_WORLD_SIZE"]))
+    configs = {
+        "off": zerokit.ShardingConfig(),
+        "on": zerokit.ShardingConfig(shard_optimizer_over_replicas=True),
+    }
+    results: dict = {}
+    for level in args.levels:
+        runs = {}
+        for name, config in configs.items():
+            model, opt = make_model_and_optimizer()
+            runs[name] = zerokit.group_sharded_parallel(
+                model, opt, level, group=group, dp_group=replicas, config=config
+            )[:2]
+        totals = {name: [0, 0.0] for name in runs}  # bytes, seconds
+        for step in range(args.warmup + args.steps):
+            for name, (model, opt) in runs.items():
+                torch.manual_seed(DATA_SEED + step)  # the same batch for both runs
+                if step < args.warmup:
+                    train_step(model, opt, rank, world)
+                    continue
+                moved, seconds = crossed(lambda m=model, o=opt: train_step(m, o, rank, world))
+                totals[name][0] += moved
+                totals[name][1] += seconds
+        idle, _ = crossed(lambda s=totals["off"][1] / args.steps: time.sleep(s))
+        for name, (model, opt) in runs.items():
+            results[f"{level}/{name}"] = {
+                "bytes_per_step": totals[name][0] / args.steps - idle,
+                "step_s": totals[name][1] / args.steps,
+                "optimizer_bytes": measure(model, opt).optimizer,
+                "max_diff": max_diff(model, ref),
+            }
+        del runs
+    return results
+
+
+def ref_with_batches(args) -> dict[str, torch.Tensor]:
+    """One process on the batches ``optimizer_state`` draws (seeded per step)."""
+    model, opt = make_model_and_optimizer()
+    for step in range(args.warmup + args.steps):
+        torch.manual_seed(DATA_SEED + step)
+        x, y = draw_batch()
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
 
 
 def newest_checkpoint(directory: Path) -> Path | None:
@@ -261,7 +317,7 @@ def train(args, rank: int, world: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=("traffic", "train", "accumulation"))
+    p.add_argument("mode", choices=("traffic", "train", "accumulation", "optimizer"))
     p.add_argument("--out", required=True, help="directory for each rank's result JSON")
     p.add_argument("--levels", default="os_g,p_g_os", help="comma-separated zerokit levels")
     p.add_argument("--steps", type=int, default=4, help="timed steps, or steps in all (train)")
@@ -284,7 +340,8 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
-        modes = {"traffic": traffic, "train": train, "accumulation": accumulation}
+        modes = {"traffic": traffic, "train": train, "accumulation": accumulation,
+                 "optimizer": optimizer_state}  # fmt: skip
         result = modes[args.mode](args, rank, world)
         result.update(rank=rank, world=world, host=int(os.environ["ZK_HOST"]))
         Path(args.out, f"rank{rank}.json").write_text(json.dumps(result, indent=1))

@@ -241,7 +241,10 @@ def _validate(call: _Call) -> _Checked:
     _check_group_spans_no_tp_pair(model, call.shard_group)
     _agree(call)
     level = LevelRules.decode(config.level, whole_grads=config.whole_grads)  # decoded, once
-    level.check(step_in_backward=config.step_in_backward, exclude_layer=config.exclude_layer)
+    level.check(
+        step_in_backward=config.step_in_backward, exclude_layer=config.exclude_layer,
+        over_replicas=config.shard_optimizer_over_replicas,
+    )  # fmt: skip
     scaler = _sharded_scaler(call.scaler)
     if config.step_in_backward and scaler is not None and scaler.is_enabled():
         raise ValueError(
@@ -315,12 +318,13 @@ def _build(call: _Call, checked: _Checked):
     model, config, group = call.model, call.config, call.shard_group
     replicas = call.replica_group if call.replica_group and call.replica_group.size() > 1 else None
     shards = None
+    sub_shards = replicas.size() if replicas and config.shard_optimizer_over_replicas else 1
     # A dry run's stand-in ranks (``zerokit plan``) keep the model on meta: no values to make
     if call.meta and not is_stand_in(group):  # fails alike on every rank, leaving it on meta
         shards = materialize(
             model, checked.plans, shard_params=checked.level.shard_params, group=group,
             replica_group=replicas, buffer_max_size=config.buffer_max_size,
-            init_fn=call.init_fn, needs=checked.needs,
+            init_fn=call.init_fn, needs=checked.needs, sub_shards=sub_shards,
         )  # fmt: skip
     compiled = call.given if not isinstance(call.given, PipelineModule) else call.given.stage
     options = CoreOptions(
@@ -329,6 +333,7 @@ def _build(call: _Call, checked: _Checked):
         sync_buffers=config.sync_buffers, offload=config.offload,
         mixed_precision=checked.policy, tp_group=tp_group_of(model), replica_group=replicas,
         initial_shards=shards, outer=compiled, needs=checked.needs,
+        optimizer_over_replicas=config.shard_optimizer_over_replicas,
     )  # fmt: skip
     state = build(model, call.optimizers, checked.plans, options)
     state.grad_norm = global_grad_norm

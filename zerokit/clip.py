@@ -20,7 +20,7 @@ def counted_grads(model: nn.Module, state, tp_group):
     pipeline's clip count the same way). Rank-local parameters are not included."""
     if state is not None:
         owned = state.owned_grad_pieces()  # every element once across the ZeRO group
-        groups = [state.process_group]
+        groups = state.piece_groups  # (and its replicas, where they split the pieces too)
         to_scale = state.grads_to_scale()
     else:
         owned = [(p, p.grad) for p in model.parameters() if p.grad is not None]

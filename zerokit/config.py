@@ -122,6 +122,15 @@ class ShardingConfig:
     False (the default): the ZeRO paper's stage 1, DDP's 2Ψ(N-1)/N — each rank reduce-scatters
     into its shard and ``param.grad`` is a placeholder, as at 'os_g' (torch's clips stay exact).
     Other levels refuse True."""
+    shard_optimizer_over_replicas: bool = False
+    """Hybrid sharding (a ``replica_group`` of R ranks beside the shard group of S): shard the
+    optimizer state over the replicas too, so each rank holds 1/(S·R) of it (the optimizer
+    state of 1/R of its shard) instead of 1/S. The gradient shard is reduce-scattered across
+    replicas instead of all-reduced, each replica steps its sub-shard, and the updated
+    sub-shards are all-gathered across replicas: the same bytes between replicas (reduce-
+    scatter + all-gather = all-reduce). Every level; not with ``whole_grads=True``. Without
+    hybrid sharding (no replica group, or one of size 1) it changes nothing: the state is
+    sharded over every rank already."""
     debug_agreement: bool = False
     """Debug mode for level 'p_g_os': before every gather the ranks check (one blocking
     all-reduce and a host sync) that they gather the same unit, so a module that runs on some

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -55,6 +55,7 @@ def estimate(
     buffer_max_size: int = 2**23,
     segment_size: int = 2**20,
     sharding_degree: int | None = None,
+    optimizer_over_replicas: bool = False,
 ) -> MemoryEstimate:
     """Model-state bytes per rank at ``level`` ('ddp' is plain data parallelism, as torch
     DDP holds it; 'dp' is accepted as another name for it).
@@ -85,8 +86,33 @@ def estimate(
     >>> e8, e2 = estimate(10**9, "p_g_os", 8), estimate(10**9, "p_g_os", 8, sharding_degree=2)
     >>> round(e8.total / 1e9, 1), round(e2.total / 1e9, 1)
     (2.0, 8.0)
+
+    ``optimizer_over_replicas`` (``ShardingConfig.shard_optimizer_over_replicas``): under
+    hybrid sharding the optimizer state is sharded over the R = ``world_size /
+    sharding_degree`` replicas too, 1/R of it per rank (each shard padded to R sub-shards).
+
+    >>> on = estimate(10**9, "os_g", 8, sharding_degree=2, optimizer_over_replicas=True)
+    >>> e2 = estimate(10**9, "os_g", 8, sharding_degree=2)
+    >>> e2.optimizer // on.optimizer, on.params == e2.params
+    (4, True)
     """
-    world_size = _hybrid_world(level, world_size, sharding_degree)
+    shard_world = _hybrid_world(level, world_size, sharding_degree)
+    replicas = world_size // shard_world if optimizer_over_replicas else 1
+    whole = _estimate(
+        model_or_num_params, level, shard_world, mixed_precision, paper, optimizer,
+        buffer_max_size, segment_size,
+    )  # fmt: skip
+    if replicas == 1 or level in ("ddp", "dp"):
+        return whole
+    # the shard cut into R sub-shards (padded to a multiple of R elements: under R each)
+    return replace(whole, optimizer=-(-whole.optimizer // replicas))
+
+
+def _estimate(
+    model_or_num_params, level, world_size, mixed_precision, paper, optimizer, buffer_max_size,
+    segment_size,
+) -> MemoryEstimate:  # fmt: skip
+    """``estimate`` at ``world_size`` ranks sharding the state (the shard group's)."""
     level = _LEVEL_ALIASES.get(level, level)
     model_or_num_params = _model_or_count(model_or_num_params)
     if level not in ESTIMATE_LEVELS:

@@ -124,18 +124,22 @@ def materialize(
     buffer_max_size: int,
     init_fn: InitFn | None,
     needs: dict | None = None,
+    sub_shards: int = 1,
 ) -> dict[ShardKey, torch.Tensor] | None:
     """Collective. Give the meta ``model`` its initial values; with ``shard_params`` (level
     ``'p_g_os'``) return this rank's shard of every bucket (keyed by its parameters' ids) and
     leave each bucketed parameter as a storage-less placeholder of its shape, else materialise
-    every parameter and return None. On any rank's failure: ``MetaInitError`` on every rank, model restored."""
+    every parameter and return None. On any rank's failure: ``MetaInitError`` on every rank, model restored.
+    ``sub_shards``: the layouts' (``CoreOptions.optimizer_replicas``), so the shards fit them."""
     groups = [g for g in (replica_group, group) if g is not None]
     device = communication_device(group)
     saved = _Snapshot(model)
     rng = torch.get_rng_state()
     for g in groups:  # every rank draws rank 0's numbers, as if rank 0's model were broadcast
         torch.set_rng_state(broadcast_(torch.get_rng_state().to(device), g).cpu())
-    walk = _Walk(model, plans if shard_params else [], group, buffer_max_size, device, needs)
+    walk = _Walk(
+        model, plans if shard_params else [], group, buffer_max_size, device, needs, sub_shards
+    )
     error = ""
     try:
         walk.run(init_fn or reset_parameters)
@@ -309,10 +313,12 @@ def _shard_size(layout, rank: int) -> int:
 class _Walk:
     """``nn.Module.apply``'s walk, materialising and sharding unit by unit on the way."""
 
-    def __init__(self, model, plans, group, buffer_max_size, device, needs=None):
+    def __init__(self, model, plans, group, buffer_max_size, device, needs=None, sub_shards=1):
         self.model, self.device, self.rank = model, device, group.rank()
         # the layouts the core will build: the same owners and blocks (core/build.py)
-        layouts = dict(plan_groups(plans, group.size(), buffer_max_size, needs=needs))
+        layouts = dict(
+            plan_groups(plans, group.size(), buffer_max_size, needs=needs, replicas=sub_shards)
+        )
         self.units = {id(p.module): (p, layouts[p]) for p in plans if p.module is not model}
         root = [(p, layouts[p]) for p in plans if p.module is model]
         self.root = root[0] if root else None

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core import alive
+from ..core import alive, whole_shards
 from ..runtime.timeouts import collective_timeout
 from .holdings import Chunk
 from .index import CheckpointError
@@ -88,7 +88,7 @@ def async_save(
     group = world_group()
     writer = writer_for(format)
     mark_call("zerokit.checkpoint.async_save()", model, group)
-    with alive(group):
+    with alive(group), whole_shards(model, optimizer):  # state sharded over replicas
         p = _snapshot(prepare(model, optimizer, extra))
         per_rank, world = _agree(path, p, writer, group, timeout)
         lock, tmp, error = _make_temp(path) if _rank() == 0 else (None, None, None)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core import agree_all, alive, gather, state_of
+from ..core import agree_all, alive, gather, state_of, whole_shards
 from ..moe.state_dict import refuse_split_experts
 from ..runtime import presence
 from ..runtime.timeouts import AgreementError, CollectiveTimeout
@@ -379,7 +379,7 @@ def save(
     group = world_group()
     writer = writer_for(format)
     mark_call("zerokit.checkpoint.save()", model, group)
-    with alive(group):
+    with alive(group), whole_shards(model, optimizer):  # state sharded over replicas
         save_prepared(path, prepare(model, optimizer, extra), writer, group, timeout)
 
 

@@ -27,6 +27,7 @@ from .release import release
 from .stand_in import is_stand_in
 from .state import ShardState, state_of
 from .units import UnitPlan, plan_groups, plan_units
+from .whole_shards import whole_shards
 
 __all__ = [  # each one's use: docs/ARCHITECTURE.md, 'The core's face'
     "BucketLayout",
@@ -65,4 +66,5 @@ __all__ = [  # each one's use: docs/ARCHITECTURE.md, 'The core's face'
     "release",
     "state_of",
     "unwrap_compiled",
+    "whole_shards",
 ]

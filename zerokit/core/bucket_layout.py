@@ -16,6 +16,14 @@ around them so the shards are as even as they can be; and every boundary inside 
 with a ``block`` (low-bit states) falls on a multiple of it, counted from the parameter's
 first element. Nothing is padded: the bytes reduced and gathered are the parameters' own.
 
+Replica-sharded optimizer state (``ShardingConfig.shard_optimizer_over_replicas``, hybrid
+sharding over S shard ranks x R replicas): each shard is cut once more into R *sub-shards*,
+one per replica, and a rank's optimizer steps the pieces of its own sub-shard only
+(``pieces(rank, replica)``). The layout is planned over all S x R sub-shards: equal ones
+(padded to a multiple of S x R), or the owner layout with ``bounds`` of S x R + 1 entries
+(whole parameters owned by one (shard rank, replica) over the whole world; blocks aligned at
+every sub-shard boundary). Shard rank s holds sub-shards s x R .. s x R + R - 1, contiguous.
+
 Everything here is pure: shapes, dtypes and a world size in, frozen dataclasses out.
 """
 
@@ -89,8 +97,15 @@ class BucketLayout:
     device: torch.device
     slots: tuple[Slot, ...]  # in order of offset
     world_size: int
-    # the owner layout: rank r's shard is [bounds[r], bounds[r + 1]); None: equal shards
+    # the owner layout: sub-shard k's part is [bounds[k], bounds[k + 1]) (rank r's shard, at
+    # one replica: [bounds[r], bounds[r + 1])); None: equal shards
     bounds: tuple[int, ...] | None = None
+    replicas: int = 1  # sub-shards per shard: the optimizer state is sharded over replicas too
+
+    @property
+    def parts(self) -> int:
+        """Sub-shards: every (shard rank, replica) pair's, in order ``rank * replicas + replica``."""
+        return self.world_size * self.replicas
 
     @property
     def numel(self) -> int:
@@ -106,7 +121,7 @@ class BucketLayout:
     def padded_numel(self) -> int:
         if self.bounds is not None:
             return self.bounds[-1]
-        return -(-self.numel // self.world_size) * self.world_size
+        return -(-self.numel // self.parts) * self.parts
 
     @property
     def shard_numel(self) -> int:
@@ -120,13 +135,30 @@ class BucketLayout:
     def shard_range(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of ``rank``'s shard in the flat buffer."""
         if self.bounds is not None:
-            return self.bounds[rank], self.bounds[rank + 1]
+            return self.bounds[rank * self.replicas], self.bounds[(rank + 1) * self.replicas]
         size = self.padded_numel // self.world_size
         return rank * size, (rank + 1) * size
 
-    def pieces(self, rank: int) -> tuple[Piece, ...]:
-        """The non-empty parts of parameters that lie inside ``rank``'s shard, in order."""
-        lo, hi = self.shard_range(rank)
+    def sub_range(self, rank: int, replica: int) -> tuple[int, int]:
+        """``[start, end)`` of ``rank``'s sub-shard at ``replica`` in the flat buffer."""
+        k = rank * self.replicas + replica
+        if self.bounds is not None:
+            return self.bounds[k], self.bounds[k + 1]
+        size = self.padded_numel // self.parts
+        return k * size, (k + 1) * size
+
+    def sub_ranges(self, rank: int) -> list[tuple[int, int]] | None:
+        """Every replica's ``[start, end)`` inside ``rank``'s shard (counted from the shard's
+        first element): the chunks of the collectives across replicas. None: equal chunks."""
+        if self.bounds is None:
+            return None
+        lo = self.shard_range(rank)[0]
+        return [tuple(x - lo for x in self.sub_range(rank, q)) for q in range(self.replicas)]
+
+    def pieces(self, rank: int, replica: int | None = None) -> tuple[Piece, ...]:
+        """The non-empty parts of parameters that lie inside ``rank``'s shard (``replica``
+        given: inside its sub-shard there), in order."""
+        lo, hi = self.shard_range(rank) if replica is None else self.sub_range(rank, replica)
         out = []
         for i, slot in enumerate(self.slots):
             start, end = max(lo, slot.offset), min(hi, slot.end)
@@ -140,6 +172,7 @@ def plan_buckets(
     world_size: int,
     max_bucket_numel: int,
     loads: list[float] | None = None,
+    replicas: int = 1,
 ) -> tuple[BucketLayout, ...]:
     """Group parameters into flat buckets, in registration order.
 
@@ -151,6 +184,8 @@ def plan_buckets(
     (``place_owners``). Whole parameters without an ``owner`` are given one here, over all of
     ``params`` at once (``assign_owners``, starting from ``loads``, each rank's optimizer cost
     so far, which is added to); ``plan_groups`` assigns them over the whole model first.
+    ``replicas`` > 1: each shard is cut into that many sub-shards (the module note); owners
+    are then sub-shards, ``rank * replicas + replica``.
 
     >>> f32, cpu = torch.float32, torch.device("cpu")
     >>> specs = [ParamSpec("w", (3, 2), f32, cpu), ParamSpec("b", (3,), f32, cpu)]
@@ -165,11 +200,13 @@ def plan_buckets(
     open_slots: dict[tuple[torch.dtype, torch.device, int], list[Slot]] = {}
     closed: list[tuple[int, BucketLayout]] = []  # (first param index, layout): keeps order
 
-    params = with_owners(params, world_size, loads)
+    if replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {replicas}")
+    params = with_owners(params, world_size * replicas, loads)
 
     def close(key: tuple[torch.dtype, torch.device, int]) -> None:
         slots = open_slots.pop(key)
-        layout = BucketLayout(key[0], key[1], tuple(slots), world_size)
+        layout = BucketLayout(key[0], key[1], tuple(slots), world_size, replicas=replicas)
         if any(params[s.param_index].placed for s in slots):
             layout = place_owners([params[s.param_index] for s in slots], layout)
         closed.append((slots[0].param_index, layout))
@@ -238,9 +275,10 @@ def place_owners(specs: Sequence[ParamSpec], layout: BucketLayout) -> BucketLayo
     boundary, the whole parameters it owns (``ParamSpec.owner``), then the other parameters in
     registration order up to its share. The shares even out the elements (water-filling above
     the whole parameters). A boundary falls at a share's end, moved to a multiple of the
-    parameter's ``block``; never inside a whole parameter.
+    parameter's ``block``; never inside a whole parameter. With ``layout.replicas`` > 1 the
+    "ranks" here are the sub-shards (``BucketLayout.parts``).
     """
-    world = layout.world_size
+    world = layout.parts
     owned: list[list[int]] = [[] for _ in range(world)]
     held = [0] * world  # elements of whole parameters each rank owns in this bucket
     for i, spec in enumerate(specs):
@@ -269,7 +307,7 @@ def place_owners(specs: Sequence[ParamSpec], layout: BucketLayout) -> BucketLayo
             end += specs[i].numel
         cut = end if last else min(max(target, floor), end)
         bounds.append(_aligned(cut, slots[-1] if slots else None, block))
-    return BucketLayout(layout.dtype, layout.device, tuple(slots), world, tuple(bounds))
+    return replace(layout, slots=tuple(slots), bounds=tuple(bounds))
 
 
 def _aligned(cut: int, last: Slot | None, block: dict[int, int]) -> int:

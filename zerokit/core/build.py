@@ -27,7 +27,12 @@ from .module import broadcast_module_state, convert_module_
 from .optimizer import shard_optimizer_
 from .optimizer_needs import Need
 from .params import ShardedParams, WholeParams
-from .reduction import AllReduce, ReduceScatter, ReduceScatterThenAllReduce
+from .reduction import (
+    AllReduce,
+    ReduceScatter,
+    ReduceScatterThenAllReduce,
+    ReduceScatterThenReduceScatter,
+)
 from .replica_sync import ReplicaSync
 from .staging import StagingPool
 from .state import ShardState
@@ -54,12 +59,38 @@ class CoreOptions:
     outer: nn.Module | None = None  # what the user passed: a torch.compile wrapper of the model
     # id(parameter) -> what its optimizer needs of the layout (core/optimizer_needs.py)
     needs: dict[int, Need] | None = None
+    # hybrid sharding: the optimizer state sharded over the replicas too (each steps 1/R of
+    # its shard: ShardingConfig.shard_optimizer_over_replicas); no-op without replicas
+    optimizer_over_replicas: bool = False
+
+    @property
+    def optimizer_replicas(self) -> int:
+        """Sub-shards per shard: the replica group's size where the optimizer state is sharded
+        over it, else 1."""
+        if not self.optimizer_over_replicas or self.replica_group is None:
+            return 1
+        return self.replica_group.size()
 
 
 def _reduce_scatter(
     group: ProcessGroup, replicas: ProcessGroup | None, sync: ReplicaSync | None = None
 ) -> ReduceScatter:
     return ReduceScatterThenAllReduce(group, replicas, sync) if replicas else ReduceScatter(group)
+
+
+_WHOLE_GRADS_OVER_REPLICAS = (
+    "shard_optimizer_over_replicas needs the reduce-scatter of the gradients: whole_grads=True "
+    "all-reduces whole gradients on every rank; drop one of them"
+)
+
+
+_NO_DEFER = (
+    "defer_replica_sync() (and no_sync_defers_replica_sync) cannot be combined with "
+    "shard_optimizer_over_replicas yet: each replica keeps only its sub-shard of the gradient, "
+    "so there is no shard to accumulate into between micro-batches. Use no_sync() for the "
+    "accumulating micro-batches (the same bytes across hosts, unsharded gradients held), or "
+    "turn shard_optimizer_over_replicas off"
+)
 
 
 @dataclass(frozen=True)
@@ -82,6 +113,22 @@ class LevelRules:
     def shard_grads(self) -> bool:
         """Each rank keeps only its shard of the reduced gradients (stages 2 and 3)."""
         return self.gradients is ShardedGradients
+
+    def reduction_for(
+        self,
+        group: ProcessGroup,
+        replicas: ProcessGroup | None,
+        sub_shards: int,
+        sync: ReplicaSync | None = None,
+    ):
+        """The reduction this level builds; ``sub_shards`` > 1 (the optimizer state sharded
+        over the replicas): reduce-scatter across them, not all-reduce (its replica step is
+        never deferred: ``ReplicaSync.cannot_defer``)."""
+        if sub_shards == 1:
+            return self.reduction(group, replicas, sync)
+        if self.reduction is AllReduce:  # refused by ``check`` before anything changed
+            raise ValueError(_WHOLE_GRADS_OVER_REPLICAS)
+        return ReduceScatterThenReduceScatter(group, replicas)
 
     @staticmethod
     def decode(level: str, *, whole_grads: bool = False) -> LevelRules:
@@ -108,8 +155,10 @@ class LevelRules:
             "'p_g_os' (stage 3), or the stage numbers 1, 2, 3"
         )
 
-    def check(self, *, step_in_backward: bool, exclude_layer) -> None:
+    def check(self, *, step_in_backward: bool, exclude_layer, over_replicas: bool = False) -> None:
         """Refuse the options this level cannot honour."""
+        if over_replicas and self.reduction is AllReduce:
+            raise ValueError(_WHOLE_GRADS_OVER_REPLICAS)
         if step_in_backward and issubclass(self.gradients, FullGradients):
             raise ValueError(
                 "step_in_backward needs sharded gradients (level 'os_g' or 'p_g_os'), "
@@ -161,7 +210,8 @@ def build(
     rules = opts.rules
     device = next((p.device for plan in plans for _, p in plan.params), _CPU)
     staging = StagingPool(device)
-    replica_sync = ReplicaSync(replicas)  # one per model: its reductions and its state read it
+    # one per model: its reductions and its state read it
+    replica_sync = ReplicaSync(replicas, cannot_defer=_NO_DEFER if opts.optimizer_replicas > 1 else None)
     groups, root, units = _build_groups(model, plans, opts, staging, replica_sync)
     checks.remember_wrapped(model.parameters())
     state = ShardState(
@@ -201,9 +251,12 @@ def _build_groups(
     (module, index) of every other unit, for the hooks."""
     mp, group, rules = opts.mixed_precision, opts.group, opts.rules
     reduce_dtype = mp.gradient_reduce_dtype()  # None: the parameters' own dtype
-    reduction = rules.reduction(group, opts.replica_group, replica_sync)
+    sub_shards = opts.optimizer_replicas
+    reduction = rules.reduction_for(group, opts.replica_group, sub_shards, replica_sync)
     groups, root, units = [], None, []
-    for plan, layouts in plan_groups(plans, group.size(), opts.buffer_max_size, needs=opts.needs):
+    for plan, layouts in plan_groups(
+        plans, group.size(), opts.buffer_max_size, needs=opts.needs, replicas=sub_shards
+    ):
         own = plan.group if plan.group is not None else group
         buckets = [
             FlatParamBucket(
@@ -214,6 +267,7 @@ def _build_groups(
                 master_device=_CPU if opts.offload else None,
                 shard_params=rules.shard_params,
                 initial_shard=_initial_shard(opts, plan, layout),
+                replica_group=opts.replica_group if sub_shards > 1 else None,
             )
             for layout in layouts
         ]

@@ -51,12 +51,19 @@ class FlatParamBucket:
         master_device: torch.device | None = None,
         shard_params: bool = False,
         initial_shard: torch.Tensor | None = None,
+        replica_group: ProcessGroup | None = None,
     ):
         assert len(params) == len(layout.slots)
         self.layout = layout
         self.params = params
         self.group = group
-        self.pieces = layout.pieces(group.rank())
+        # optimizer state sharded over replicas too (layout.replicas > 1): this rank steps its
+        # sub-shard only, and the replicas spread their updated sub-shards after a step
+        self.replica_group = replica_group if layout.replicas > 1 else None
+        assert layout.replicas == 1 or (replica_group and replica_group.size() == layout.replicas)
+        replica = self.replica_group.rank() if self.replica_group is not None else None
+        self.pieces = layout.pieces(group.rank(), replica)
+        self.replica_ranges = layout.sub_ranges(group.rank())  # None: equal sub-shards
         self.shard_start, self.shard_end = layout.shard_range(group.rank())
         # every rank's chunk for the collectives: None where the shards are equal
         self.ranges = None if layout.even else layout.shard_ranges()
@@ -114,6 +121,12 @@ class FlatParamBucket:
         """This rank's shard of a full-size buffer."""
         return flat[self.shard_start : self.shard_end]
 
+    def use_pieces(self, pieces) -> None:
+        """Step (and show checkpoints) ``pieces`` of this rank's shard: the whole shard's for
+        a checkpoint where the optimizer state is sharded over replicas (``whole_shards``)."""
+        self.pieces = tuple(pieces)
+        self.param_pieces = self.piece_views(self.shard_data)
+
     def piece_views(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """Views of this rank's pieces inside a shard-size buffer: 1-D, or shaped like the
         parameter where its optimizer steps it whole (``Slot.whole``: Muon needs a matrix)."""
@@ -131,10 +144,24 @@ class FlatParamBucket:
         if self.separate_masters:
             self.shard(self.data).copy_(self.shard_data)
 
+    def start_gather_replicas(self) -> Pending:
+        """Optimizer state sharded over replicas: each replica stepped its sub-shard of the
+        master shard; gather them into every replica's shard (nothing without it)."""
+        if self.replica_group is None:
+            return Pending([])
+        return start_all_gather_(self.shard_data, self.replica_group, ranges=self.replica_ranges)
+
     def start_gather_updated(self) -> Pending:
-        """Full parameters kept ('os', 'os_g'): spread every rank's updated shard to all."""
-        self.refresh_compute_shard()
-        return start_all_gather_(self.data, self.group, ranges=self.ranges)
+        """Full parameters kept ('os', 'os_g'): spread every rank's updated shard to all (first
+        across replicas, where each stepped a sub-shard of it)."""
+        if self.replica_group is None:
+            self.refresh_compute_shard()
+            return start_all_gather_(self.data, self.group, ranges=self.ranges)
+        return (
+            self.start_gather_replicas()
+            .then(self.refresh_compute_shard)
+            .then(lambda: start_all_gather_(self.data, self.group, ranges=self.ranges).finish())
+        )
 
     # -- storage life cycle ('p_g_os') ---------------------------------------------------------
     def start_unshard(self) -> None:

@@ -303,8 +303,9 @@ class ScatteredGradients(FullGradients):
         scratch = (
             self._staging.acquire(self._scratch[b], self._dtype(b)) if self._scratch[b] else None
         )
-        # the kept chunk is added before any replica step, so a deferred replica reduction
-        # (core/replica_sync.py) averages what the earlier micro-batches accumulated too
+        # the kept chunk is added before any replica all-reduce, so a deferred replica
+        # reduction (core/replica_sync.py) averages what the earlier micro-batches accumulated
+        # too (with the state sharded over replicas: after their reduce-scatter, see there)
         pending = self._reduction.start(
             full,
             chunk,
@@ -312,6 +313,7 @@ class ScatteredGradients(FullGradients):
             scratch,
             accumulate=False,
             then=lambda: self._add_kept(chunk, kept, scratch),
+            replica_ranges=bucket.replica_ranges,
         )
         self._reduced[b] = self._averaged[b] = True
         return pending
@@ -419,8 +421,9 @@ class ShardedGradients(_Gradients):
             self._staging.acquire(self._scratch[b], self._dtype(b)) if self._scratch[b] else None
         )
         pending = self._reduction.start(
-            full, self.grads[b], self.buckets[b].ranges, scratch, accumulate=not fresh
-        )
+            full, self.grads[b], self.buckets[b].ranges, scratch, accumulate=not fresh,
+            replica_ranges=self.buckets[b].replica_ranges,
+        )  # fmt: skip
         return pending.then(lambda: self._release(full, scratch))
 
     def _release(self, full: torch.Tensor, scratch: torch.Tensor | None) -> None:

@@ -92,7 +92,10 @@ class ShardedModule:
 
     @no_sync_defers_replica_sync.setter
     def no_sync_defers_replica_sync(self, value: bool) -> None:
-        self._zerokit.replica_sync.replaces_no_sync = bool(value)
+        sync = self._zerokit.replica_sync
+        if value and sync.applies and sync.cannot_defer:
+            raise ValueError(sync.cannot_defer)
+        sync.replaces_no_sync = bool(value)
 
     @property
     def require_backward_grad_sync(self) -> bool:

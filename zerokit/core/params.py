@@ -143,10 +143,14 @@ class ShardedParams:
         self.refresh(state, state.buckets)  # gathers the units kept whole
 
     def start_refresh(self, buckets) -> list[Pending]:
-        return []  # nothing to spread: the next use gathers the updated shards
+        # the next use gathers the updated shards; only the replicas' sub-shards are spread
+        # now (optimizer state sharded over replicas: each stepped its own)
+        return [b.start_gather_replicas() for b in buckets if b.replica_group is not None]
 
     def refresh(self, state, buckets, started: list[Pending] | None = None) -> None:
         """Drop stale gathered copies of ``buckets``; units kept whole gather again."""
+        for work in self.start_refresh(buckets) if started is None else started:
+            work.finish()
         changed = {id(b) for b in buckets}
         for g in state.groups:
             touched = [bucket for bucket in g.buckets if id(bucket) in changed]
@@ -156,7 +160,8 @@ class ShardedParams:
                 g.wait_for_unshard()
 
     def after_group_step(self, buckets) -> None:
-        pass  # the next use gathers the updated shards
+        for work in self.start_refresh(buckets):  # the next use gathers the updated shards
+            work.finish()
 
     # -- forward and backward ------------------------------------------------------------------
     def begin_forward(self, state) -> None:

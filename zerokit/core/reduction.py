@@ -9,6 +9,12 @@
   (``scratch_numel``) takes the peers' chunks.
 * ``ReduceScatterThenAllReduce``: reduce-scatter inside the shard group, then all-reduce the
   shard across replicas (hybrid sharding: shard inside a host, replicate across hosts).
+* ``ReduceScatterThenReduceScatter``: hybrid sharding with the optimizer state sharded over
+  replicas too (``ShardingConfig.shard_optimizer_over_replicas``): reduce-scatter inside the
+  shard group, then reduce-scatter the shard across replicas, so each replica holds the
+  average of its sub-shard only. The same bytes across replicas as the all-reduce it
+  replaces, once the updated sub-shards are all-gathered after the step
+  (``FlatParamBucket.start_gather_replicas``): reduce-scatter + all-gather = all-reduce.
 
 Under hybrid sharding both consult the model's ``ReplicaSync`` (``core/replica_sync.py``):
 while it is deferred, the replica step is skipped, so only the shard group's bytes move.
@@ -77,10 +83,12 @@ class ReduceScatter:
         scratch: torch.Tensor | None = None,
         accumulate: bool = True,
         then=None,
+        replica_ranges: Ranges = None,
     ) -> Pending:
         """``accumulate``: add to what ``shard`` holds (backwards between steps add up); False:
         overwrite it (a shard just allocated, its contents undefined). ``then``: run once the
-        shard group's average is in ``shard``, before any replica step."""
+        shard group's average is in ``shard``, before any replica all-reduce.
+        ``replica_ranges``: the sub-shards of ``ReduceScatterThenReduceScatter`` (unused here)."""
         pending = start_reduce_scatter_mean(
             full, shard, self.group, accumulate=accumulate, ranges=ranges, scratch=scratch
         )
@@ -107,6 +115,7 @@ class ReduceScatterThenAllReduce(ReduceScatter):
         scratch: torch.Tensor | None = None,
         accumulate: bool = True,
         then=None,
+        replica_ranges: Ranges = None,
     ) -> Pending:
         pending = super().start(full, shard, ranges, scratch, accumulate, then)
         if not _crosses(self.replicas, self.sync):
@@ -120,3 +129,49 @@ def _crosses(replicas: ProcessGroup | None, sync: ReplicaSync | None) -> bool:
     if replicas is None or replicas.size() == 1:
         return False
     return sync is None or not sync.skips_replicas()
+@dataclass(frozen=True)
+class ReduceScatterThenReduceScatter(ReduceScatter):
+    """Hybrid sharding, optimizer state sharded over ``replicas``: reduce-scatter in
+    ``group`` into this rank's chunk of the staged bucket, then reduce-scatter that chunk
+    across ``replicas`` into this replica's sub-shard of ``shard`` (``replica_ranges``: the
+    sub-shards inside the shard; None: equal). The rest of ``shard`` is not written: no
+    piece this rank steps lies there.
+
+    Note: the shard group's result is written into ``full``'s own chunk (the collective's
+    scratch), not into ``shard``: the sub-shards of the other replicas in ``shard`` hold no
+    average, so a gradient accumulated there since ``zero_grad`` is added only to this
+    replica's sub-shard, after the average (``accumulate``).
+    """
+
+    replicas: ProcessGroup | None = None
+
+    def start(
+        self,
+        full: torch.Tensor,
+        shard: torch.Tensor,
+        ranges: Ranges = None,
+        scratch: torch.Tensor | None = None,
+        accumulate: bool = True,
+        then=None,
+        replica_ranges: Ranges = None,
+    ) -> Pending:
+        """``then`` runs after the replicas' reduce-scatter: this reduction is never deferred
+        (``ReplicaSync.cannot_defer``), so nothing accumulated waits to be averaged."""
+        rank, size = self.group.rank(), self.group.size()
+        own = full.view(size, -1)[rank] if ranges is None else full[slice(*ranges[rank])]
+        pending = start_reduce_scatter_mean(
+            full, own, self.group, accumulate=False, ranges=ranges, scratch=scratch
+        )
+        q, r = self.replicas.rank(), self.replicas.size()
+        if replica_ranges is None:
+            sub = own.numel() // r
+            lo, hi = q * sub, (q + 1) * sub
+        else:
+            lo, hi = replica_ranges[q]
+        mine = shard[lo:hi]
+        pending = pending.then(
+            lambda: start_reduce_scatter_mean(
+                own, mine, self.replicas, accumulate=accumulate, ranges=replica_ranges
+            ).finish()
+        )
+        return pending if then is None else pending.then(then)

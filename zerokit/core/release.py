@@ -4,7 +4,8 @@ Each parameter gets its full value back, in storage of its own, in the dtype it 
 (the fp32 masters under mixed precision); each optimizer its own class, its param groups the
 parameters it was built from (hyperparameters kept) and each parameter's FULL state. A rank
 holds only its pieces of that state, so every per-element state tensor is all-gathered within
-the shard group (replicas hold the same shards) and cut per parameter; scalar state (``step``)
+the shard group (replicas hold the same shards; where the optimizer state is sharded over them
+too, each its sub-shard: gathered across them first) and cut per parameter; scalar state (``step``)
 is the same on every rank holding a piece. Every hook is removed.
 
 A block-quantized state (torchao's ``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``) comes back
@@ -18,6 +19,7 @@ Note: gradients are not given back (``.grad`` is None for every sharded paramete
 
 from __future__ import annotations
 
+import itertools
 import pickle
 
 import torch
@@ -83,6 +85,9 @@ def _all_gather_shard(bucket: FlatParamBucket, shard: torch.Tensor) -> torch.Ten
     """The full flat buffer whose shards are every rank's ``shard`` (shard-size, 1-D)."""
     full = torch.zeros(bucket.layout.padded_numel, dtype=shard.dtype, device=bucket.data.device)
     bucket.shard(full).copy_(shard)
+    if bucket.replica_group is not None:  # each replica filled its own sub-shard
+        replicas, ranges = bucket.replica_group, bucket.replica_ranges
+        start_all_gather_(bucket.shard(full), replicas, ranges=ranges).finish()
     start_all_gather_(full, bucket.group, ranges=bucket.ranges).finish()
     return full
 
@@ -105,10 +110,13 @@ def _full_optimizer_state(optimizer: torch.optim.Optimizer, state: ShardState) -
                 else:
                     kind = ("value", value)
                 mine.setdefault((b, piece.slot), {})[key] = kind
-    held: dict = {}
-    for raw in gather(_CALL, pickle.dumps(mine), state.process_group):
-        for where, keys in pickle.loads(raw).items():
-            held.setdefault(where, {}).update(keys)  # the same everywhere a piece is held
+    held: dict = mine
+    for group in state.piece_groups:  # then across the replicas, where they split the pieces
+        merged: dict = {}
+        for raw in gather(_CALL, pickle.dumps(held), group):
+            for where, keys in pickle.loads(raw).items():
+                merged.setdefault(where, {}).update(keys)  # the same wherever a piece is held
+        held = merged
     full: dict = {}
     for b, bucket in enumerate(buckets):
         _bucket_state(optimizer.state, b, bucket, held, full)
@@ -187,8 +195,9 @@ def _quantized_state(optimizer, b: int, bucket: FlatParamBucket, held: dict, ful
             like = torch.empty(slot.shape, dtype=dtype, device=bucket.layout.device)
             made = optimizer._new_buffer(like, signed)  # as one process makes it
             made_codes, made_scale = made.codes.view(-1).view(torch.uint8), made.scale.view(-1)
-            for rank in range(bucket.layout.world_size):
-                for piece in bucket.layout.pieces(rank):
+            every = range(bucket.layout.world_size), range(bucket.layout.replicas)
+            for rank, replica in itertools.product(*every):  # every sub-shard's pieces
+                for piece in bucket.layout.pieces(rank, replica):
                     if piece.slot != i:
                         continue
                     at = slot.offset + piece.start  # in the bucket's elements

@@ -34,13 +34,24 @@ _OWED = (
 class ReplicaSync:
     """Whether this model's backwards average across replicas now or at the boundary."""
 
-    def __init__(self, replica_group: ProcessGroup | None):
+    def __init__(self, replica_group: ProcessGroup | None, cannot_defer: str | None = None):
         self.applies = replica_group is not None and replica_group.size() > 1
-        self.deferred = False  # set by the user between backwards; read by the reductions
+        self.cannot_defer = cannot_defer  # why deferring is refused here (None: it is not)
+        self._deferred = False  # set by the user between backwards; read by the reductions
         self.owed = False  # a backward skipped the replica step since the last boundary
         # the integrations' switch (no_sync(), require_backward_grad_sync): False, they hold
         # unsharded gradients (DDP's meaning); True, they defer only the replica step
         self.replaces_no_sync = False
+
+    @property
+    def deferred(self) -> bool:
+        return self._deferred
+
+    @deferred.setter
+    def deferred(self, value: bool) -> None:
+        if value and self.applies and self.cannot_defer:
+            raise ValueError(self.cannot_defer)
+        self._deferred = bool(value)
 
     def skips_replicas(self) -> bool:
         """Do reductions leave out the replica group now?"""

@@ -186,6 +186,14 @@ class ShardState:
         extra = [g for g in (self.replica_group, self.tp_group) if g is not None and g.size() > 1]
         return [self.process_group, *extra]
 
+    @property
+    def piece_groups(self) -> list[ProcessGroup]:
+        """The groups this rank's pieces (``owned_grad_pieces``) split the model over, each
+        element once: the shard group, and its replicas where the optimizer state is sharded
+        over them too (``ShardingConfig.shard_optimizer_over_replicas``)."""
+        over_replicas = any(b.replica_group is not None for b in self.buckets)
+        return [self.process_group] + ([self.replica_group] if over_replicas else [])
+
     def check_ready_for_step(self, deferred_ok: bool = False) -> None:
         """``deferred_ok``: gradients whose replica step was deferred may be waiting (a
         ``zero_grad`` drops them; a step, clip or unscale must not read them)."""

@@ -194,11 +194,13 @@ def plan_groups(
     buffer_max_size: int,
     shape_of: Callable[[nn.Parameter], tuple[int, ...]] | None = None,
     needs: Mapping[int, Need] | None = None,
+    replicas: int = 1,
 ) -> list[tuple[UnitPlan, tuple[BucketLayout, ...]]]:
     """Each unit's flat buckets: one per dtype, split further at ``buffer_max_size`` elements
     (``shape_of`` as for ``plan_units``). ``needs``: ``id(parameter)`` -> what its optimizer
     needs of the layout (``core/optimizer_needs.needs_of``); owners are balanced over all
-    the model's buckets together.
+    the model's buckets together. ``replicas`` > 1: each shard cut into that many sub-shards
+    (optimizer state sharded over replicas too: ``core/bucket_layout``), owners over all of them.
 
     >>> import torch
     >>> from torch import nn
@@ -217,15 +219,20 @@ def plan_groups(
         ]
         for plan in plans
     ]
-    sizes = [plan.group.size() if plan.group is not None else world_size for plan in plans]
+    # a unit on a group of its own (split experts) is laid out over that group's size, with no
+    # replicas (expert parallelism refuses hybrid sharding); the rest over world_size x replicas
+    sizes = [
+        (plan.group.size(), 1) if plan.group is not None else (world_size, replicas)
+        for plan in plans
+    ]
     for size in sorted(set(sizes)):  # owners over all units of one size at once, not in order
         ks = [k for k, s in enumerate(sizes) if s == size]
-        specs = iter(with_owners([s for k in ks for s in units[k]], size))
+        specs = iter(with_owners([s for k in ks for s in units[k]], size[0] * size[1]))
         for k in ks:
             units[k] = [next(specs) for _ in units[k]]
     return [
-        (plan, plan_buckets(unit, size, buffer_max_size))
-        for plan, unit, size in zip(plans, units, sizes)
+        (plan, plan_buckets(unit, size, buffer_max_size, replicas=parts))
+        for plan, unit, (size, parts) in zip(plans, units, sizes)
     ]
 
 

@@ -146,6 +146,12 @@ def _add_compare_parser(commands) -> None:
         "replicate across the groups (default %(default)s: shard over every rank)",
     )
     compare.add_argument(
+        "--shard-optimizer-over-replicas",
+        action="store_true",
+        help="with --sharding-degree: the zerokit levels shard the optimizer state over the "
+        "replicas too (default: off)",
+    )
+    compare.add_argument(
         "--json", metavar="PATH", help="also write the report as JSON (default: none)"
     )
     compare.add_argument(
@@ -235,6 +241,7 @@ def _compare(args) -> int:
         seq=args.seq,
         mixed_precision=args.mixed_precision,
         sharding_degree=args.sharding_degree,
+        shard_optimizer_over_replicas=args.shard_optimizer_over_replicas,
     )
 
     def progress(line: str) -> None:
@@ -440,6 +447,11 @@ def _add_plan_parser(commands) -> None:
         "a host and across hosts, reducing every micro-batch, under defer_replica_sync() and "
         "under no_sync() (default %(default)s)",
     )  # fmt: skip
+    plan.add_argument(
+        "--shard-optimizer-over-replicas", action="store_true",
+        help="with --sharding-degree: the optimizer state sharded over the replicas too "
+        "(1/R of it per rank, the same bytes across replicas)",
+    )  # fmt: skip
     plan.add_argument("--json", metavar="PATH", help="also write the report as JSON")
 
 
@@ -461,6 +473,7 @@ def _plan(args) -> int:
                 optimizer=args.optimizer,
                 whole_grads=args.whole_grads,
                 accumulation=args.accumulation,
+                shard_optimizer_over_replicas=args.shard_optimizer_over_replicas,
             )
         )
     except ValueError as e:

@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from ..api import group_sharded_parallel
+from ..config import ShardingConfig
 from ..layout import init_hybrid_parallel
 from ..memory import (
     ESTIMATE_LEVELS,
@@ -74,6 +75,9 @@ class CompareConfig:
     sharding_degree: int = 1
     """Hybrid sharding: the zerokit levels shard over groups of this many ranks and replicate
     across ``nproc / sharding_degree`` of them (``init_hybrid_parallel``); 1: across all."""
+    shard_optimizer_over_replicas: bool = False
+    """With ``sharding_degree``: the optimizer state sharded over the replicas too
+    (``ShardingConfig.shard_optimizer_over_replicas``)."""
 
 
 MEMORY_STEPS = 3
@@ -127,7 +131,8 @@ def _groups(cfg: CompareConfig, world_size: int) -> dict:
         return {}
     shards = cfg.sharding_degree
     layout = init_hybrid_parallel(world_size // shards, 1, sharding_degree=shards)
-    return {"group": layout.sharding_group, "dp_group": layout.dp_group}
+    config = ShardingConfig(shard_optimizer_over_replicas=cfg.shard_optimizer_over_replicas)
+    return {"group": layout.sharding_group, "dp_group": layout.dp_group, "config": config}
 
 
 def _policy(level: str, cfg: CompareConfig) -> MixedPrecision:
@@ -169,6 +174,7 @@ def _measure_level(rank: int, world_size: int, level: str, cfg: CompareConfig, o
         world_size,
         mixed_precision=_policy(level, cfg),
         sharding_degree=shards if level != "ddp" and shards > 1 else None,
+        optimizer_over_replicas=cfg.shard_optimizer_over_replicas and level != "ddp",
     )
     runner = _build(level, model, cfg, device, _groups(cfg, world_size))
     steps = min(cfg.steps, MEMORY_STEPS)

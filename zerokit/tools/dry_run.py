@@ -53,6 +53,9 @@ class Job:
     """Pipeline stages (``zerokit.tools.dry_run_pp`` plays a rank of one)."""
     whole_grads: bool = False
     """``ShardingConfig.whole_grads``: level 'os' all-reduces whole gradients."""
+    over_replicas: bool = False
+    """``ShardingConfig.shard_optimizer_over_replicas``: the optimizer state sharded over the
+    replicas too."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,9 @@ def _wrapped(job: Job, rank: int, factory: Callable):
         work.model, opt, job.level, buffer_max_size=job.buffer_max_size,
         segment_size=job.segment_size, mixed_precision=MixedPrecision(param_dtype=job.low),
         scaler=ShardedGradScaler() if job.low == torch.float16 else None,
-        config=ShardingConfig(whole_grads=job.whole_grads), **kwargs,
+        config=ShardingConfig(
+            whole_grads=job.whole_grads, shard_optimizer_over_replicas=job.over_replicas
+        ), **kwargs,
     )  # fmt: skip
     batch = tuple(t.to("meta") for t in work.make_batch(0, job.rows))
     return roles, work, model, opt, scaler, batch

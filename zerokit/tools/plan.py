@@ -85,6 +85,9 @@ class PlanConfig:
     ``links`` (``zerokit.tools.plan_links``): bytes per micro-batch and per step within a host
     and across hosts, reducing every micro-batch, under ``defer_replica_sync()`` and under
     ``no_sync()``."""
+    shard_optimizer_over_replicas: bool = False
+    """Hybrid sharding: the optimizer state sharded over the replicas too
+    (``ShardingConfig.shard_optimizer_over_replicas``): 1/R of it per rank."""
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,7 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
         world=cfg.world, level=cfg.level, tp=cfg.tp, degree=degree, seq=cfg.seq,
         rows=batch // dp, low=low, optimizer=cfg.optimizer, buffer_max_size=cfg.buffer_max_size,
         segment_size=cfg.segment_size, whole_grads=cfg.whole_grads,
+        over_replicas=cfg.shard_optimizer_over_replicas,
     )  # fmt: skip
     played = _play_alike_once(job, cfg, factory, per_tp_rank)
     # alike ranks share their run: describe each once
@@ -205,6 +209,7 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
         "transient": transient_bytes(units, cfg.level),
         "paper_bytes_per_step": paper_bytes_per_step(cfg.level, psi, dp, itemsize),
         "optimizer": cfg.optimizer,
+        "shard_optimizer_over_replicas": cfg.shard_optimizer_over_replicas,
         "optimizer_flops_rule": FLOPS_RULE,
         "optimizer_flops_imbalance": _imbalance([r["optimizer_flops"] for r in ranks]),
         "ranks": ranks,
@@ -298,7 +303,8 @@ def _tp_class(rank: int, tp: int) -> int:
 def _play_alike_once(job: Job, cfg: PlanConfig, factory, per_tp_rank: dict) -> dict:
     """Every rank's ``RankRun``, playing ranks the layout says are alike only once: alike
     ranks hold the same tp split and the same pieces of every bucket (``holding``)."""
-    if cfg.optimizer not in STATE_PER_PARAM:  # the owner layout: each rank holds its own
+    # the owner layout, or the state sharded over replicas too: each rank holds its own
+    if cfg.optimizer not in STATE_PER_PARAM or cfg.shard_optimizer_over_replicas:
         return {rank: run_rank(job, rank, factory) for rank in range(cfg.world)}
     alike: dict[tuple, list[int]] = {}
     for rank in range(cfg.world):
@@ -350,8 +356,8 @@ def _purpose(role: str, c: Call, shard_params: bool) -> str:
         return "replicas: spread reduced gradients"
     if c.phase == "backward" and c.op in ("reduce_scatter", "all_reduce"):
         return "replicas: reduce gradient shard" if replicas else "reduce gradients"
-    if c.phase == "step" and c.op == "all_gather":
-        return "gather updated shards"
+    if c.phase == "step" and c.op == "all_gather":  # replicas: each stepped a sub-shard
+        return "replicas: gather updated sub-shards" if replicas else "gather updated shards"
     if c.phase == "step" and c.op == "all_reduce":
         return "loss scaler: agree on inf/nan"
     return f"{replicas}{c.op} ({c.phase})"
