@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,36 +33,15 @@ from torch import nn
 
 from ..core import alive
 from ..runtime.timeouts import collective_timeout
+from .agreement import rank, world_group
 from .holdings import Chunk
 from .index import CheckpointError
 from .places import LOCK_SUFFIX, remove
-from .saving import (
-    Prepared,
-    _agree,
-    _make_temp,
-    _rank,
-    gather_json,
-    mark_call,
-    prepare,
-    world_group,
-    writer_for,
-)
+from .protocol import Prepared, SaveJob, begin_save, in_flight, wait_in_flight
+from .saving import writer_for
 
 _POLL = 0.02  # seconds between looks at the temp directory
 _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerokit-async-save")
-_IN_FLIGHT: list[Future] = []  # this process's save in the background (at most one)
-_LOCK = threading.Lock()
-
-
-def wait_in_flight() -> None:
-    """Wait for this process's background save, if any (its outcome stays with its future)."""
-    with _LOCK:
-        pending = list(_IN_FLIGHT)
-    for future in pending:
-        try:
-            future.exception()
-        except BaseException:  # cancelled: nothing more to wait for
-            pass
 
 
 def async_save(
@@ -87,21 +65,11 @@ def async_save(
     path = os.path.abspath(os.fspath(path))
     group = world_group()
     writer = writer_for(format)
-    mark_call("zerokit.checkpoint.async_save()", model, group)
     with alive(group):
-        p = _snapshot(prepare(model, optimizer, extra))
-        per_rank, world = _agree(path, p, writer, group, timeout)
-        lock, tmp, error = _make_temp(path) if _rank() == 0 else (None, None, None)
-        made = gather_json("checkpoint.async_save: directory", [error, tmp], group, timeout)
-    if made[0][0] is not None:
-        if lock is not None:
-            lock.release()
-        raise CheckpointError(made[0][0])
-    job = _Job(path, made[0][1], p, writer, per_rank, world, lock)
-    job.ranks = dist.get_world_size() if dist.is_initialized() else 1
-    future = _WRITER.submit(job.run)
-    with _LOCK:
-        _IN_FLIGHT[:] = [future]
+        job = begin_save("async_save", path, model, optimizer, extra, writer, group, timeout,
+                         _snapshot)  # fmt: skip
+    future = _WRITER.submit(_Job(job).run)
+    in_flight(future)
     return future
 
 
@@ -128,18 +96,17 @@ def _snapshot(p: Prepared) -> Prepared:
 
 
 class _Job:
-    """One background save: this rank's file, then rank 0's finish or the others' wait."""
+    """One background save: this rank's file, then rank 0's seal and publish, or the others'
+    wait for them (file I/O only: see the module's note)."""
 
-    def __init__(self, path, tmp, p: Prepared, writer, per_rank, world, lock):
-        self.path, self.tmp, self.p, self.writer = path, tmp, p, writer
-        self.per_rank, self.world, self.lock, self.rank = per_rank, world, lock, _rank()
+    def __init__(self, job: SaveJob):
+        self.job, self.path, self.tmp, self.rank = job, job.path, job.tmp, rank()
+        self.ranks = dist.get_world_size() if dist.is_initialized() else 1
 
     def run(self) -> None:
-        info, error = None, None
-        try:
-            info = self.writer.write(self.tmp, self.p.h, self.p.extras, self.per_rank)
-        except Exception as e:
-            error = f"rank {self.rank}: writing its shard failed: {type(e).__name__}: {e}"
+        info, error = self.job.write_mine()
+        if error is not None:
+            error = f"rank {self.rank}: {error}"
         _post(self.tmp, self.rank, error, info)
         if self.rank == 0:
             self._finish()
@@ -152,7 +119,7 @@ class _Job:
         committed = False
         try:
             infos = _collect_posts(self.tmp, self.ranks)
-            self.writer.finish(self.path, self.tmp, self.p.h, infos, self.per_rank, self.world)
+            self.job.seal_and_publish(infos)
             committed = True
         except Exception as e:
             why = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
@@ -161,7 +128,7 @@ class _Job:
         finally:
             if not committed:
                 remove(self.tmp)
-            self.lock.release()
+            self.job.lock.release()
 
     def _await(self, info) -> None:
         """Until rank 0 has finished: the checkpoint holds this rank's file, or the note says
