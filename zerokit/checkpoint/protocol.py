@@ -166,6 +166,8 @@ class SaveJob:
     per_rank: dict
     world: dict | None
     lock: SaveLock | None  # rank 0's
+    timeout: float | None = None  # the save's collective timeout (None: the default)
+    errno: int | None = None  # of this rank's failed write, if an OSError
 
     def write_mine(self) -> tuple[dict | None, str | None]:
         """This rank's file(s), fsynced: what the seal needs of them, or why they failed
@@ -180,6 +182,7 @@ class SaveJob:
         except CheckpointError as e:
             return None, str(e)
         except Exception as e:  # disk full, permissions: every rank must hear of it
+            self.errno = getattr(e, "errno", None)
             where = os.path.join(self.path, self.writer.file_of(rank()))
             return None, f"writing its shard failed: {where}: {type(e).__name__}: {e}"
 
@@ -203,7 +206,7 @@ def begin_save(call: str, path: str, model, optimizer, extra, writer, group, tim
     p = stage(prepare(model, optimizer, extra))
     per_rank, world = agree(path, p, writer, group, timeout)
     lock, tmp, error = make_place(path) if rank() == 0 else (None, None, None)
-    job = SaveJob(path, tmp, p, writer, per_rank, world, lock)
+    job = SaveJob(path, tmp, p, writer, per_rank, world, lock, timeout)
     try:
         made = gather_json(f"checkpoint.{call}: directory", [error, tmp], group, timeout)
         if made[0][0] is not None:
@@ -259,26 +262,70 @@ def swap_in(path: str, tmp: str) -> None:
     remove(old)
 
 
-_IN_FLIGHT: list[Future] = []  # this process's save on the writer thread (at most one)
+class SaveFuture(Future):
+    """An async save's outcome. A failure nobody asked this future for is raised by the next
+    save of the process, so it is never lost (``seen``: asked, or raised there)."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path, self.seen = path, False
+
+    def result(self, timeout=None):
+        self.seen = True
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        self.seen = True
+        return super().exception(timeout)
+
+
+_IN_FLIGHT: list[SaveFuture] = []  # this process's save on the writer thread (at most one)
 _IN_FLIGHT_LOCK = threading.Lock()
 
 
-def in_flight(future: Future | None) -> None:
-    """Record this process's background save (None: none)."""
+def _forget_in_child() -> None:
+    """A forked child has no writer thread: nothing of its parent's is in flight there."""
+    _IN_FLIGHT.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def run_in_background(executor, work, path: str) -> SaveFuture:
+    """``work()`` on ``executor``'s thread, its outcome in the returned future, recorded as
+    this process's save in flight."""
+    future = SaveFuture(path)
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(work())
+        except BaseException as e:  # a stopped writer too: the future must not hang
+            future.set_exception(e)
+
+    executor.submit(run)
     with _IN_FLIGHT_LOCK:
-        _IN_FLIGHT[:] = [] if future is None else [future]
+        _IN_FLIGHT[:] = [future]
+    return future
 
 
 def wait_in_flight() -> None:
-    """Wait for this process's background save, if any (its outcome stays with its future):
-    one save at a time."""
+    """Wait for this process's background save, if any: one save at a time. Its failure,
+    if its future was never asked, is raised here (once)."""
     with _IN_FLIGHT_LOCK:
         pending = list(_IN_FLIGHT)
     for future in pending:
         try:
-            future.exception()
+            error = Future.exception(future)  # waits; not counted as asked
         except BaseException:  # cancelled: nothing more to wait for
-            pass
+            continue
+        if error is not None and not future.seen:
+            future.seen = True
+            raise CheckpointError(
+                f"the async_save to {future.path} failed, and its future was not asked: "
+                f"{error}; the previous checkpoint there is untouched"
+            ) from None
 
 
 # ---------------------------------------------------------------------------- load
