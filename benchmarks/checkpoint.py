@@ -15,7 +15,8 @@ plain read (``pread``, each rank its share) of the same bytes on the same disk.
 Then interference: what an ``async_save``'s background write costs the training steps that
 run beside it. A stack of ``--linear-layers`` Linear(``--width``) layers at ``'os_g'`` with
 AdamW: the median step with no save, against the median step while an ``async_save`` writes
-(steps run until every rank's future is done), their ratio, how long each call blocked
+(steps run until every rank's future is done; the quiet steps are timed before and after
+the saves), their ratio, how long each call blocked
 (the process's first save, with and without ``prewarm_async_save``, and the later ones) beside
 a synchronous save, and the host memory the staging holds.
 
@@ -307,6 +308,7 @@ def _interference_rows(root: str, args) -> list[str]:
             took, busy = step(future)
             beside.append(took)
         future.result()
+    quiet += [step(None)[0] for _ in range(args.steps)]  # before and after: the load drifts
     sync = statistics.median(
         [_timed(lambda: zerokit.checkpoint.save(path, model, opt)) for _ in range(args.repeats)]
     )

@@ -83,8 +83,22 @@ def _writer() -> ThreadPoolExecutor:
     pid = os.getpid()
     if pid not in _WRITERS:
         _WRITERS.clear()
-        _WRITERS[pid] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerokit-async-save")
+        _WRITERS[pid] = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="zerokit-async-save", initializer=_yield_to_training
+        )
     return _WRITERS[pid]
+
+
+def _yield_to_training() -> None:
+    """The writer thread runs when a core is idle (Linux's SCHED_IDLE, this thread only):
+    where the ranks fill every core, the save takes longer instead of the steps beside it.
+    ``ZEROKIT_ASYNC_SAVE_PRIORITY=normal`` keeps it at the process's priority."""
+    if os.environ.get("ZEROKIT_ASYNC_SAVE_PRIORITY", "idle") != "idle":
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+    except (AttributeError, OSError):  # not Linux, or not allowed: the normal priority
+        pass
 
 
 def _snapshot(p: Prepared) -> Prepared:
