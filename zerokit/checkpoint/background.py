@@ -38,8 +38,9 @@ from ..core import alive
 from ..runtime.timeouts import collective_timeout
 from .agreement import rank, world_group
 from .index import CheckpointError
+from .inflight import run_in_background, wait_in_flight
 from .places import LOCK_SUFFIX, remove
-from .protocol import Prepared, SaveJob, begin_save, run_in_background, wait_in_flight
+from .protocol import Prepared, SaveJob, begin_save
 from .saving import writer_for
 from .staging import StagingBuffers
 

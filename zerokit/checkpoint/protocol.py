@@ -14,7 +14,8 @@ save = agree -> stage -> write -> seal -> publish
   (``SaveJob.seal_and_publish``, rank 0): the writer's index or metadata, sealed, then
   ``swap_in``: ``<path>`` moved to ``.zerokit-old``, the temp directory renamed to ``<path>``.
   ``save_together`` runs write..publish on the calling thread with a collective between
-  phases; ``background`` runs the same ``SaveJob`` on a writer thread, posting to files.
+  phases; ``background`` runs the same ``SaveJob`` on a writer thread, posting to files
+  (one at a time per process: ``inflight``).
 
 load = agree -> plan reads -> stage -> validate -> apply  (``load_with``)
   The source opens and compares (plan reads), the ranks agree on the checkpoint's digest and
@@ -26,9 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from collections.abc import Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -260,72 +259,6 @@ def swap_in(path: str, tmp: str) -> None:
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(path))
     remove(old)
-
-
-class SaveFuture(Future):
-    """An async save's outcome. A failure nobody asked this future for is raised by the next
-    save of the process, so it is never lost (``seen``: asked, or raised there)."""
-
-    def __init__(self, path: str):
-        super().__init__()
-        self.path, self.seen = path, False
-
-    def result(self, timeout=None):
-        self.seen = True
-        return super().result(timeout)
-
-    def exception(self, timeout=None):
-        self.seen = True
-        return super().exception(timeout)
-
-
-_IN_FLIGHT: list[SaveFuture] = []  # this process's save on the writer thread (at most one)
-_IN_FLIGHT_LOCK = threading.Lock()
-
-
-def _forget_in_child() -> None:
-    """A forked child has no writer thread: nothing of its parent's is in flight there."""
-    _IN_FLIGHT.clear()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def run_in_background(executor, work, path: str) -> SaveFuture:
-    """``work()`` on ``executor``'s thread, its outcome in the returned future, recorded as
-    this process's save in flight."""
-    future = SaveFuture(path)
-
-    def run() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(work())
-        except BaseException as e:  # a stopped writer too: the future must not hang
-            future.set_exception(e)
-
-    executor.submit(run)
-    with _IN_FLIGHT_LOCK:
-        _IN_FLIGHT[:] = [future]
-    return future
-
-
-def wait_in_flight() -> None:
-    """Wait for this process's background save, if any: one save at a time. Its failure,
-    if its future was never asked, is raised here (once)."""
-    with _IN_FLIGHT_LOCK:
-        pending = list(_IN_FLIGHT)
-    for future in pending:
-        try:
-            error = Future.exception(future)  # waits; not counted as asked
-        except BaseException:  # cancelled: nothing more to wait for
-            continue
-        if error is not None and not future.seen:
-            future.seen = True
-            raise CheckpointError(
-                f"the async_save to {future.path} failed, and its future was not asked: "
-                f"{error}; the previous checkpoint there is untouched"
-            ) from None
 
 
 # ---------------------------------------------------------------------------- load

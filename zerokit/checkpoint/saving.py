@@ -34,7 +34,8 @@ from .index import (
     seal,
     split_to_json,
 )
-from .protocol import begin_save, save_together, swap_in, wait_in_flight
+from .inflight import wait_in_flight
+from .protocol import begin_save, save_together, swap_in
 from .streaming import write_safetensors
 
 
