@@ -11,6 +11,16 @@ Then export: ``consolidate`` to a Hugging Face set (rank 0) and ``load_pretraine
 plain read (``pread``, each rank its share) of the same bytes on the same disk.
 
     python benchmarks/checkpoint.py --sections export   # one section: save, async, export
+
+Then interference: what an ``async_save``'s background write costs the training steps that
+run beside it. A stack of ``--linear-layers`` Linear(``--width``) layers at ``'os_g'`` with
+AdamW: the median step with no save, against the median step while an ``async_save`` writes
+(steps run until every rank's future is done; the quiet steps are timed before and after
+the saves), their ratio, how long each call blocked
+(the process's first save, with and without ``prewarm_async_save``, and the later ones) beside
+a synchronous save, and the host memory the staging holds.
+
+    python benchmarks/checkpoint.py --sections interference --nproc 2
 """
 
 from __future__ import annotations
@@ -133,7 +143,8 @@ def worker(rank: int, world_size: int, args) -> None:
         "DCP + FSDP2": dcp_case,
         "torch.save (rank 0, DDP)": torch_save_case,
     }
-    for name, make in cases.items() if "save" in args.sections else ():
+    interference = _interference_rows(root, args) if "interference" in args.sections else []
+    for name, make in cases.items() if "save" in args.sections.split(",") else ():
         save, load, path = make()
         saves, loads = [], []
         for _ in range(args.repeats):
@@ -155,6 +166,8 @@ def worker(rank: int, world_size: int, args) -> None:
             )
         for name, sync, block, total in blocked:
             print(f"{name:<28}{sync:>8.3f}{block:>10.3f}{total:>11.3f}{block / sync:>7.2f}")
+        for line in interference:
+            print(line)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -257,6 +270,66 @@ def _async_rows(root: str, base, x, y, repeats: int) -> list[tuple]:
     return rows
 
 
+def _interference_rows(root: str, args) -> list[str]:
+    """Step time beside an async_save's write against steps with none, side by side."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(args.width, args.width) for _ in range(args.linear_layers)]
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "os_g")
+    x = torch.randn(16, args.width)
+
+    def step(writing) -> tuple[float, bool]:
+        """One step, timed; and whether any rank's save is still writing after it (each
+        rank runs the same steps: a step holds collectives)."""
+        start = time.perf_counter()
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        took = time.perf_counter() - start
+        busy = torch.tensor([0 if writing is None or writing.done() else 1])
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+        return took, bool(busy.item())
+
+    for _ in range(3):
+        step(None)
+    quiet = [step(None)[0] for _ in range(args.steps)]
+    path = os.path.join(root, "interference")
+    beside, blocks, warmed = [], [], 0.0
+    if args.prewarm:
+        warmed = _timed(lambda: zerokit.checkpoint.prewarm_async_save(model, opt))
+    for _ in range(args.repeats + 1):  # the process's first async_save, then the later ones
+        dist.barrier()
+        start = time.perf_counter()
+        future = zerokit.checkpoint.async_save(path, model, opt)
+        blocks.append(time.perf_counter() - start)
+        busy = True
+        while busy:
+            took, busy = step(future)
+            beside.append(took)
+        future.result()
+    quiet += [step(None)[0] for _ in range(args.steps)]  # before and after: the load drifts
+    sync = statistics.median(
+        [_timed(lambda: zerokit.checkpoint.save(path, model, opt)) for _ in range(args.repeats)]
+    )
+    staged = zerokit.checkpoint.async_save_staging_bytes()
+    q, b = statistics.median(quiet), statistics.median(beside)
+    first, later = blocks[0], statistics.median(blocks[1:])
+    return [
+        f"\ninterference: {args.linear_layers} x Linear({args.width}) 'os_g', AdamW, "
+        f"{dist.get_world_size()} ranks, rank 0's view",
+        f"{'step s, no save':<34}{q:>8.3f}   ({len(quiet)} steps)",
+        f"{'step s, beside an async write':<34}{b:>8.3f}   ({len(beside)} steps)",
+        f"{'ratio (target <= 1.10)':<34}{b / q:>8.2f}",
+        f"{'sync save s':<34}{sync:>8.3f}",
+        f"{'first async_save blocked s':<34}{first:>8.3f}   ({first / sync:.2f} x sync)",
+        f"{'later async_save blocked s':<34}{later:>8.3f}   ({later / sync:.2f} x sync)",
+        f"{'prewarm_async_save s':<34}{warmed:>8.3f}   "
+        f"({'before the first save' if args.prewarm else 'not asked: --prewarm 1'})",
+        f"{'staging host memory MiB':<34}{staged / 2**20:>8.1f}",
+    ]
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """--help keeps the docstring's layout and shows every default."""
 
@@ -266,7 +339,15 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=2, help="ranks to start")
     p.add_argument("--layers", type=int, default=8, help="GPT blocks (8: 27.3M parameters)")
     p.add_argument("--repeats", type=int, default=3, help="saves and loads timed (median)")
-    p.add_argument("--sections", default="save,async,export", help="which to run, of these")
+    p.add_argument(
+        "--sections", default="save,async,export,interference", help="which to run, of these"
+    )
+    p.add_argument("--linear-layers", type=int, default=24, help="interference: layers")
+    p.add_argument("--width", type=int, default=1024, help="interference: layer width")
+    p.add_argument("--steps", type=int, default=8, help="interference: quiet steps timed")
+    p.add_argument(
+        "--prewarm", type=int, default=0, help="interference: 1 = prewarm_async_save first"
+    )
     args = p.parse_args()
     spawn_local(worker, args.nproc, args)
 

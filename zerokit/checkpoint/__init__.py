@@ -10,7 +10,7 @@ checkpoint from an untrusted source cannot run code.
 """
 
 from ..runtime.timeouts import CollectiveTimeout
-from .background import async_save
+from .background import async_save, async_save_staging_bytes, prewarm_async_save
 from .consolidate import consolidate, describe, load_consolidated
 from .extra import RNGState
 from .index import CheckpointError
@@ -23,10 +23,12 @@ __all__ = [
     "CollectiveTimeout",
     "RNGState",
     "async_save",
+    "async_save_staging_bytes",
     "consolidate",
     "describe",
     "load",
     "load_consolidated",
     "load_pretrained",
+    "prewarm_async_save",
     "save",
 ]

@@ -1,28 +1,30 @@
 """``async_save`` (``checkpoint.background``): a checkpoint written while training goes on, as atomic as ``save``.
 
-Note: what runs where. On the calling thread, before ``async_save`` returns: every rank
-copies what it will write (its primary chunks, its extra state) into host memory of its own
-(pinned on CUDA), and the ranks do every collective part of ``save`` (errors told to all, the
-path, model, optimizer, extra keys and layout agreed; rank 0 takes the save lock and makes
-the temp directory). Training that changes the parameters afterwards cannot change what is
-written. In the background (one thread per process) there is file I/O only, never a
-collective: a background collective beside training's on a gloo group could pair with
-training's or wait on the store behind them. Each rank writes and fsyncs its file, then posts
-what it wrote as ``<rank>.posted.json`` in the temp directory; rank 0 waits for every post
-(giving up when a rank's file has stopped growing for the collective timeout), removes them,
-and finishes the checkpoint as ``save`` does (sealed index or DCP metadata, the two renames),
-or removes the temp directory and leaves ``<temp>.failed`` saying why. Every other rank waits
-until the temp directory is gone: the checkpoint holds its file (the same inode) or the note
-says why not. A crash anywhere leaves the previous checkpoint loadable; the next save clears
-the debris. One save at a time per process: a second ``async_save`` (or ``save``) first waits
-for the one in flight to finish (its outcome stays with its own future).
+Note: what runs where. ``async_save`` is ``save``'s protocol (``protocol.begin_save``, then
+the same ``SaveJob``) with the write, seal and publish on a writer thread. On the calling
+thread, before ``async_save`` returns: every rank copies what it will write (its primary
+chunks, its extra state) into host memory of its own (pinned on CUDA), and the ranks do every
+collective part of ``save`` (errors told to all, the path, model, optimizer, extra keys and
+layout agreed; rank 0 takes the save lock and makes the temp directory). Training that changes
+the parameters afterwards cannot change what is written. On the writer thread (one per
+process) there is file I/O only, never a collective: a background collective beside
+training's on a gloo group could pair with training's or wait on the store behind them. Each
+rank but 0 writes and fsyncs its file, then posts its error or what it wrote as
+``<rank>.posted.json`` (on a full disk, an empty ``<rank>.posted-errno-<n>``); rank 0 waits
+for every post (naming a rank, and its file, whose writing has stopped for the collective
+timeout), removes them, and seals and publishes as ``save`` does, or clears the temp directory
+and leaves ``<temp>.failed`` saying why. Every other rank waits until the temp directory is
+gone: the checkpoint holds its file (the same inode) or the note says why not, and that note
+is every rank's error. A crash anywhere leaves the previous checkpoint loadable; the next save
+clears the debris. One save at a time per process: a second ``async_save`` (or ``save``) first
+waits for the one in flight; if it failed and its future was never asked, that save raises
+its error instead of going ahead.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,37 +35,19 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import alive, whole_shards
+from ..moe.state_dict import refuse_split_experts
 from ..runtime.timeouts import collective_timeout
-from .holdings import Chunk
+from .agreement import rank, world_group
 from .index import CheckpointError
+from .inflight import run_in_background, wait_in_flight
 from .places import LOCK_SUFFIX, remove
-from .saving import (
-    Prepared,
-    _agree,
-    _make_temp,
-    _rank,
-    gather_json,
-    mark_call,
-    prepare,
-    world_group,
-    writer_for,
-)
+from .protocol import Prepared, SaveJob, begin_save
+from .saving import writer_for
+from .staging import StagingBuffers
 
 _POLL = 0.02  # seconds between looks at the temp directory
-_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerokit-async-save")
-_IN_FLIGHT: list[Future] = []  # this process's save in the background (at most one)
-_LOCK = threading.Lock()
-
-
-def wait_in_flight() -> None:
-    """Wait for this process's background save, if any (its outcome stays with its future)."""
-    with _LOCK:
-        pending = list(_IN_FLIGHT)
-    for future in pending:
-        try:
-            future.exception()
-        except BaseException:  # cancelled: nothing more to wait for
-            pass
+_WRITERS: dict[int, ThreadPoolExecutor] = {}  # pid -> its writer thread (see _writer)
+_STAGING = StagingBuffers()  # this process's async-save host memory, reused between saves
 
 
 def async_save(
@@ -79,89 +63,110 @@ def async_save(
     agreed; the files are written, sealed and renamed into place in the background.
 
     Collective, with ``save``'s arguments. Returns a ``concurrent.futures.Future``: its
-    ``result()`` is None once the checkpoint is in place, or raises what the save raised (a
-    ``CheckpointError`` naming the rank that failed). Parameters and optimizer state may change
-    as soon as it returns. A second ``async_save`` (or a ``save``) waits for this one first.
+    ``result()`` is None once the checkpoint is in place, or raises what the save raised (the
+    same ``CheckpointError`` on every rank, naming the rank that failed and its file).
+    Parameters and optimizer state may change as soon as it returns. A second ``async_save``
+    (or a ``save``) waits for this one first, and raises its failure if no one asked the
+    future for it.
     """
+    refuse_split_experts(model, "zerokit.checkpoint.async_save()")  # before anything is staged
     wait_in_flight()
     path = os.path.abspath(os.fspath(path))
     group = world_group()
     writer = writer_for(format)
-    mark_call("zerokit.checkpoint.async_save()", model, group)
     with alive(group), whole_shards(model, optimizer):  # state sharded over replicas
-        p = _snapshot(prepare(model, optimizer, extra))
-        per_rank, world = _agree(path, p, writer, group, timeout)
-        lock, tmp, error = _make_temp(path) if _rank() == 0 else (None, None, None)
-        made = gather_json("checkpoint.async_save: directory", [error, tmp], group, timeout)
-    if made[0][0] is not None:
-        if lock is not None:
-            lock.release()
-        raise CheckpointError(made[0][0])
-    job = _Job(path, made[0][1], p, writer, per_rank, world, lock)
-    job.ranks = dist.get_world_size() if dist.is_initialized() else 1
-    future = _WRITER.submit(job.run)
-    with _LOCK:
-        _IN_FLIGHT[:] = [future]
-    return future
+        job = begin_save("async_save", path, model, optimizer, extra, writer, group, timeout,
+                         _snapshot)  # fmt: skip
+    return run_in_background(_writer(), _Job(job).run, path)
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.device.type == "cpu":
-        return tensor.detach().clone()
-    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
-    return out.copy_(tensor.detach(), non_blocking=True)
+def _writer() -> ThreadPoolExecutor:
+    """This process's writer thread. Per pid: a process forked after an async save inherits
+    an executor whose thread did not come with it, and work given to it would never run."""
+    pid = os.getpid()
+    if pid not in _WRITERS:
+        _WRITERS.clear()
+        _WRITERS[pid] = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="zerokit-async-save", initializer=_yield_to_training
+        )
+    return _WRITERS[pid]
+
+
+def _yield_to_training() -> None:
+    """The writer thread runs when a core is idle (Linux's SCHED_IDLE, this thread only):
+    where the ranks fill every core, the save takes longer instead of the steps beside it.
+    ``ZEROKIT_ASYNC_SAVE_PRIORITY=normal`` keeps it at the process's priority."""
+    if os.environ.get("ZEROKIT_ASYNC_SAVE_PRIORITY", "idle") != "idle":
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+    except (AttributeError, OSError):  # not Linux, or not allowed: the normal priority
+        pass
 
 
 def _snapshot(p: Prepared) -> Prepared:
-    """What will be written, copied: no view of a live parameter or state is left."""
+    """The stage: what will be written, copied into this process's staging buffers (reused
+    between saves); no view of a live parameter or state is left."""
     if p.h is None:
         return p
-    chunks = []
-    for c in p.h.chunks:
-        data = _host_copy(c.tensor) if c.primary else c.tensor.new_empty(0, device="cpu")
-        chunks.append(Chunk(c.name, c.start, data, c.primary))
-    p.h.chunks, p.h.optimizer_chunks = chunks, []
+    p.h.chunks, p.h.optimizer_chunks = _STAGING.copy(p.h.chunks), []
     p.extras = {k: (doc, [t.clone() for t in ts]) for k, (doc, ts) in p.extras.items()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # the non-blocking copies have landed
     return p
 
 
-class _Job:
-    """One background save: this rank's file, then rank 0's finish or the others' wait."""
+def prewarm_async_save(model: nn.Module, optimizer=None) -> int:
+    """Allocate (and fault in; pinned on CUDA) the host memory the next ``async_save`` of
+    ``model`` and ``optimizer`` copies into, so the first save blocks no longer than the next
+    ones; returns its bytes. Optional: without it the first save allocates that memory."""
+    wait_in_flight()
+    return _STAGING.prewarm(model, optimizer)
 
-    def __init__(self, path, tmp, p: Prepared, writer, per_rank, world, lock):
-        self.path, self.tmp, self.p, self.writer = path, tmp, p, writer
-        self.per_rank, self.world, self.lock, self.rank = per_rank, world, lock, _rank()
+
+def async_save_staging_bytes() -> int:
+    """The host memory this process's async saves hold between saves (their staging)."""
+    return _STAGING.nbytes
+
+
+class _Job:
+    """One background save: this rank's file, then rank 0's seal and publish, or the others'
+    wait for them (file I/O only: see the module's note)."""
+
+    def __init__(self, job: SaveJob):
+        self.job, self.path, self.tmp, self.rank = job, job.path, job.tmp, rank()
+        self.ranks = dist.get_world_size() if dist.is_initialized() else 1
 
     def run(self) -> None:
-        info, error = None, None
+        """Every rank ends with the same outcome: rank 0's (its own, or its note)."""
         try:
-            info = self.writer.write(self.tmp, self.p.h, self.p.extras, self.per_rank)
-        except Exception as e:
-            error = f"rank {self.rank}: writing its shard failed: {type(e).__name__}: {e}"
-        _post(self.tmp, self.rank, error, info)
-        if self.rank == 0:
-            self._finish()
-        else:
-            self._await(info)
+            info, error = self.job.write_mine()
+        except BaseException as e:  # the writer stopped short of its own error handling
+            name = os.path.join(self.path, self.job.writer.file_of(self.rank))
+            info, error = None, f"its writer thread stopped writing {name}: {type(e).__name__}: {e}"
         if error is not None:
+            error = f"rank {self.rank}: {error}"
+        if self.rank == 0:
+            self._finish([error, info])
+        else:
+            _post(self.tmp, self.rank, error, info, self.job.errno)
+            self._await(info)
+        if error is not None:  # reached only if rank 0's note was lost: this rank's own
             raise CheckpointError(error)
 
-    def _finish(self) -> None:
+    def _finish(self, own: list) -> None:
         committed = False
         try:
-            infos = _collect_posts(self.tmp, self.ranks)
-            self.writer.finish(self.path, self.tmp, self.p.h, infos, self.per_rank, self.world)
+            infos = _collect_posts(self.tmp, self.ranks, self.job, own)
+            self.job.seal_and_publish(infos)
             committed = True
         except Exception as e:
             why = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
+            _clear_files(self.tmp)  # room for the note on a full disk
             _note(self.tmp, f"finishing the checkpoint failed: {why}")
             raise CheckpointError(f"finishing the checkpoint failed: {why}") from None
         finally:
             if not committed:
                 remove(self.tmp)
-            self.lock.release()
+            self.job.lock.release()
 
     def _await(self, info) -> None:
         """Until rank 0 has finished: the checkpoint holds this rank's file, or the note says
@@ -192,22 +197,59 @@ def _file_of(info: dict | None) -> str | None:
     return info["file"]["name"] if isinstance(info.get("file"), dict) else info.get("file")
 
 
-def _post(tmp: str, rank: int, error: str | None, info) -> None:
+_ERRNO = ".posted-errno-"  # <rank>.posted-errno-<n>: a post that needs no space on disk
+
+
+def _post(tmp: str, rank: int, error: str | None, info, errno: int | None) -> None:
+    """``<rank>.posted.json``: this rank's error or what it wrote. Where that cannot be
+    written (the disk is full), an empty file whose name carries the errno: a name takes no
+    data block, so rank 0 still hears why."""
     partial = os.path.join(tmp, f"{rank}.posting")
-    with open(partial, "w") as f:
-        json.dump([error, info], f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, os.path.join(tmp, f"{rank}.posted.json"))
+    try:
+        with open(partial, "w") as f:
+            json.dump([error, info], f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, os.path.join(tmp, f"{rank}.posted.json"))
+    except OSError as e:
+        try:
+            os.close(
+                os.open(
+                    os.path.join(tmp, f"{rank}{_ERRNO}{errno or e.errno or 0}"),
+                    os.O_CREAT | os.O_WRONLY,
+                )
+            )
+        except OSError:  # the temp directory is gone (rank 0 gave up): _await says why
+            pass
 
 
-def _collect_posts(tmp: str, ranks: int) -> list:
-    """Every rank's post, in rank order, each removed; raises naming the ranks that failed or
-    whose files stopped growing for the collective timeout."""
-    limit, last_size, last_change = collective_timeout(), -1, time.monotonic()
+def _posted(tmp: str, names: set[str], r: int, job: SaveJob) -> list | None:
+    """Rank ``r``'s reply if it posted one (its file removed), else None."""
+    if f"{r}.posted.json" in names:
+        where = os.path.join(tmp, f"{r}.posted.json")
+        with open(where) as f:
+            reply = json.load(f)
+        os.unlink(where)
+        return reply
+    marker = next((n for n in names if n.startswith(f"{r}{_ERRNO}")), None)
+    if marker is None:
+        return None
+    n = int(marker[len(f"{r}{_ERRNO}") :])
+    file = os.path.join(job.path, job.writer.file_of(r))
+    return [
+        f"rank {r}: writing its shard failed: {file}: OSError: [Errno {n}] {os.strerror(n)}",
+        None,
+    ]
+
+
+def _collect_posts(tmp: str, ranks: int, job: SaveJob, own: list) -> list:
+    """Every rank's post (rank 0's ``own``, the others' files, each removed), in rank order;
+    raises naming the ranks that failed or whose files stopped growing for the timeout."""
+    limit, last_size, last_change = collective_timeout(job.timeout), -1, time.monotonic()
     while True:
         names = set(os.listdir(tmp))
-        if all(f"{r}.posted.json" in names for r in range(ranks)):
+        if all(f"{r}.posted.json" in names or any(n.startswith(f"{r}{_ERRNO}") for n in names)
+               for r in range(1, ranks)):  # fmt: skip
             break
         size = sum(
             os.path.getsize(os.path.join(tmp, n))
@@ -217,22 +259,30 @@ def _collect_posts(tmp: str, ranks: int) -> list:
         if size != last_size:
             last_size, last_change = size, time.monotonic()
         elif time.monotonic() - last_change > limit:
-            absent = [r for r in range(ranks) if f"{r}.posted.json" not in names]
+            absent = [
+                r for r in range(1, ranks) if not any(n.startswith(f"{r}.posted") for n in names)
+            ]
+            files = ", ".join(os.path.join(job.path, job.writer.file_of(r)) for r in absent)
+            who = f"rank {absent[0]}" if len(absent) == 1 else f"ranks {absent}"
             raise CheckpointError(
-                f"ranks {absent} did not finish writing (nothing written for "
-                f"{limit:g} s: stopped or killed)"
+                f"{who} did not finish writing (nothing written for "
+                f"{limit:g} s: stopped or killed): {files}"
             )
         time.sleep(_POLL)
-    replies = []
-    for r in range(ranks):
-        where = os.path.join(tmp, f"{r}.posted.json")
-        with open(where) as f:
-            replies.append(json.load(f))
-        os.unlink(where)
+    names = set(os.listdir(tmp))
+    replies = [own] + [_posted(tmp, names, r, job) for r in range(1, ranks)]
     failed = [e for e, _ in replies if e is not None]
     if failed:
         raise CheckpointError("; ".join(failed))
     return [info for _, info in replies]
+
+
+def _clear_files(tmp: str) -> None:
+    try:
+        for name in os.listdir(tmp):
+            os.unlink(os.path.join(tmp, name))
+    except OSError:
+        pass
 
 
 def _note(tmp: str, message: str) -> None:

@@ -23,8 +23,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..memory import format_bytes
+from .dcp_format import is_dcp
 from .holdings import OPTIM_PREFIX
-from .index import CheckpointError, dtype_from_name
+from .index import INDEX_NAME, CheckpointError, dtype_from_name
 from .reading import CheckpointReader, kind_of
 from .streaming import write_safetensors
 
@@ -226,8 +227,6 @@ def load_consolidated(path: str | os.PathLike, model: nn.Module, strict: bool = 
 def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
     """A report for a person (a summary; ``tensors=True`` adds one line per tensor), and
     whether the checkpoint is complete and verified. A DCP directory gets its own summary."""
-    from .dcp_format import is_dcp
-    from .index import INDEX_NAME
 
     if is_dcp(checkpoint) and not os.path.exists(os.path.join(checkpoint, INDEX_NAME)):
         from .dcp_load import describe_dcp

@@ -29,6 +29,7 @@ from .index import (
     seal,
 )
 from .places import make_temp, remove, why_not_replaceable
+from .protocol import swap_in
 from .reading import CheckpointReader, resolve
 from .streaming import write_safetensors
 
@@ -98,13 +99,13 @@ def _optimizer_class(groups: list[dict], state: dict) -> str:
 
 
 def _from_dcp(directory: str, optimizer: bool) -> _Full:
-    from .dcp_load import _ask_extra, _Reads, _Source
+    from .dcp_load import DcpDirectory, ask_extra, reads_of
 
-    src = _Source.open(directory, set())
+    src = DcpDirectory.open(directory, set())
     meta = src.metadata.state_dict_metadata
 
     def read(name: str) -> torch.Tensor:
-        reads = _Reads(src.metadata)
+        reads = reads_of(src.metadata)
         out = reads.whole(src.model[name])
         reads.read(directory)
         return out
@@ -114,7 +115,7 @@ def _from_dcp(directory: str, optimizer: bool) -> _Full:
         return list(md.size), md.properties.dtype
 
     full = _Full(sorted(src.model), read, describe)
-    reads, asked = _Reads(src.metadata), {}
+    reads, asked = reads_of(src.metadata), {}
     if optimizer and src.groups:
         for param, keys in src.state.items():
             asked[param] = {
@@ -122,7 +123,7 @@ def _from_dcp(directory: str, optimizer: bool) -> _Full:
                 for k, key in keys.items()
             }
         groups = {i: {hk: reads.value(k) for hk, k in g.items()} for i, g in src.groups.items()}
-    extras = {name: _ask_extra(src, reads, name) for name in src.other if name != OPTIMIZER}
+    extras = {name: ask_extra(src, reads, name) for name in src.other if name != OPTIMIZER}
     reads.read(directory)
     for param, keys in asked.items():
         full.state[param] = {
@@ -230,9 +231,9 @@ def _to_dcp(full: _Full, tmp: str) -> None:
     import pickle
 
     from .dcp_format import METADATA, MODEL
-    from .dcp_save import _File, _hyperparameter, _metadata
+    from .dcp_save import DcpFile, dcp_metadata, hyperparameter_value
 
-    out = _File(os.path.join(tmp, "__0_0.distcp"))
+    out = DcpFile(os.path.join(tmp, "__0_0.distcp"))
     try:
         for name in full.names:
             value = full.read(name)
@@ -246,18 +247,18 @@ def _to_dcp(full: _Full, tmp: str) -> None:
                     out.value(path, value)
         for i, group in enumerate(full.groups):
             for key, value in group["hyperparameters"].items():
-                out.value([OPTIMIZER, "param_groups", i, key], _hyperparameter(value))
+                out.value([OPTIMIZER, "param_groups", i, key], hyperparameter_value(value))
             out.value([OPTIMIZER, "param_groups", i, "params"], list(group["params"]))
         for key, value in full.extra.items():
             out.value([key], value)
     finally:
         out.close()
 
-    class _Aliases:  # what _metadata reads of a rank's holdings
+    class _Aliases:  # what dcp_metadata reads of a rank's holdings
         aliases = full.aliases
 
     with open(os.path.join(tmp, METADATA), "wb") as f:
-        pickle.dump(_metadata(_Aliases, [{"file": out.name, "items": out.items}]), f)
+        pickle.dump(dcp_metadata(_Aliases, [{"file": out.name, "items": out.items}]), f)
         f.flush()
         os.fsync(f.fileno())
 
@@ -309,8 +310,6 @@ def _write(full: _Full, output: str, to: str) -> list[str]:
     tmp = make_temp(output)
     try:
         (_to_dcp if to == "dcp" else _to_zerokit)(full, tmp)
-        from .saving import swap_in
-
         swap_in(output, tmp)
     except BaseException:
         remove(tmp)

@@ -26,13 +26,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..core import alive
+from .agreement import agreed
 from .dcp_format import MODEL, OPTIMIZER, boxes, load_value, path_of, plain, read_metadata
-from .holdings import Holdings, TensorMeta, collect, optimizers_of
+from .holdings import Holdings, TensorMeta, full_runs, optimizers_of
 from .index import CheckpointError
-from .loading import _apply, _apply_extra, _check_hyperparameter, _Staged, what_is_loaded
-from .pretrained import _runs
-from .saving import agree_on, gather_json, model_fingerprint
+from .protocol import Staged, check_loaded_hyperparameter
 
 _SHOWN = 10
 
@@ -50,7 +48,7 @@ class _Reads(LoadPlanner):
         """Elements ``[start, start + into.numel())`` of this rank's (tp-local) ``key``."""
         md = self.metadata.state_dict_metadata[key]
         chunks, first = [], len(self.targets)
-        for lo, hi, at in _runs(meta, start, into.numel()):
+        for lo, hi, at in full_runs(meta, start, into.numel()):
             for offsets, sizes in boxes(meta.shape, lo, hi):
                 n = math.prod(sizes)
                 self.targets.append(into[at : at + n].view(sizes))
@@ -122,7 +120,7 @@ class _Reads(LoadPlanner):
 
 
 @dataclasses.dataclass
-class _Source:
+class DcpDirectory:
     """A DCP directory's keys, sorted into the model's, the optimizer's and the rest."""
 
     directory: str
@@ -133,7 +131,7 @@ class _Source:
     other: dict = dataclasses.field(default_factory=dict)  # top-level name -> keys
 
     @classmethod
-    def open(cls, directory: str, extra_keys) -> _Source:
+    def open(cls, directory: str, extra_keys) -> DcpDirectory:
         metadata, digest = read_metadata(directory)
         src = cls(directory, metadata)
         src.digest = digest
@@ -165,13 +163,13 @@ def _listing(names: list[str]) -> str:
     )
 
 
-def _key_of(src: _Source, h: Holdings, name: str) -> str | None:
+def _key_of(src: DcpDirectory, h: Holdings, name: str) -> str | None:
     """The checkpoint's key for ``name`` or for any name tied to it."""
     names = [name] + [a for a, s in h.aliases.items() if s == name]
     return next((src.model[n] for n in names if n in src.model), None)
 
 
-def _compare(src: _Source, h: Holdings, strict: bool) -> None:
+def _compare(src: DcpDirectory, h: Holdings, strict: bool) -> None:
     """Names, shapes and dtypes: the same ``CheckpointError`` on every rank (each rank sees
     the whole model's names and the whole checkpoint's metadata)."""
     items = src.metadata.state_dict_metadata
@@ -205,8 +203,8 @@ def _compare(src: _Source, h: Holdings, strict: bool) -> None:
         )
 
 
-def _stage(src: _Source, h: Holdings, optimizer, extra) -> _Staged:
-    reads, staged, later = _Reads(src.metadata), _Staged(), []
+def _stage(src: DcpDirectory, h: Holdings, optimizer, extra) -> Staged:
+    reads, staged, later = _Reads(src.metadata), Staged(), []
     for chunk in h.chunks:
         key = _key_of(src, h, chunk.name) if chunk.name in h.param_names else None
         if key is None or not chunk.tensor.numel():
@@ -216,7 +214,7 @@ def _stage(src: _Source, h: Holdings, optimizer, extra) -> _Staged:
         staged.copies.append((chunk.tensor, data))
     if optimizer is not None:
         later.append(_ask_optimizer(src, h, reads))
-    asked = {k: _ask_extra(src, reads, k) for k in (extra or {})}
+    asked = {k: ask_extra(src, reads, k) for k in (extra or {})}
     reads.read(src.directory)
     if optimizer is not None:
         later[0](staged, optimizer)
@@ -224,7 +222,7 @@ def _stage(src: _Source, h: Holdings, optimizer, extra) -> _Staged:
     return staged
 
 
-def _ask_optimizer(src: _Source, h: Holdings, reads: _Reads):
+def _ask_optimizer(src: DcpDirectory, h: Holdings, reads: _Reads):
     """Ask for this rank's optimizer state and every param group; returns the function that
     stages them once read."""
     if not src.groups:
@@ -257,7 +255,7 @@ def _ask_optimizer(src: _Source, h: Holdings, reads: _Reads):
         per_chunk.append((key_tensor, state, k))
     groups = {i: {hk: reads.value(k) for hk, k in g.items()} for i, g in src.groups.items()}
 
-    def finish(staged: _Staged, optimizer) -> None:
+    def finish(staged: Staged, optimizer) -> None:
         for key_tensor, state, k in per_chunk:
             staged.optimizer_state.append(
                 (
@@ -302,13 +300,13 @@ def _hyperparameters(groups: list[dict], h: Holdings, optimizer) -> list[dict]:
                 continue
             value = value.item() if isinstance(value, torch.Tensor) else value
             value = list(value) if isinstance(value, tuple) else value
-            _check_hyperparameter(i, key, value, current[key])
+            check_loaded_hyperparameter(i, key, value, current[key])
             mine[key] = value
         out.append(mine)
     return out
 
 
-def _ask_extra(src: _Source, reads: _Reads, name: str):
+def ask_extra(src: DcpDirectory, reads: _Reads, name: str):
     """Ask for the entry ``name`` (every key under it); returns the function that rebuilds
     its value once read."""
     keys = src.other.get(name, []) + ([src.model[name]] if name in src.model else [])
@@ -351,63 +349,43 @@ def _put(into, path: tuple, value):
     return into
 
 
-def _agreed(replies: list) -> None:
-    """The same ``CheckpointError`` on every rank: one message if every rank failed alike."""
-    failed = {e for e, _ in replies if e is not None}
-    if len(failed) == 1:
-        raise CheckpointError(failed.pop())
-    if failed:
-        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, (e, _) in enumerate(replies) if e))
+class DcpSource:
+    """The protocol's source for a DCP directory (``protocol.load_with``)."""
 
+    read_what = "the checkpoint read (sha256 of its .metadata)"
+    malformed = "malformed DCP checkpoint"
+    malformed_errors = (OSError, KeyError, TypeError, ValueError, RuntimeError)
+    combine = staticmethod(agreed)  # one message when every rank failed alike
 
-def load_dcp(directory: str, model, optimizer, strict: bool, extra, group, timeout) -> None:
-    """``checkpoint.load`` of the DCP directory ``directory`` (see ``load``)."""
-    with alive(group):
-        error, src, h = None, None, None
-        try:
-            h = collect(model, optimizer)
-            if h.pipeline is not None:
-                raise CheckpointError(
-                    "a PipelineModule cannot load a DCP checkpoint yet: load "
-                    "it into the plain model, or convert it to zerokit's format"
-                )
-            src = _Source.open(directory, set(extra or {}))
-            _compare(src, h, strict)
-        except CheckpointError as e:
-            error = str(e)
-        except (OSError, ValueError) as e:
-            error = f"{directory}: cannot read: {type(e).__name__}: {e}"
-        _agreed(gather_json("checkpoint.load", [error, None], group, timeout))
-        agree_on(
-            "checkpoint.load: what",
-            what_is_loaded(
-                "the checkpoint read (sha256 of its .metadata)",
-                src.digest,
-                model_fingerprint(h),
-                h,
-                extra,
-            ),
-            group,
-            timeout,
-        )
-        staged, error = None, None
-        try:
-            staged = _stage(src, h, optimizer, extra)
-        except CheckpointError as e:
-            error = str(e)
-        except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:
-            error = f"{directory}: malformed DCP checkpoint: {type(e).__name__}: {e}"
-        _agreed(gather_json("checkpoint.load: read", [error, None], group, timeout))
-        error = None
-        try:
-            _apply_extra(staged.extra, extra)
-        except Exception as e:
-            error = (
-                f"restoring the extra state failed: {type(e).__name__}: {e}; the model and "
-                "optimizer are unchanged"
+    def __init__(self, directory: str, extra_keys):
+        self.where, self.extra_keys, self.src, self.digest = directory, extra_keys, None, ""
+
+    def open(self, h: Holdings, strict: bool) -> None:
+        if h.pipeline is not None:
+            raise CheckpointError(
+                "a PipelineModule cannot load a DCP checkpoint yet: load "
+                "it into the plain model, or convert it to zerokit's format"
             )
-        _agreed(gather_json("checkpoint.load: extra", [error, None], group, timeout))
-        _apply(staged, model, optimizer)
+        self.src = DcpDirectory.open(self.where, self.extra_keys)
+        self.digest = self.src.digest
+        _compare(self.src, h, strict)
+
+    def world(self, h: Holdings, group, timeout) -> None:
+        return None  # a pipeline is refused above: every rank holds the same model
+
+    def stage(self, h: Holdings, optimizer, strict: bool, extra, world) -> Staged:
+        return _stage(self.src, h, optimizer, extra)
+
+    def directory(self) -> str:
+        return self.where
+
+    def close(self) -> None:
+        pass
+
+
+def reads_of(metadata) -> _Reads:
+    """A plan of reads from a DCP directory of ``metadata`` (for ``convert``)."""
+    return _Reads(metadata)
 
 
 def describe_dcp(directory: str) -> tuple[str, bool]:
@@ -415,7 +393,7 @@ def describe_dcp(directory: str) -> tuple[str, bool]:
     covered by its chunks and every chunk's bytes are in a file there."""
     from ..memory import format_bytes
 
-    src = _Source.open(directory, set())
+    src = DcpDirectory.open(directory, set())
     items = src.metadata.state_dict_metadata
 
     def nbytes(key: str) -> int:

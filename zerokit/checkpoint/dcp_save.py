@@ -7,7 +7,7 @@ stored boxes), ``optimizer.state.<param>.<state>`` (a scalar ``step`` as a 0-dim
 extra key at the top level. Each rank writes the boxes of what it alone holds (``boxes``: its
 flat ranges cut into DCP's chunks) to ``__<rank>_0.distcp``, each box ``torch.save``d as DCP's
 ``FileSystemWriter`` does; rank 0 writes the pickled ``.metadata``. The directory is built and
-swapped in as zerokit's own format is (``saving.save_prepared``): a temp directory, renamed
+swapped in as zerokit's own format is (``protocol``): a temp directory, renamed
 into place when complete.
 """
 
@@ -30,11 +30,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from . import extra as extra_state
+from .agreement import rank
 from .dcp_format import METADATA, MODEL, OPTIMIZER, boxes
-from .holdings import OPTIM_PREFIX, Holdings
+from .holdings import OPTIM_PREFIX, Holdings, full_runs
 from .index import CheckpointError, dtype_from_name, dtype_name
-from .pretrained import _runs
-from .saving import _fsync_dir, _rank, swap_in
+from .protocol import fsync_dir, swap_in
 
 
 def _path(name: str) -> list:
@@ -49,14 +49,14 @@ def _key(path: list) -> str:
     return ".".join(map(str, path))
 
 
-def _hyperparameter(value):
+def hyperparameter_value(value):
     """As the optimizer held it: torch's optimizers hold numeric pairs (``betas``) as tuples."""
     if isinstance(value, list) and value and not any(isinstance(v, str) for v in value):
         return tuple(value)
     return value
 
 
-class _File:
+class DcpFile:
     """One rank's ``.distcp`` file, written item by item; ``items`` describes each."""
 
     def __init__(self, path: str):
@@ -92,14 +92,14 @@ class _File:
         self.f.close()
 
 
-def _write_tensors(out: _File, h: Holdings) -> None:
+def _write_tensors(out: DcpFile, h: Holdings) -> None:
     """This rank's primary chunks as boxes, and the scalar state of the parameters whose
     first element it writes."""
     for chunk in h.chunks:
         if not chunk.primary or not chunk.tensor.numel():
             continue
         meta = h.metas[chunk.name]
-        for lo, hi, at in _runs(meta, chunk.start, chunk.tensor.numel()):
+        for lo, hi, at in full_runs(meta, chunk.start, chunk.tensor.numel()):
             for offsets, sizes in boxes(meta.shape, lo, hi):
                 n = torch.Size(sizes).numel()
                 box = chunk.tensor[at : at + n].view(sizes)
@@ -116,9 +116,12 @@ def _write_tensors(out: _File, h: Holdings) -> None:
 
 
 class DcpWriter:
-    """``saving.save_prepared``'s writer for ``format="dcp"``."""
+    """the protocol's writer for ``format="dcp"``."""
 
     name = "dcp"
+
+    def file_of(self, rank: int) -> str:
+        return f"__{rank}_0.distcp"
 
     def write(self, tmp: str, h: Holdings, extras: dict, per_rank: dict[str, bool]) -> dict:
         if h.pipeline is not None:
@@ -132,13 +135,13 @@ class DcpWriter:
                 f"format='dcp' stores one value per extra key; {differing} "
                 "differ between ranks (save them in zerokit's format)"
             )
-        out = _File(os.path.join(tmp, f"__{_rank()}_0.distcp"))
+        out = DcpFile(os.path.join(tmp, self.file_of(rank())))
         try:
             _write_tensors(out, h)
-            if _rank() == 0:
+            if rank() == 0:
                 for i, group in enumerate(h.groups):
                     for key, value in group["hyperparameters"].items():
-                        out.value([OPTIMIZER, "param_groups", i, key], _hyperparameter(value))
+                        out.value([OPTIMIZER, "param_groups", i, key], hyperparameter_value(value))
                     out.value([OPTIMIZER, "param_groups", i, "params"], list(group["params"]))
                 for key, (doc, tensors) in extras.items():
                     out.value([key], extra_state.decode(doc, tensors, f"extra {key!r}"))
@@ -147,18 +150,18 @@ class DcpWriter:
         return {"file": out.name, "items": out.items}
 
     def finish(self, path: str, tmp: str, h: Holdings, shards: list, per_rank, world) -> None:
-        metadata = _metadata(h, shards)
+        metadata = dcp_metadata(h, shards)
         partial = os.path.join(tmp, METADATA + ".tmp")
         with open(partial, "wb") as f:
             pickle.dump(metadata, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, os.path.join(tmp, METADATA))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         swap_in(path, tmp)
 
 
-def _metadata(h: Holdings, shards: list) -> Metadata:
+def dcp_metadata(h: Holdings, shards: list) -> Metadata:
     """Every rank's items as DCP's ``Metadata``; each tensor covered exactly once."""
     described, storage, paths = {}, {}, {}
     for shard in shards:

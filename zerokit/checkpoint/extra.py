@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .fields import CheckpointError, _dict, _int, _keys, _list, _need, dtype_from_name, dtype_name
+from . import fields
+from .fields import CheckpointError, dtype_from_name, dtype_name
 from .streaming import SAFETENSORS_DTYPES
 
 MAX_DEPTH = 64
@@ -106,22 +107,24 @@ def _to_json(value: Any, tensors: list, where: str, depth: int) -> Any:
 def decode(doc: Any, tensors: list[torch.Tensor], where: str, depth: int = 0) -> Any:
     """The value ``encode`` stored; raises ``CheckpointError`` on anything it cannot have
     written."""
-    _need(depth <= MAX_DEPTH, f"{where}: nested more than {MAX_DEPTH} deep")
+    fields.need(depth <= MAX_DEPTH, f"{where}: nested more than {MAX_DEPTH} deep")
     if doc is None or isinstance(doc, (bool, str, int, float)):
-        _need(not isinstance(doc, float) or math.isfinite(doc), f"{where}: bad number")
+        fields.need(not isinstance(doc, float) or math.isfinite(doc), f"{where}: bad number")
         return doc
-    _need(isinstance(doc, dict) and len(doc) >= 1, f"{where}: not a stored value: {doc!r:.80}")
+    fields.need(
+        isinstance(doc, dict) and len(doc) >= 1, f"{where}: not a stored value: {doc!r:.80}"
+    )
     tag = next(iter(doc))
     if tag == "float" and len(doc) == 1:
-        _need(doc["float"] in ("nan", "inf", "-inf"), f"{where}: bad number {doc['float']!r}")
+        fields.need(doc["float"] in ("nan", "inf", "-inf"), f"{where}: bad number {doc['float']!r}")
         return float(doc["float"])
     if tag == "tensor" and len(doc) == 1:
-        _need(
+        fields.need(
             type(doc["tensor"]) is int and 0 <= doc["tensor"] < len(tensors), f"{where}: bad tensor"
         )
         return tensors[doc["tensor"]]
     if tag == "ndarray" and set(doc) == {"ndarray", "dtype", "shape"}:
-        _need(
+        fields.need(
             type(doc["ndarray"]) is int and 0 <= doc["ndarray"] < len(tensors),
             f"{where}: bad array",
         )
@@ -129,10 +132,10 @@ def decode(doc: Any, tensors: list[torch.Tensor], where: str, depth: int = 0) ->
             dtype = np.dtype(doc["dtype"])
         except (TypeError, ValueError):
             raise CheckpointError(f"{where}: bad NumPy dtype {doc['dtype']!r}") from None
-        _need(not dtype.hasobject, f"{where}: a NumPy array of Python objects")
-        shape = _list(doc["shape"], f"{where}: shape")
+        fields.need(not dtype.hasobject, f"{where}: a NumPy array of Python objects")
+        shape = fields.as_list(doc["shape"], f"{where}: shape")
         raw = tensors[doc["ndarray"]].numpy().tobytes()
-        _need(
+        fields.need(
             all(type(n) is int and n >= 0 for n in shape)
             and math.prod(shape) * dtype.itemsize == len(raw),
             f"{where}: the array's shape does not match its bytes",
@@ -141,15 +144,15 @@ def decode(doc: Any, tensors: list[torch.Tensor], where: str, depth: int = 0) ->
     if tag in ("list", "tuple") and len(doc) == 1:
         items = [
             decode(v, tensors, f"{where}[{i}]", depth + 1)
-            for i, v in enumerate(_list(doc[tag], where))
+            for i, v in enumerate(fields.as_list(doc[tag], where))
         ]
         return tuple(items) if tag == "tuple" else items
     if tag == "dict" and len(doc) == 1:
         out = {}
-        for pair in _list(doc["dict"], where):
-            _need(isinstance(pair, list) and len(pair) == 2, f"{where}: bad dict item")
+        for pair in fields.as_list(doc["dict"], where):
+            fields.need(isinstance(pair, list) and len(pair) == 2, f"{where}: bad dict item")
             key = decode(pair[0], tensors, f"{where} key", depth + 1)
-            _need(
+            fields.need(
                 key is None or isinstance(key, (bool, int, float, str, tuple)),
                 f"{where}: unhashable key",
             )
@@ -186,23 +189,29 @@ def validate_extra(extra: dict, files: dict, used: dict) -> None:
     """The index's ``extra``: each key's values and where their tensors are."""
     for key, entry in extra.items():
         what = f"extra {key!r}"
-        _need(isinstance(key, str) and len(key) <= 1000, f"{what}: a bad key")
-        _keys(_dict(entry, what), what, {"per_rank", "values"})
-        _need(isinstance(entry["per_rank"], bool), f"{what}: per_rank must be true or false")
-        values = _list(entry["values"], f"{what}: values")
-        _need(len(values) >= 1 and (entry["per_rank"] or len(values) == 1), f"{what}: values")
+        fields.need(isinstance(key, str) and len(key) <= 1000, f"{what}: a bad key")
+        fields.check_keys(fields.as_dict(entry, what), what, {"per_rank", "values"})
+        fields.need(isinstance(entry["per_rank"], bool), f"{what}: per_rank must be true or false")
+        values = fields.as_list(entry["values"], f"{what}: values")
+        fields.need(len(values) >= 1 and (entry["per_rank"] or len(values) == 1), f"{what}: values")
         for saved in values:
-            _keys(_dict(saved, what), what, {"json", "tensors"})
-            for ref in _list(saved["tensors"], f"{what}: tensors"):
-                _keys(_dict(ref, what), f"{what}: a tensor", {"file", "key", "dtype", "shape"})
-                _need(ref["file"] in files, f"{what}: a tensor in unlisted file {ref['file']!r}")
-                _need(
+            fields.check_keys(fields.as_dict(saved, what), what, {"json", "tensors"})
+            for ref in fields.as_list(saved["tensors"], f"{what}: tensors"):
+                fields.check_keys(
+                    fields.as_dict(ref, what),
+                    f"{what}: a tensor",
+                    {"file", "key", "dtype", "shape"},
+                )
+                fields.need(
+                    ref["file"] in files, f"{what}: a tensor in unlisted file {ref['file']!r}"
+                )
+                fields.need(
                     isinstance(ref["key"], str) and ref["key"].startswith("extra."),
                     f"{what}: bad key",
                 )
                 itemsize = dtype_from_name(ref["dtype"], what).itemsize
-                shape = _list(ref["shape"], f"{what}: shape")
-                _need(len(shape) <= 64, f"{what}: {len(shape)} dimensions")
+                shape = fields.as_list(ref["shape"], f"{what}: shape")
+                fields.need(len(shape) <= 64, f"{what}: {len(shape)} dimensions")
                 for n in shape:
-                    _int(n, f"{what}: a dimension")
+                    fields.as_int(n, f"{what}: a dimension")
                 used[ref["file"]] += math.prod(shape) * itemsize

@@ -7,7 +7,7 @@ import torch
 
 from .streaming import SAFETENSORS_DTYPES
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES}
+DTYPES = {str(d).removeprefix("torch."): d for d in SAFETENSORS_DTYPES}
 
 
 class CheckpointError(ValueError):
@@ -19,31 +19,33 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str, what: str) -> torch.dtype:
-    if not isinstance(name, str) or name not in _DTYPES:
+    if not isinstance(name, str) or name not in DTYPES:
         raise CheckpointError(f"{what}: unknown dtype {name!r}")
-    return _DTYPES[name]
+    return DTYPES[name]
 
 
-def _need(ok: bool, message: str) -> None:
+def need(ok: bool, message: str) -> None:
     if not ok:
         raise CheckpointError(message)
 
 
-def _int(value, what: str, low: int = 0) -> int:
-    _need(type(value) is int and value >= low, f"{what} must be an integer >= {low}, got {value!r}")
+def as_int(value, what: str, low: int = 0) -> int:
+    need(type(value) is int and value >= low, f"{what} must be an integer >= {low}, got {value!r}")
     return value
 
 
-def _dict(value, what: str) -> dict:
-    _need(isinstance(value, dict), f"{what} must be an object, got {type(value).__name__}")
+def as_dict(value, what: str) -> dict:
+    need(isinstance(value, dict), f"{what} must be an object, got {type(value).__name__}")
     return value
 
 
-def _list(value, what: str) -> list:
-    _need(isinstance(value, list), f"{what} must be a list, got {type(value).__name__}")
+def as_list(value, what: str) -> list:
+    need(isinstance(value, list), f"{what} must be a list, got {type(value).__name__}")
     return value
 
 
-def _keys(value: dict, what: str, required: set[str], optional: frozenset = frozenset()) -> None:
+def check_keys(
+    value: dict, what: str, required: set[str], optional: frozenset = frozenset()
+) -> None:
     missing, extra = required - value.keys(), value.keys() - required - optional
-    _need(not missing and not extra, f"{what}: missing {sorted(missing)}, unknown {sorted(extra)}")
+    need(not missing and not extra, f"{what}: missing {sorted(missing)}, unknown {sorted(extra)}")

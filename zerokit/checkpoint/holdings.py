@@ -16,7 +16,7 @@ hold different tensors, and a shared layer held by several stages is written by 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -439,3 +439,34 @@ def _collect_quantized(h: Holdings, chunk: Chunk, key_tensor, key: str, value) -
         "signed": signed if isinstance(signed, bool) else None,
         **names,
     }
+
+
+def full_runs(meta: TensorMeta, start: int, numel: int) -> Iterator[tuple[int, int, int]]:
+    """The flat element ranges ``[lo, hi)`` of the full tensor that hold elements
+    ``[start, start + numel)`` of this rank's (tp-local) tensor, each with its offset in that
+    request. Without a tp split: one range. With one: a run per row of the split dimension
+    (the tensor seen as [outer, rows, inner]), merged where contiguous."""
+    split = meta.split
+    if split is None:
+        yield start, start + numel, 0
+        return
+    local = meta.local_shape()
+    d, full_rows, rows = split.dim, meta.shape[split.dim], local[split.dim]
+    inner = math.prod(meta.shape[d + 1 :])
+    part, before = split.block_sizes[meta.tp_rank], sum(split.block_sizes[: meta.tp_rank])
+    block = sum(split.block_sizes)
+    end, row, pending = start + numel, start // max(inner, 1), None
+    while inner and row * inner < end:
+        outer, j = divmod(row, rows)
+        full_row = outer * full_rows + (j // part) * block + before + j % part
+        lo, hi = max(start, row * inner), min(end, (row + 1) * inner)
+        run = (full_row * inner + lo - row * inner, full_row * inner + hi - row * inner, lo - start)
+        if pending and pending[1] == run[0]:
+            pending = (pending[0], run[1], pending[2])
+        else:
+            if pending:
+                yield pending
+            pending = run
+        row += 1
+    if pending:
+        yield pending

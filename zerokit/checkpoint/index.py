@@ -21,15 +21,15 @@ import re
 from ..tensor_parallel.topology import TPSplit
 from .extra import validate_extra
 from .fields import (  # noqa: F401  (re-exported: the index's error and names)
-    _DTYPES,
+    DTYPES,
     CheckpointError,
-    _dict,
-    _int,
-    _keys,
-    _list,
-    _need,
+    as_dict,
+    as_int,
+    as_list,
+    check_keys,
     dtype_from_name,
     dtype_name,
+    need,
 )
 
 FORMAT = "zerokit-checkpoint"
@@ -118,7 +118,7 @@ def is_finite_number(value) -> bool:
 
 
 def check_name(name, what: str = "tensor name") -> str:
-    _need(
+    need(
         isinstance(name, str)
         and 0 < len(name) <= 1000
         and name.isprintable()
@@ -132,123 +132,121 @@ def check_name(name, what: str = "tensor name") -> str:
 
 def validate(index: dict) -> None:
     """Every field of an index: raises ``CheckpointError`` naming the first bad one."""
-    _keys(
+    check_keys(
         index,
         "index",
         {"format", "format_version", "checksum", "layout", "files", "tensors", "aliases"},
         frozenset({"optimizer", "extra", "model_config"}),
     )
-    for name, text in _dict(index.get("model_config", {}), "model_config").items():
-        _need(
+    for name, text in as_dict(index.get("model_config", {}), "model_config").items():
+        need(
             name in ("config.json", "generation_config.json") and isinstance(text, str),
             f"model_config: {name!r} is not a Hugging Face config file's text",
         )
-    _check_layout(_dict(index["layout"], "layout"))
-    files = _dict(index["files"], "files")
+    _check_layout(as_dict(index["layout"], "layout"))
+    files = as_dict(index["files"], "files")
     for name, listed in files.items():
-        _need(
+        need(
             bool(_SAFE_FILE.match(name)),
             f"file name {name!r} would escape the checkpoint directory (or is not *.safetensors)",
         )
-        _keys(_dict(listed, f"files[{name!r}]"), f"files[{name!r}]", {"size", "sha256"})
-        _int(listed["size"], f"files[{name!r}].size")
-        _need(
+        check_keys(as_dict(listed, f"files[{name!r}]"), f"files[{name!r}]", {"size", "sha256"})
+        as_int(listed["size"], f"files[{name!r}].size")
+        need(
             isinstance(listed["sha256"], str) and bool(_SHA256.match(listed["sha256"])),
             f"files[{name!r}].sha256 is not a sha256",
         )
     used = dict.fromkeys(files, 0)  # bytes the index places in each file
-    tensors = _dict(index["tensors"], "tensors")
+    tensors = as_dict(index["tensors"], "tensors")
     for name, entry in tensors.items():
         check_tensor_entry(name, entry, files, used)
     for name, nbytes in used.items():
-        _need(
+        need(
             nbytes <= files[name]["size"],
             f"files[{name!r}]: the index places {nbytes} bytes in a file of {files[name]['size']}",
         )
-    for alias, stored in _dict(index["aliases"], "aliases").items():
+    for alias, stored in as_dict(index["aliases"], "aliases").items():
         check_name(alias, "alias")
-        _need(
+        need(
             isinstance(stored, str) and stored in tensors and not stored.startswith("optim."),
             f"alias {alias!r} points to {stored!r}, which is not a saved model tensor",
         )
-        _need(alias not in tensors, f"alias {alias!r} is also a saved tensor")
+        need(alias not in tensors, f"alias {alias!r} is also a saved tensor")
     if index.get("optimizer") is not None:
         _check_optimizer(index["optimizer"], tensors, index["aliases"])
 
-    validate_extra(_dict(index.get("extra", {}), "extra"), files, used)
+    validate_extra(as_dict(index.get("extra", {}), "extra"), files, used)
 
 
 def _check_layout(layout: dict) -> None:
     """Informational (``load`` reads only the world size): the known fields are checked,
     further scalar fields (from a newer zerokit) are allowed."""
     required = {"world_size", "level", "dp_degree", "tp_degree", "zero_group_size"}
-    _need(required <= layout.keys(), f"layout: missing {sorted(required - layout.keys())}")
+    need(required <= layout.keys(), f"layout: missing {sorted(required - layout.keys())}")
     for key, value in layout.items():
-        _need(
+        need(
             value is None or (type(value) in (bool, int, str) and len(str(value)) <= 100),
             f"layout.{key} must be a plain value, got {type(value).__name__}",
         )
-    _int(layout["world_size"], "layout.world_size", 1)
-    _need(
+    as_int(layout["world_size"], "layout.world_size", 1)
+    need(
         layout["level"] is None or bool(_LEVEL.match(str(layout["level"]))),
         f"layout.level {layout['level']!r} is not a level",
     )
     if layout["dp_degree"] is not None:
-        _int(layout["dp_degree"], "layout.dp_degree", 1)
-    _int(layout["tp_degree"], "layout.tp_degree", 1)
-    _int(layout["zero_group_size"], "layout.zero_group_size", 1)
+        as_int(layout["dp_degree"], "layout.dp_degree", 1)
+    as_int(layout["tp_degree"], "layout.tp_degree", 1)
+    as_int(layout["zero_group_size"], "layout.zero_group_size", 1)
 
 
 def _check_split(name: str, tp, shape: list[int]) -> None:
     if tp is None:
         return
     what = f"{name}: tensor-parallel split"
-    _keys(_dict(tp, what), what, {"dim", "block_sizes", "stride"})
-    _need(type(tp["dim"]) is int and 0 <= tp["dim"] < len(shape), f"{what}: bad dim {tp['dim']!r}")
-    sizes = _list(tp["block_sizes"], f"{what}: block_sizes")
-    _need(0 < len(sizes) <= 1 << 16, f"{what}: {len(sizes)} parts")
+    check_keys(as_dict(tp, what), what, {"dim", "block_sizes", "stride"})
+    need(type(tp["dim"]) is int and 0 <= tp["dim"] < len(shape), f"{what}: bad dim {tp['dim']!r}")
+    sizes = as_list(tp["block_sizes"], f"{what}: block_sizes")
+    need(0 < len(sizes) <= 1 << 16, f"{what}: {len(sizes)} parts")
     for size in sizes:
-        _int(size, f"{what}: a block size", 1)
-    _int(tp["stride"], f"{what}: stride", 1)
-    _need(sum(sizes) * tp["stride"] == shape[tp["dim"]], f"{what} does not add up to its shape")
+        as_int(size, f"{what}: a block size", 1)
+    as_int(tp["stride"], f"{what}: stride", 1)
+    need(sum(sizes) * tp["stride"] == shape[tp["dim"]], f"{what} does not add up to its shape")
 
 
 def check_tensor_entry(name: str, entry: dict, files: dict, used: dict | None = None) -> None:
     """A tensor's index entry: safe name, known dtype, sane shape and split, and pieces in
     listed files, keyed ``<name>@<start>``, that tile each tp part exactly once."""
     check_name(name)
-    _keys(_dict(entry, name), name, {"shape", "dtype", "tp", "parts"})
-    shape = _list(entry["shape"], f"{name}: shape")
-    _need(len(shape) <= 64, f"{name}: {len(shape)} dimensions")
+    check_keys(as_dict(entry, name), name, {"shape", "dtype", "tp", "parts"})
+    shape = as_list(entry["shape"], f"{name}: shape")
+    need(len(shape) <= 64, f"{name}: {len(shape)} dimensions")
     for size in shape:
-        _int(size, f"{name}: a dimension")
+        as_int(size, f"{name}: a dimension")
     itemsize = dtype_from_name(entry["dtype"], name).itemsize
     _check_split(name, entry["tp"], shape)
     nparts = len(entry["tp"]["block_sizes"]) if entry["tp"] else 1
-    parts = _dict(entry["parts"], f"{name}: parts")
+    parts = as_dict(entry["parts"], f"{name}: parts")
     expected = {str(t) for t in range(nparts)}
-    _need(set(parts) <= expected, f"{name}: has parts {sorted(parts)}, expected {sorted(expected)}")
+    need(set(parts) <= expected, f"{name}: has parts {sorted(parts)}, expected {sorted(expected)}")
     for t in range(nparts):
-        pieces = _list(parts.get(str(t), []), f"{name}: part {t}")
+        pieces = as_list(parts.get(str(t), []), f"{name}: part {t}")
         for piece in pieces:
             what = f"{name}: a piece"
-            _keys(_dict(piece, what), what, {"file", "key", "start", "numel"})
-            _int(piece["start"], f"{what}'s start")
-            _int(piece["numel"], f"{what}'s numel", 1)
-            _need(piece["file"] in files, f"{name}: piece in unlisted file {piece['file']!r}")
+            check_keys(as_dict(piece, what), what, {"file", "key", "start", "numel"})
+            as_int(piece["start"], f"{what}'s start")
+            as_int(piece["numel"], f"{what}'s numel", 1)
+            need(piece["file"] in files, f"{name}: piece in unlisted file {piece['file']!r}")
         end = 0
         for piece in sorted(pieces, key=lambda piece: piece["start"]):
-            _need(piece["start"] >= end, f"{name}: pieces overlap at element {piece['start']}")
-            _need(
-                piece["start"] == end, f"{name}: elements {end}..{piece['start']} are in no piece"
-            )
+            need(piece["start"] >= end, f"{name}: pieces overlap at element {piece['start']}")
+            need(piece["start"] == end, f"{name}: elements {end}..{piece['start']} are in no piece")
             end = piece["start"] + piece["numel"]
-        _need(
+        need(
             end == part_numel(entry, t),
             f"{name}: pieces cover {end} of {part_numel(entry, t)} elements (part {t})",
         )
         for piece in pieces:
-            _need(
+            need(
                 piece["key"] == piece_key(name, piece["start"]),
                 f"{name}: the piece at {piece['start']} is keyed {piece['key']!r}, "
                 f"expected {piece_key(name, piece['start'])!r}",
@@ -262,94 +260,94 @@ def check_hyperparameter(what: str, value) -> None:
     if value is None or isinstance(value, (bool, str)):
         return
     if isinstance(value, list):  # betas; param_names; Adafactor's eps (None: from the dtype)
-        _need(
+        need(
             all(v is None or is_finite_number(v) for v in value)
             or all(isinstance(v, str) for v in value),
             f"{what} must hold finite numbers or strings, got {value!r:.200}",
         )
         return
-    _need(is_finite_number(value), f"{what} must be a finite number, got {value!r}")
+    need(is_finite_number(value), f"{what} must be a finite number, got {value!r}")
 
 
 def _check_optimizer(optimizer, tensors: dict, aliases: dict) -> None:
     """One optimizer's entry, or a list of them (each parameter in one optimizer only)."""
-    entries = _list(optimizer, "optimizer") if isinstance(optimizer, list) else [optimizer]
+    entries = as_list(optimizer, "optimizer") if isinstance(optimizer, list) else [optimizer]
     seen: set[str] = set()
     for k, entry in enumerate(entries):
         what = "optimizer" if entries[0] is optimizer else f"optimizer[{k}]"
-        params = _check_one_optimizer(_dict(entry, what), what, tensors, aliases)
-        _need(not params & seen, f"{what}: {sorted(params & seen)[:3]} in two optimizers")
+        params = _check_one_optimizer(as_dict(entry, what), what, tensors, aliases)
+        need(not params & seen, f"{what}: {sorted(params & seen)[:3]} in two optimizers")
         seen |= params
 
 
 def _check_one_optimizer(optimizer: dict, what_opt: str, tensors: dict, aliases: dict) -> set:
-    _keys(
+    check_keys(
         optimizer,
         what_opt,
         {"class", "param_groups", "scalar_state", "state_tensors"},
         frozenset({"quantized_state"}),
     )
-    _need(isinstance(optimizer["class"], str), f"{what_opt}.class must be a string")
+    need(isinstance(optimizer["class"], str), f"{what_opt}.class must be a string")
     model = {n for n in tensors if not n.startswith("optim.")} | set(aliases)
     params: set[str] = set()
-    for i, group in enumerate(_list(optimizer["param_groups"], f"{what_opt}.param_groups")):
+    for i, group in enumerate(as_list(optimizer["param_groups"], f"{what_opt}.param_groups")):
         what = f"{what_opt} param group {i}"
-        _keys(_dict(group, what), what, {"hyperparameters", "params"})
-        for key, value in _dict(group["hyperparameters"], what).items():
+        check_keys(as_dict(group, what), what, {"hyperparameters", "params"})
+        for key, value in as_dict(group["hyperparameters"], what).items():
             check_hyperparameter(f"{what}: {key}", value)
-        for param in _list(group["params"], f"{what}: params"):
-            _need(param in model, f"{what}: {param!r} is not a saved model tensor")
+        for param in as_list(group["params"], f"{what}: params"):
+            need(param in model, f"{what}: {param!r} is not a saved model tensor")
             params.add(param)
-    for param, scalars in _dict(optimizer["scalar_state"], f"{what_opt}.scalar_state").items():
-        _need(param in model, f"{what_opt}.scalar_state: {param!r} is not a saved model tensor")
-        for key, scalar in _dict(scalars, f"optimizer state of {param}").items():
+    for param, scalars in as_dict(optimizer["scalar_state"], f"{what_opt}.scalar_state").items():
+        need(param in model, f"{what_opt}.scalar_state: {param!r} is not a saved model tensor")
+        for key, scalar in as_dict(scalars, f"optimizer state of {param}").items():
             what = f"optimizer state {key!r} of {param}"
-            _keys(_dict(scalar, what), what, {"value", "tensor_dtype"})
-            _need(is_finite_number(scalar["value"]), f"{what} must be a finite number")
+            check_keys(as_dict(scalar, what), what, {"value", "tensor_dtype"})
+            need(is_finite_number(scalar["value"]), f"{what} must be a finite number")
             if scalar["tensor_dtype"] is not None:
                 dtype_from_name(scalar["tensor_dtype"], what)
-    for param, names in _dict(optimizer["state_tensors"], f"{what_opt}.state_tensors").items():
-        _need(
+    for param, names in as_dict(optimizer["state_tensors"], f"{what_opt}.state_tensors").items():
+        need(
             param in tensors and not param.startswith("optim."),
             f"{what_opt}.state_tensors: {param!r} is not a saved model tensor",
         )
-        for key, name in _dict(names, f"optimizer state of {param}").items():
-            _need(
+        for key, name in as_dict(names, f"optimizer state of {param}").items():
+            need(
                 name == f"optim.{key}.{param}" and name in tensors,
                 f"optimizer state {key!r} of {param} points to {name!r}",
             )
             # per element: shaped and split like its parameter; else held whole, unsplit
             per_element = tensors[name]["shape"] == tensors[param]["shape"]
-            _need(
+            need(
                 tensors[name]["tp"] == tensors[param]["tp"]
                 if per_element
                 else tensors[name]["tp"] is None and tensors[param]["tp"] is None,
                 f"{name}: its split differs from {param}'s",
             )
-    quantized = _dict(optimizer.get("quantized_state", {}), f"{what_opt}.quantized_state")
+    quantized = as_dict(optimizer.get("quantized_state", {}), f"{what_opt}.quantized_state")
     for param, states in quantized.items():
-        _need(param in params, f"{what_opt}.quantized_state: {param!r} is not in its groups")
-        for key, described in _dict(states, f"quantized state of {param}").items():
+        need(param in params, f"{what_opt}.quantized_state: {param!r} is not in its groups")
+        for key, described in as_dict(states, f"quantized state of {param}").items():
             _check_quantized(f"quantized state {key!r} of {param}", key, param, described, tensors)
     return params
 
 
 def _check_quantized(what: str, key: str, param: str, described: dict, tensors: dict) -> None:
-    _keys(_dict(described, what), what, {"class", "block_size", "signed", "codes", "scale"})
-    _need(isinstance(described["class"], str), f"{what}: class must be a string")
-    _need(described["signed"] in (None, True, False), f"{what}: signed must be a boolean")
-    block = _int(described["block_size"], f"{what}: block_size", 1)
+    check_keys(as_dict(described, what), what, {"class", "block_size", "signed", "codes", "scale"})
+    need(isinstance(described["class"], str), f"{what}: class must be a string")
+    need(described["signed"] in (None, True, False), f"{what}: signed must be a boolean")
+    block = as_int(described["block_size"], f"{what}: block_size", 1)
     numel = math.prod(tensors[param]["shape"]) if param in tensors else -1
     for part in ("codes", "scale"):
         name = described[part]
-        _need(
+        need(
             name == f"optim.{key}:{part}.{param}" and name in tensors,
             f"{what}: {part} points to {name!r}",
         )
         entry = tensors[name]
-        _need(len(entry["shape"]) == 1 and entry["tp"] is None, f"{name}: not 1-D and unsplit")
-    _need(
+        need(len(entry["shape"]) == 1 and entry["tp"] is None, f"{name}: not 1-D and unsplit")
+    need(
         tensors[described["scale"]]["shape"][0] * block == numel,
         f"{what}: its scales do not cover {param} in blocks of {block}",
     )
-    _need(tensors[described["codes"]]["dtype"] == "uint8", f"{what}: codes must be uint8")
+    need(tensors[described["codes"]]["dtype"] == "uint8", f"{what}: codes must be uint8")

@@ -7,48 +7,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import MutableMapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core import alive, state_of
 from . import extra as extra_state
+from .agreement import mark_call, raise_any, world_group, world_view
 from .dcp_format import is_dcp
-from .holdings import (
-    Chunk,
-    Holdings,
-    TensorMeta,
-    collect,
-    holder_of,
-    holds_all_of,
-    optimizers_of,
-)
-from .index import INDEX_NAME, CheckpointError, dtype_from_name, is_finite_number, split_from_json
+from .holdings import Chunk, Holdings, TensorMeta, holds_all_of, optimizers_of
+from .index import INDEX_NAME, CheckpointError, dtype_from_name, split_from_json
+from .protocol import Staged, check_loaded_hyperparameter, load_with
 from .reading import CheckpointReader, resolve
-from .saving import (
-    agree_on,
-    gather_json,
-    mark_call,
-    model_fingerprint,
-    raise_any,
-    world_group,
-    world_view,
-)
 
 __all__ = ["load", "resolve"]
-
-
-@dataclass
-class _Staged:
-    """Everything a load will write, read and checked in advance."""
-
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    optimizer_state: list[tuple[torch.Tensor, dict, int]] = field(default_factory=list)
-    hyperparameters: list[dict] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def load(
@@ -80,51 +53,41 @@ def load(
     group = world_group()
     mark_call("zerokit.checkpoint.load()", model, group)
     if is_dcp(resolve(path)) and not os.path.exists(os.path.join(resolve(path), INDEX_NAME)):
-        from .dcp_load import load_dcp  # imports loading: loaded when first used
+        from .dcp_load import DcpSource  # torch.distributed.checkpoint: loaded when used
 
-        return load_dcp(resolve(path), model, optimizer, strict, extra, group, timeout)
-    with alive(group):
-        reader, error, h = None, None, None
-        try:
-            h = collect(model, optimizer)
-            reader = CheckpointReader(path)
-        except CheckpointError as e:
-            error = str(e)
-        except (OSError, ValueError) as e:
-            error = f"{os.fspath(path)}: cannot read: {type(e).__name__}: {e}"
-        try:
-            raise_any(gather_json("checkpoint.load", [error, None], group, timeout))
-            world = world_view(h, "checkpoint.load", group, timeout)
-            agree_on(
-                "checkpoint.load: what",
-                what_is_loaded(
-                    "the checkpoint read (sha256 of its index)",
-                    reader.digest,
-                    model_fingerprint(h) if world is None else world["fingerprint"],
-                    h,
-                    extra,
-                ),
-                group,
-                timeout,
-            )
-            staged, error = None, None
-            try:
-                staged = _stage(reader, h, optimizer, strict, extra, world)
-            except CheckpointError as e:
-                error = str(e)
-            except (OSError, KeyError, TypeError, ValueError) as e:
-                error = f"{reader.directory}: malformed checkpoint: {type(e).__name__}: {e}"
-            raise_any(gather_json("checkpoint.load: read", [error, None], group, timeout))
-        finally:
-            if reader is not None:
-                reader.close()
-        error = None
-        try:  # the extra state first: a Stateful that refuses its state stops the load here
-            _apply_extra(staged.extra, extra)
-        except Exception as e:
-            error = f"restoring the extra state failed: {type(e).__name__}: {e}; the model and optimizer are unchanged"
-        raise_any(gather_json("checkpoint.load: extra", [error, None], group, timeout))
-        _apply(staged, model, optimizer)
+        source = DcpSource(resolve(path), set(extra or {}))
+    else:
+        source = ZerokitSource(path)
+    load_with(source, model, optimizer, strict, extra, group, timeout)
+
+
+class ZerokitSource:
+    """The protocol's source for zerokit's own format (``protocol.load_with``)."""
+
+    read_what = "the checkpoint read (sha256 of its index)"
+    malformed = "malformed checkpoint"
+    malformed_errors = (OSError, KeyError, TypeError, ValueError)
+    combine = staticmethod(raise_any)
+
+    def __init__(self, path):
+        self.path, self.where, self.reader, self.digest = path, os.fspath(path), None, ""
+
+    def open(self, h: Holdings, strict: bool) -> None:
+        self.reader = CheckpointReader(self.path)
+        self.digest = self.reader.digest
+
+    def world(self, h: Holdings, group, timeout) -> dict | None:
+        return world_view(h, "checkpoint.load", group, timeout)
+
+    def stage(self, h: Holdings, optimizer, strict: bool, extra, world) -> Staged:
+        return _stage(self.reader, h, optimizer, strict, extra, world)
+
+    def directory(self) -> str:
+        return self.reader.directory
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
 
 
 def _check_ties(saved: dict, aliases: dict, h: Holdings) -> None:
@@ -152,7 +115,7 @@ def _check_ties(saved: dict, aliases: dict, h: Holdings) -> None:
 
 def _stage(
     reader: CheckpointReader, h: Holdings, optimizer, strict: bool, extra, world: dict | None
-) -> _Staged:
+) -> Staged:
     """``world``: for a pipeline stage, what all stages hold (``saving.world_view``): strict
     compares the checkpoint with the whole model, not with this stage."""
     index = reader.index
@@ -173,7 +136,7 @@ def _stage(
             f"checkpoint and model differ: missing from the checkpoint {missing}, not in the "
             f"model {unexpected} (strict=False loads the tensors both have)"
         )
-    staged = _Staged()
+    staged = Staged()
     for chunk in h.chunks:
         name = names.get(chunk.name)
         if name is None or name not in saved:
@@ -205,33 +168,6 @@ def _read(reader: CheckpointReader, name: str, meta: TensorMeta, chunk: Chunk) -
     return local.reshape(-1)[chunk.start : chunk.start + numel]
 
 
-_NON_NEGATIVE = {"lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay", "alpha"}
-
-
-def _check_hyperparameter(i: int, key: str, value, current) -> None:
-    """A saved hyperparameter must be of the kind the optimizer holds, and finite."""
-    what = f"param group {i}: {key}"
-    if isinstance(current, bool) or current is None:
-        ok = value is None or isinstance(value, bool)
-    elif isinstance(current, (int, float, torch.Tensor)):
-        ok = is_finite_number(value) and (key not in _NON_NEGATIVE or value >= 0)
-    elif isinstance(current, (tuple, list)):
-        ok = isinstance(value, list) and len(value) == len(current)
-        ok = ok and all(
-            isinstance(v, str) if isinstance(c, str) else v is None or is_finite_number(v)
-            for v, c in zip(value, current)
-        )
-        if key == "betas":
-            ok = ok and all(is_finite_number(v) and 0 <= v < 1 for v in value)
-    else:
-        ok = type(value) is type(current)
-    if not ok:
-        raise CheckpointError(
-            f"{what} is {value!r} in the checkpoint; the optimizer holds {current!r} there "
-            "(refused: it would fail or diverge at the next step)"
-        )
-
-
 def _saved_optimizers(index: dict, h: Holdings) -> list[dict]:
     """The checkpoint's optimizers, checked against those given: as many, of the same
     classes, in the same order (a checkpoint of one optimizer is a list of one)."""
@@ -254,7 +190,7 @@ def _saved_optimizers(index: dict, h: Holdings) -> list[dict]:
 
 
 def _stage_optimizer(
-    index: dict, reader: CheckpointReader, h: Holdings, optimizer, staged: _Staged, world
+    index: dict, reader: CheckpointReader, h: Holdings, optimizer, staged: Staged, world
 ) -> None:
     entries = _saved_optimizers(index, h)
     optimizers = optimizers_of(optimizer)
@@ -270,7 +206,7 @@ def _stage_optimizer(
     for i, ((_, group), current) in enumerate(zip(groups, current_groups)):
         for key, value in group["hyperparameters"].items():
             if key in current:  # a key this optimizer does not know cannot change it
-                _check_hyperparameter(i, key, value, current[key])
+                check_loaded_hyperparameter(i, key, value, current[key])
     merged: dict[str, dict] = {"state_tensors": {}, "scalar_state": {}, "quantized_state": {}}
     for entry in entries:  # each parameter is in one optimizer: its state is keyed by name
         for part, values in merged.items():
@@ -377,46 +313,3 @@ def _stage_extra(reader: CheckpointReader, extra) -> dict[str, Any]:
         tensors = [reader.read_tensor(ref["file"], ref["key"]) for ref in value["tensors"]]
         out[key] = extra_state.decode(value["json"], tensors, f"extra {key!r}")
     return out
-
-
-def _apply_extra(values: dict[str, Any], extra) -> None:
-    for key, value in values.items():
-        if extra_state.is_stateful(extra[key]):
-            extra[key].load_state_dict(value)
-        else:
-            extra[key] = value
-
-
-def what_is_loaded(read: str, digest: str, fingerprint: bytes, h: Holdings, extra) -> dict:
-    """What every rank must agree on before a load changes anything (zerokit's format and
-    DCP's alike): the checkpoint read, the model's tensors, the optimizers, the extra state."""
-    return {
-        read: digest.encode(),
-        "the model's tensors": fingerprint,
-        "the optimizer": str(h.optimizer_class).encode(),
-        "the extra state asked for": repr(sorted(extra or {})).encode(),
-    }
-
-
-def _apply(staged: _Staged, model: nn.Module, optimizer) -> None:
-    with torch.no_grad():
-        for target, data in staged.copies:
-            target.copy_(data)
-    if optimizer is not None:
-        optimizers = optimizers_of(optimizer)
-        for opt in optimizers:
-            opt.state.clear()
-        for key_tensor, state, k in staged.optimizer_state:
-            if state:
-                optimizers[k].state[key_tensor] = state
-        groups = [g for opt in optimizers for g in opt.param_groups]
-        for group, hyper in zip(groups, staged.hyperparameters):
-            for key, value in hyper.items():
-                current = group.get(key)
-                if isinstance(current, torch.Tensor):
-                    current.fill_(value)
-                else:
-                    group[key] = tuple(value) if isinstance(current, tuple) else value
-    state = state_of(holder_of(model))
-    if state is not None:  # the shards changed: refresh the full parameters
-        state.refresh_params()

@@ -14,19 +14,17 @@ model (a bf16 or fp16 file into fp32 masters: the cast is exact), full parameter
 from __future__ import annotations
 
 import json
-import math
 import mmap
 import os
-from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from ..core import alive, state_of
-from .holdings import Chunk, Holdings, TensorMeta, collect, holder_of
+from .agreement import gather_json, raise_any, world_group
+from .holdings import Chunk, Holdings, TensorMeta, collect, full_runs, holder_of
 from .index import CheckpointError
-from .reading import _DTYPE_OF, ShardFile
-from .saving import gather_json, raise_any, world_group
+from .reading import DTYPE_OF, ShardFile
 
 INDEX = "model.safetensors.index.json"  # Hugging Face's sharded layout
 SINGLE = "model.safetensors"
@@ -244,9 +242,9 @@ def _read(h: Holdings, sources: _Sources) -> list[tuple[Chunk, torch.Tensor]]:
 
 
 def _read_chunk(meta: TensorMeta, chunk: Chunk, source: str, sources: _Sources) -> torch.Tensor:
-    dtype = _DTYPE_OF[sources.where[source].header[source]["dtype"]]
+    dtype = DTYPE_OF[sources.where[source].header[source]["dtype"]]
     values = torch.empty(chunk.tensor.numel(), dtype=dtype)
-    for full_lo, full_hi, at in _runs(meta, chunk.start, chunk.tensor.numel()):
+    for full_lo, full_hi, at in full_runs(meta, chunk.start, chunk.tensor.numel()):
         sources.read(source, full_lo, full_hi, values[at : at + full_hi - full_lo])
     return values
 
@@ -268,34 +266,3 @@ def _same_values(a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str) -> 
         "model untied (e.g. tie_word_embeddings=False in its config) before wrapping, or "
         "remove one of the two from the files; nothing was loaded"
     )
-
-
-def _runs(meta: TensorMeta, start: int, numel: int) -> Iterator[tuple[int, int, int]]:
-    """The flat element ranges ``[lo, hi)`` of the full tensor that hold elements
-    ``[start, start + numel)`` of this rank's (tp-local) tensor, each with its offset in that
-    request. Without a tp split: one range. With one: a run per row of the split dimension
-    (the tensor seen as [outer, rows, inner]), merged where contiguous."""
-    split = meta.split
-    if split is None:
-        yield start, start + numel, 0
-        return
-    local = meta.local_shape()
-    d, full_rows, rows = split.dim, meta.shape[split.dim], local[split.dim]
-    inner = math.prod(meta.shape[d + 1 :])
-    part, before = split.block_sizes[meta.tp_rank], sum(split.block_sizes[: meta.tp_rank])
-    block = sum(split.block_sizes)
-    end, row, pending = start + numel, start // max(inner, 1), None
-    while inner and row * inner < end:
-        outer, j = divmod(row, rows)
-        full_row = outer * full_rows + (j // part) * block + before + j % part
-        lo, hi = max(start, row * inner), min(end, (row + 1) * inner)
-        run = (full_row * inner + lo - row * inner, full_row * inner + hi - row * inner, lo - start)
-        if pending and pending[1] == run[0]:
-            pending = (pending[0], run[1], pending[2])
-        else:
-            if pending:
-                yield pending
-            pending = run
-        row += 1
-    if pending:
-        yield pending

@@ -37,7 +37,7 @@ from .streaming import SAFETENSORS_DTYPES
 
 OLD_SUFFIX = ".zerokit-old"
 _MAX_HEADER = 100 << 20
-_DTYPE_OF = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+DTYPE_OF = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
 _KINDS = {
     stat.S_ISREG: "a regular file",
     stat.S_ISLNK: "a symbolic link",
@@ -124,7 +124,7 @@ class ShardFile:
         """Elements ``[lo, hi)`` of ``key`` as a view of the mapping (no copy); release it
         before the reader is closed."""
         info = self.header[key]
-        itemsize = _DTYPE_OF[info["dtype"]].itemsize
+        itemsize = DTYPE_OF[info["dtype"]].itemsize
         begin = self.data_start + info["data_offsets"][0] + lo * itemsize
         return [memoryview(self.mm)[begin : begin + (hi - lo) * itemsize]]
 
@@ -147,7 +147,7 @@ class ShardFile:
                 continue
             ok = (
                 isinstance(info, dict)
-                and info.get("dtype") in _DTYPE_OF
+                and info.get("dtype") in DTYPE_OF
                 and isinstance(info.get("shape"), list)
                 and all(type(n) is int and n >= 0 for n in info["shape"])
                 and isinstance(info.get("data_offsets"), list)
@@ -156,7 +156,7 @@ class ShardFile:
             )
             if ok:
                 begin, end = info["data_offsets"]
-                nbytes = math.prod(info["shape"]) * _DTYPE_OF[info["dtype"]].itemsize
+                nbytes = math.prod(info["shape"]) * DTYPE_OF[info["dtype"]].itemsize
                 ok = 0 <= begin <= end <= data and end - begin == nbytes
             if not ok:
                 raise CheckpointError(f"{bad}: bad header entry for {key!r}")
@@ -177,7 +177,7 @@ class ShardFile:
         """Elements ``[lo, hi)`` of the flattened tensor ``key`` copied into ``out`` (1-D, of
         the file's dtype): one copy, straight from the mapping. Returns ``out``."""
         info = self.header[key]
-        dtype = _DTYPE_OF[info["dtype"]]
+        dtype = DTYPE_OF[info["dtype"]]
         offset = self.data_start + info["data_offsets"][0] + lo * dtype.itemsize
         raw = torch.frombuffer(
             self.mm, dtype=torch.uint8, count=(hi - lo) * dtype.itemsize, offset=offset
@@ -187,7 +187,7 @@ class ShardFile:
     def read(self, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the flattened tensor ``key``: a tensor of its own."""
         info = self.header[key]
-        dtype = _DTYPE_OF[info["dtype"]]
+        dtype = DTYPE_OF[info["dtype"]]
         offset = self.data_start + info["data_offsets"][0] + lo * dtype.itemsize
         raw = torch.frombuffer(
             self.mm, dtype=torch.uint8, count=(hi - lo) * dtype.itemsize, offset=offset
@@ -356,5 +356,5 @@ class CheckpointReader:
         return (
             shard.read(key, 0, numel).view(info["shape"])
             if numel
-            else torch.empty(info["shape"], dtype=_DTYPE_OF[info["dtype"]])
+            else torch.empty(info["shape"], dtype=DTYPE_OF[info["dtype"]])
         )

@@ -1,0 +1,410 @@
+"""The checkpoint protocol: the phases every save and every load goes through, whatever the
+format. Formats plug in: a *writer* (``saving.ZerokitWriter``, ``dcp_save.DcpWriter``) and a
+*source* (``loading.ZerokitSource``, ``dcp_load.DcpSource``); nothing here knows a file layout.
+
+Note: the phases. Each ends in one all-gather (``agreement``) that raises the same
+``CheckpointError`` on every rank, so nothing is half-applied.
+
+save = agree -> stage -> write -> seal -> publish
+  (``begin_save``) agree: every rank checks what it was given; the ranks agree on the path, the
+  model's tensors, the optimizer, the extra keys and the layout, nothing written yet. stage:
+  what is written is fixed (sync: the live shards; async: a host copy); rank 0 takes the lock
+  and makes the temp directory every rank must see. write (``SaveJob.write_mine``): each rank
+  its own file(s), fsynced; a failure names the rank and the file. seal and publish
+  (``SaveJob.seal_and_publish``, rank 0): the writer's index or metadata, sealed, then
+  ``swap_in``: ``<path>`` moved to ``.zerokit-old``, the temp directory renamed to ``<path>``.
+  ``save_together`` runs write..publish on the calling thread with a collective between
+  phases; ``background`` runs the same ``SaveJob`` on a writer thread, posting to files
+  (one at a time per process: ``inflight``).
+
+load = agree -> plan reads -> stage -> validate -> apply  (``load_with``)
+  The source opens and compares (plan reads), the ranks agree on the checkpoint's digest and
+  the model, every byte is read into ``Staged`` and validated, all ranks agree it succeeded,
+  and only then is anything copied into the model, the optimizer or the extra state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..core import alive, state_of
+from . import extra as extra_state
+from .agreement import (
+    agree_on,
+    gather_json,
+    mark_call,
+    model_fingerprint,
+    optimizer_fingerprint,
+    raise_any,
+    rank,
+    world_view,
+)
+from .holdings import Holdings, collect, holder_of, optimizers_of
+from .index import CheckpointError, check_hyperparameter, is_finite_number
+from .places import SaveLock, clear_debris, make_temp, remove, why_not_replaceable
+from .reading import OLD_SUFFIX
+
+# ---------------------------------------------------------------------------- save
+
+
+class Writer(Protocol):
+    """A format's writing half."""
+
+    name: str
+
+    def file_of(self, rank: int) -> str: ...  # the file this rank writes (named in errors)
+
+    def write(self, tmp: str, h: Holdings, extras: dict, per_rank: dict[str, bool]) -> dict: ...
+
+    def finish(self, path: str, tmp: str, h: Holdings, shards: list, per_rank, world) -> None: ...
+
+
+@dataclass
+class Prepared:
+    """What a rank saves, collected and checked; ``error`` what went wrong here (told to every
+    rank by ``agree`` before anything is written)."""
+
+    h: Holdings | None
+    extras: dict
+    error: str | None
+
+
+def prepare(model, optimizer, extra) -> Prepared:
+    h, extras, error = None, {}, None
+    try:
+        h = collect(model, optimizer)
+        extras = _local_checks(h, extra)
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # every rank must hear of it, or the others would wait for it
+        error = f"{type(e).__name__}: {e}"
+    return Prepared(h, extras, error)
+
+
+def _local_checks(h: Holdings, extra: Mapping[str, Any] | None) -> dict:
+    """What this rank was given, checked, and its extra state encoded."""
+    for i, group in enumerate(h.groups):
+        for key, value in group["hyperparameters"].items():
+            try:
+                check_hyperparameter(f"param group {i}: {key}", value)
+            except CheckpointError as e:
+                raise CheckpointError(f"{e}; it would not load") from None
+    for param, state in h.scalars.items():
+        for key, scalar in state.items():
+            check_hyperparameter(f"optimizer state {key!r} of {param}", scalar["value"])
+    if extra is not None and not isinstance(extra, Mapping):
+        raise CheckpointError(f"extra must be a dict of name -> state, got {type(extra).__name__}")
+    extras = {}
+    for key, value in (extra or {}).items():
+        if not isinstance(key, str):
+            raise CheckpointError(f"extra: keys must be strings, got {key!r}")
+        extras[key] = extra_state.encode(value, f"extra[{key!r}]")
+    return extras
+
+
+def agree(path: str, p: Prepared, writer: Writer, group, timeout) -> tuple[dict, dict | None]:
+    """Every rank's error (if any) told to all, then the path, model, optimizer, extra keys
+    and layout agreed. Returns which extra keys differ per rank, and the pipeline's view."""
+    h, extras = p.h, p.extras
+    digests = {k: extra_state.digest(*v) for k, v in extras.items()}
+    replies = raise_any(gather_json("checkpoint.save", [p.error, digests], group, timeout))
+    world = world_view(h, "checkpoint.save", group, timeout)
+    agree_on(
+        "checkpoint.save: what and where",
+        {
+            "the path": path.encode(),
+            "the format": writer.name.encode(),
+            "the model's tensors": model_fingerprint(h) if world is None else world["fingerprint"],
+            "the optimizer": optimizer_fingerprint(h),
+            "the extra state's keys": json.dumps(sorted(extras)).encode(),
+            "the layout": json.dumps(h.layout, sort_keys=True).encode(),
+        },
+        group,
+        timeout,
+    )
+    return {k: len({d[k] for _, d in replies}) > 1 for k in extras}, world
+
+
+def make_place(path: str) -> tuple[SaveLock | None, str | None, str | None]:
+    """Rank 0: the lock, the path checked, debris cleared, a temp directory made."""
+    lock = None
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # as `mkdir -p` would
+        lock = SaveLock(path).acquire()
+        refused = why_not_replaceable(path)
+        if refused:
+            raise CheckpointError(
+                f"{refused}; zerokit never replaces it: choose another path, or remove it yourself"
+            )
+        clear_debris(path)
+        return lock, make_temp(path), None
+    except (CheckpointError, OSError) as e:
+        return (
+            lock,
+            None,
+            str(e) if isinstance(e, CheckpointError) else f"cannot prepare {path}: {e}",
+        )
+
+
+@dataclass
+class SaveJob:
+    """A save the ranks agreed on, its temp directory made: what is left is write, seal and
+    publish, on this thread (``save_together``) or another (``background``)."""
+
+    path: str
+    tmp: str
+    p: Prepared
+    writer: Writer
+    per_rank: dict
+    world: dict | None
+    lock: SaveLock | None  # rank 0's
+    timeout: float | None = None  # the save's collective timeout (None: the default)
+    errno: int | None = None  # of this rank's failed write, if an OSError
+
+    def write_mine(self) -> tuple[dict | None, str | None]:
+        """This rank's file(s), fsynced: what the seal needs of them, or why they failed
+        (naming the file, without the rank: the caller's replies name it)."""
+        try:
+            if not os.path.isdir(self.tmp):
+                raise CheckpointError(
+                    f"cannot see {self.tmp}, which rank 0 made: "
+                    "all ranks must share one file system"
+                )
+            return self.writer.write(self.tmp, self.p.h, self.p.extras, self.per_rank), None
+        except CheckpointError as e:
+            return None, str(e)
+        except Exception as e:  # disk full, permissions: every rank must hear of it
+            self.errno = getattr(e, "errno", None)
+            where = os.path.join(self.path, self.writer.file_of(rank()))
+            return None, f"writing its shard failed: {where}: {type(e).__name__}: {e}"
+
+    def seal_and_publish(self, shards: list) -> None:
+        """Rank 0: the writer seals its index (or metadata) and swaps the directory in."""
+        self.writer.finish(self.path, self.tmp, self.p.h, shards, self.per_rank, self.world)
+
+    def abandon(self) -> None:
+        """Rank 0: the temp directory removed, the lock released (the previous checkpoint
+        untouched)."""
+        if self.tmp is not None:
+            remove(self.tmp)
+        if self.lock is not None:
+            self.lock.release()
+
+
+def begin_save(call: str, path: str, model, optimizer, extra, writer, group, timeout, stage):
+    """agree and stage (see the module's note); returns the ``SaveJob`` every rank writes.
+    ``stage``: ``Prepared -> Prepared``, what is written fixed (the identity for a sync save)."""
+    mark_call(f"zerokit.checkpoint.{call}()", model, group)
+    p = stage(prepare(model, optimizer, extra))
+    per_rank, world = agree(path, p, writer, group, timeout)
+    lock, tmp, error = make_place(path) if rank() == 0 else (None, None, None)
+    job = SaveJob(path, tmp, p, writer, per_rank, world, lock, timeout)
+    try:
+        made = gather_json(f"checkpoint.{call}: directory", [error, tmp], group, timeout)
+        if made[0][0] is not None:
+            raise CheckpointError(made[0][0])
+    except BaseException:
+        job.abandon()
+        raise
+    job.tmp = made[0][1]
+    return job
+
+
+def save_together(job: SaveJob, group, timeout) -> None:
+    """write, seal and publish on the calling thread, a collective after each."""
+    committed = False
+    try:
+        shard, error = job.write_mine()
+        written = gather_json("checkpoint.save: written", [error, shard], group, timeout)
+        shards = [s for _, s in raise_any(written)]
+        error = None
+        if rank() == 0:
+            try:
+                job.seal_and_publish(shards)
+                committed = True
+            except Exception as e:
+                error = f"finishing the checkpoint failed: {type(e).__name__}: {e}"
+            job.lock.release()
+        raise_any(gather_json("checkpoint.save: committed", [error, None], group, timeout))
+    finally:
+        if rank() == 0 and not committed:
+            job.abandon()
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def swap_in(path: str, tmp: str) -> None:
+    """publish: the finished temp directory (its files fsynced) becomes ``path``: ``path``
+    moved to ``.zerokit-old``, ``tmp`` renamed to ``path``, the old one removed."""
+    fsync_dir(tmp)
+    refused = why_not_replaceable(path)  # again: something may have appeared meanwhile
+    if refused:
+        raise CheckpointError(f"{refused}; zerokit never replaces it")
+    old = path + OLD_SUFFIX
+    if os.path.lexists(path):
+        os.replace(path, old)
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(path))
+    remove(old)
+
+
+# ---------------------------------------------------------------------------- load
+
+
+@dataclass
+class Staged:
+    """Everything a load will write, read and checked in advance."""
+
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    optimizer_state: list[tuple[torch.Tensor, dict, int]] = field(default_factory=list)
+    hyperparameters: list[dict] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Source(Protocol):
+    """A format's reading half, for ``load_with``."""
+
+    where: str  # the path as given, for "cannot read"
+    read_what: str  # what the ranks agree they read ("the checkpoint read (sha256 of ...)")
+    malformed: str  # how a staging failure is called ("malformed checkpoint")
+    malformed_errors: tuple  # the exceptions that mean it
+    digest: str  # of what was opened, set by ``open``
+
+    def open(self, h: Holdings, strict: bool) -> None: ...  # plan reads; raises to refuse
+
+    def world(self, h: Holdings, group, timeout) -> dict | None: ...
+
+    def stage(self, h: Holdings, optimizer, strict: bool, extra, world) -> Staged: ...
+
+    def directory(self) -> str: ...
+
+    def combine(self, replies: list) -> Any: ...  # raise_any or agreed
+
+    def close(self) -> None: ...
+
+
+def load_with(source: Source, model: nn.Module, optimizer, strict, extra, group, timeout):
+    """agree -> plan reads -> stage -> validate -> apply (see the module's note)."""
+    with alive(group):
+        h, error = None, None
+        try:
+            h = collect(model, optimizer)
+            source.open(h, strict)
+        except CheckpointError as e:
+            error = str(e)
+        except (OSError, ValueError) as e:
+            error = f"{source.where}: cannot read: {type(e).__name__}: {e}"
+        try:
+            source.combine(gather_json("checkpoint.load", [error, None], group, timeout))
+            world = source.world(h, group, timeout)
+            fingerprint = model_fingerprint(h) if world is None else world["fingerprint"]
+            agree_on(
+                "checkpoint.load: what",
+                what_is_loaded(source.read_what, source.digest, fingerprint, h, extra),
+                group,
+                timeout,
+            )
+            staged, error = None, None
+            try:
+                staged = source.stage(h, optimizer, strict, extra, world)
+            except CheckpointError as e:
+                error = str(e)
+            except source.malformed_errors as e:
+                error = f"{source.directory()}: {source.malformed}: {type(e).__name__}: {e}"
+            source.combine(gather_json("checkpoint.load: read", [error, None], group, timeout))
+        finally:
+            source.close()
+        error = None
+        try:  # the extra state first: a Stateful that refuses its state stops the load here
+            apply_extra(staged.extra, extra)
+        except Exception as e:
+            error = (
+                f"restoring the extra state failed: {type(e).__name__}: {e}; the model and "
+                "optimizer are unchanged"
+            )
+        source.combine(gather_json("checkpoint.load: extra", [error, None], group, timeout))
+        apply_staged(staged, model, optimizer)
+
+
+def what_is_loaded(read: str, digest: str, fingerprint: bytes, h: Holdings, extra) -> dict:
+    """What every rank must agree on before a load changes anything (every format alike):
+    the checkpoint read, the model's tensors, the optimizers, the extra state."""
+    return {
+        read: digest.encode(),
+        "the model's tensors": fingerprint,
+        "the optimizer": str(h.optimizer_class).encode(),
+        "the extra state asked for": repr(sorted(extra or {})).encode(),
+    }
+
+
+_NON_NEGATIVE = {"lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay", "alpha"}
+
+
+def check_loaded_hyperparameter(i: int, key: str, value, current) -> None:
+    """validate: a saved hyperparameter must be of the kind the optimizer holds, and finite."""
+    what = f"param group {i}: {key}"
+    if isinstance(current, bool) or current is None:
+        ok = value is None or isinstance(value, bool)
+    elif isinstance(current, (int, float, torch.Tensor)):
+        ok = is_finite_number(value) and (key not in _NON_NEGATIVE or value >= 0)
+    elif isinstance(current, (tuple, list)):
+        ok = isinstance(value, list) and len(value) == len(current)
+        ok = ok and all(
+            isinstance(v, str) if isinstance(c, str) else v is None or is_finite_number(v)
+            for v, c in zip(value, current)
+        )
+        if key == "betas":
+            ok = ok and all(is_finite_number(v) and 0 <= v < 1 for v in value)
+    else:
+        ok = type(value) is type(current)
+    if not ok:
+        raise CheckpointError(
+            f"{what} is {value!r} in the checkpoint; the optimizer holds {current!r} there "
+            "(refused: it would fail or diverge at the next step)"
+        )
+
+
+def apply_extra(values: dict[str, Any], extra) -> None:
+    for key, value in values.items():
+        if extra_state.is_stateful(extra[key]):
+            extra[key].load_state_dict(value)
+        else:
+            extra[key] = value
+
+
+def apply_staged(staged: Staged, model: nn.Module, optimizer) -> None:
+    """apply: every staged copy into the model and optimizer (nothing can fail here)."""
+    with torch.no_grad():
+        for target, data in staged.copies:
+            target.copy_(data)
+    if optimizer is not None:
+        optimizers = optimizers_of(optimizer)
+        for opt in optimizers:
+            opt.state.clear()
+        for key_tensor, state, k in staged.optimizer_state:
+            if state:
+                optimizers[k].state[key_tensor] = state
+        groups = [g for opt in optimizers for g in opt.param_groups]
+        for group, hyper in zip(groups, staged.hyperparameters):
+            for key, value in hyper.items():
+                current = group.get(key)
+                if isinstance(current, torch.Tensor):
+                    current.fill_(value)
+                else:
+                    group[key] = tuple(value) if isinstance(current, tuple) else value
+    state = state_of(holder_of(model))
+    if state is not None:  # the shards changed: refresh the full parameters
+        state.refresh_params()
