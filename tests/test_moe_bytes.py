@@ -15,6 +15,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+from counting import patched_collectives
 from dist_helpers import run_distributed
 from moe_models import batches, tiny_moe
 
@@ -29,24 +30,14 @@ _OPS = ("isend", "all_reduce", "reduce_scatter", "reduce_scatter_tensor", "all_t
 def counting(names):
     """(op, group's name, bytes of the tensor sent) for every call this rank makes."""
     calls = collections.Counter()
-    originals = {op: getattr(dist, op) for op in _OPS}
 
-    def wrap(op, fn):
-        def counted(tensor, *args, **kwargs):
-            group = kwargs.get("group") or dist.group.WORLD
-            sent = tensor if op != "all_to_all_single" else args[0]  # its input
-            calls[(op, names.get(id(group), "other"))] += sent.numel() * sent.element_size()
-            return fn(tensor, *args, **kwargs)
+    def record(op, tensor, args, kwargs):
+        group = kwargs.get("group") or dist.group.WORLD
+        sent = tensor if op != "all_to_all_single" else args[0]  # its input
+        calls[(op, names.get(id(group), "other"))] += sent.numel() * sent.element_size()
 
-        return counted
-
-    for op, fn in originals.items():
-        setattr(dist, op, wrap(op, fn))
-    try:
+    with patched_collectives(_OPS, record):
         yield calls
-    finally:
-        for op, fn in originals.items():
-            setattr(dist, op, fn)
 
 
 def _run(rank, world, ep, level):

@@ -16,7 +16,7 @@ import multiprocessing
 
 import pytest
 import torch
-import torch.distributed as dist
+from counting import patched_collectives
 from dist_helpers import run_distributed
 from models import (
     SMALL,
@@ -41,24 +41,14 @@ def counting_by_group():
     """Record (group, op, bytes, floating?) for every collective this rank calls: a counting
     group per process group (``group=None``: the world)."""
     calls: list[tuple[object, str, int, bool]] = []
-    originals = {name: getattr(dist, name) for name in _OPS}
 
-    def wrap(name, fn):
-        def counted(tensor, *args, **kwargs):
-            tensors = [tensor] if isinstance(tensor, torch.Tensor) else list(tensor)
-            nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            calls.append((kwargs.get("group"), name, nbytes, tensors[0].is_floating_point()))
-            return fn(tensor, *args, **kwargs)
+    def record(op, tensor, args, kwargs):
+        tensors = [tensor] if isinstance(tensor, torch.Tensor) else list(tensor)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        calls.append((kwargs.get("group"), op, nbytes, tensors[0].is_floating_point()))
 
-        return counted
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
+    with patched_collectives(_OPS, record):
         yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def _groups(dp: int, sharding: int):

@@ -19,6 +19,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
+from counting import patched_collectives
 from dist_helpers import run_distributed
 from models import (
     MatrixNet,
@@ -294,33 +295,21 @@ def counting_sent():
     a broadcast's from its source, to each of the group's other ranks; an all-reduce as a
     ring sends it, 2n(N-1)/N."""
     sent: dict[tuple[int, ...], float] = {}
-    names = ("isend", "broadcast", "all_reduce")
-    originals = {name: getattr(dist, name) for name in names}
 
-    def wrap(name, fn):
-        def counted(tensor, *args, **kwargs):
-            group = kwargs.get("group")
-            ranks = tuple(dist.get_process_group_ranks(group)) if group else ()
-            n, size = tensor.numel() * tensor.element_size(), max(len(ranks), 1)
-            if name == "isend":
-                bytes_ = n
-            elif name == "broadcast":
-                src = kwargs.get("group_src", 0)
-                bytes_ = n * (size - 1) if group.rank() == src else 0
-            else:
-                bytes_ = 2 * n * (size - 1) / size
-            sent[ranks] = sent.get(ranks, 0) + bytes_
-            return fn(tensor, *args, **kwargs)
+    def record(op, tensor, args, kwargs):
+        group = kwargs.get("group")
+        ranks = tuple(dist.get_process_group_ranks(group)) if group else ()
+        n, size = tensor.numel() * tensor.element_size(), max(len(ranks), 1)
+        if op == "isend":
+            bytes_ = n
+        elif op == "broadcast":
+            bytes_ = n * (size - 1) if group.rank() == kwargs.get("group_src", 0) else 0
+        else:
+            bytes_ = 2 * n * (size - 1) / size
+        sent[ranks] = sent.get(ranks, 0) + bytes_
 
-        return counted
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
+    with patched_collectives(("isend", "broadcast", "all_reduce"), record):
         yield sent
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def _replica_bytes(rank, world, shards, replicas, level):

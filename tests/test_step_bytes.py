@@ -13,7 +13,7 @@ import contextlib
 
 import pytest
 import torch
-import torch.distributed as dist
+from counting import patched_collectives
 from dist_helpers import run_distributed
 from torch import nn
 
@@ -39,25 +39,13 @@ _OPS = (
 def counting():
     """Record (op, bytes of its first tensor argument) for every collective this rank calls."""
     calls: list[tuple[str, int]] = []
-    originals = {name: getattr(dist, name) for name in _OPS}
 
-    def wrap(name, fn):
-        def counted(tensor, *args, **kwargs):
-            if isinstance(tensor, torch.Tensor):
-                calls.append((name, tensor.numel() * tensor.element_size()))
-            else:  # a list form: its tensors
-                calls.append((name, sum(t.numel() * t.element_size() for t in tensor)))
-            return fn(tensor, *args, **kwargs)
+    def record(op, tensor, args, kwargs):
+        tensors = [tensor] if isinstance(tensor, torch.Tensor) else tensor  # a list form
+        calls.append((op, sum(t.numel() * t.element_size() for t in tensors)))
 
-        return counted
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
+    with patched_collectives(_OPS, record):
         yield calls
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def _model() -> nn.Module:
