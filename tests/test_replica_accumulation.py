@@ -4,7 +4,8 @@ Shard groups of S ranks, R replicas (dp R x sharding S). K micro-batches per ste
 K-1 under ``defer_replica_sync()`` reduce-scatter inside the shard group only, the last
 averages the accumulated shard across replicas. Checked against one process on the global
 batch (2e-5, fp32), several steps, at S x R = 2 x 2 and 3 x 2 (uneven shards), every level
-('os' also with ``whole_grads=True``), AdamW and Adafactor; a counting group per process group
+('os' also with ``whole_grads=True``), AdamW and Adafactor, Muon's owners and torchao's
+AdamW8bit on a matrix model; a counting group per process group
 shows no byte crosses replicas before the boundary micro-batch and the shard's bytes on it;
 the gradient held between micro-batches is 1/S of what ``no_sync()`` holds.
 """
@@ -12,6 +13,7 @@ the gradient held between micro-batches is 1/S of what ``no_sync()`` holds.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import multiprocessing
 
 import pytest
@@ -20,12 +22,14 @@ from counting import patched_collectives
 from dist_helpers import run_distributed
 from models import (
     SMALL,
+    MatrixNet,
     assert_same_params,
     global_batches,
     local_slice,
     loss_fn,
     make_model,
     make_optimizer,
+    make_optimizers,
 )
 
 import zerokit
@@ -136,6 +140,57 @@ def test_defer_matches_one_process_2x2_adafactor():
 @pytest.mark.slow
 def test_defer_matches_one_process_3x2_uneven():
     run_distributed(_matches_one_process, 6, 3, 4, ("adamw", "adafactor"))
+
+
+def _families(rank, world, sharding, k, kinds):
+    """Muon (its owners step whole matrices; Newton-Schulz in fp32 so a last-bit difference
+    in a reduced gradient stays one) and torchao's AdamW8bit, K micro-batches a step, the
+    first K-1 deferred, every level."""
+    import torch.optim._muon as muon
+
+    from zerokit.tools.plan_optimizers import newton_schulz_fp32
+
+    group, replicas = _groups(world // sharding, sharding)
+    batches = global_batches(STEPS, batch=k * world * 2)
+    saved, muon._zeropower_via_newtonschulz = muon._zeropower_via_newtonschulz, newton_schulz_fp32
+    try:
+        for kind in kinds:
+            for level in ("os", "os_g", "p_g_os"):
+                what = f"S={sharding} R={world // sharding} k={k} {level} {kind}"
+                torch.manual_seed(0)
+                ref, model = MatrixNet(), MatrixNet()
+                model.load_state_dict(ref.state_dict())
+                ref_opts = make_optimizers(kind, ref)
+                model, opts, _ = zerokit.group_sharded_parallel(
+                    model, make_optimizers(kind, model), level, group=group, dp_group=replicas,
+                    **SMALL[level],
+                )  # fmt: skip
+                for x, y in batches:
+                    loss_fn(ref(x), y).backward()
+                    for opt in ref_opts:
+                        opt.step()
+                        opt.zero_grad()
+                    xs, ys = (
+                        local_slice(x, rank, world).chunk(k),
+                        local_slice(y, rank, world).chunk(k),
+                    )
+                    for m in range(k):
+                        deferred = m < k - 1
+                        with model.defer_replica_sync() if deferred else contextlib.nullcontext():
+                            (loss_fn(model(xs[m]), ys[m]) / k).backward()
+                    for opt in opts:
+                        opt.step()
+                    for opt in opts:
+                        opt.zero_grad()
+                assert_same_params(model, ref, ATOL, what)
+    finally:
+        muon._zeropower_via_newtonschulz = saved
+
+
+@pytest.mark.slow
+def test_defer_matches_one_process_2x2_muon_and_low_bit():
+    kinds = ("muon",) + (("adamw8bit",) if importlib.util.find_spec("torchao") else ())
+    run_distributed(_families, 4, 2, 2, kinds)
 
 
 def _memory(rank, world, out):
