@@ -50,6 +50,7 @@ class Routing:
     send: list[int]  # assignments to each ep rank
     receive: list[int]  # assignments from each ep rank
     local_expert: torch.Tensor  # [R] the local expert of each received row
+    expert_rows: list[int] | None = None  # assumed routing: rows of each local expert, in order
 
 
 def route(top_k_index: torch.Tensor, num_experts: int, group: ProcessGroup) -> Routing:
@@ -69,3 +70,34 @@ def route(top_k_index: torch.Tensor, num_experts: int, group: ProcessGroup) -> R
         receive=received.sum(1).tolist(),
         local_expert=local_expert.repeat_interleave(received.reshape(-1)),
     )
+
+
+def assumed_route(
+    top_k_index: torch.Tensor, num_experts: int, group: ProcessGroup, imbalance: float
+) -> Routing:
+    """The routing ``zerokit plan`` assumes, reading no values (its dry run has none): this
+    rank's assignments spread evenly over the ep ranks, and this rank the busiest, receiving
+    ``imbalance`` x the mean (``imbalance`` = max / mean received; 1.0: uniform routing), spread
+    evenly over its local experts. The counts' all-to-all is issued as the real one is."""
+    ep, local = group.size(), num_experts // group.size()
+    device, k = top_k_index.device, top_k_index.shape[-1]
+    assignments = top_k_index.numel()  # [T * k]
+    all_to_all(top_k_index.new_empty((ep, local)), [1] * ep, [1] * ep, group)
+    received = round(imbalance * assignments)  # the mean received is what each rank sends
+    per_expert = _even(received, local)
+    index = torch.arange(assignments, device=device)
+    return Routing(
+        token=index // k,
+        choice=index % k,
+        send=_even(assignments, ep),
+        receive=_even(received, ep),
+        local_expert=torch.arange(local, device=device).repeat_interleave(
+            torch.tensor(per_expert, device=device), output_size=received
+        ),
+        expert_rows=per_expert,
+    )
+
+
+def _even(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` as evenly as integers allow, the larger first."""
+    return [total // parts + (i < total % parts) for i in range(parts)]

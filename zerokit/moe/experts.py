@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .dispatch import exchange, route
+from .dispatch import assumed_route, exchange, route
 from .groups import ExpertGroups
 
 
@@ -43,6 +43,8 @@ class ExpertParallelExperts(nn.Module):
         self.intermediate_dim = original.intermediate_dim
         self.act_fn = original.act_fn
         self.groups = groups
+        # ``zerokit plan``'s dry run (no values): the routing it assumes (``assumed_route``)
+        self.assumed_imbalance: float | None = None
         mine = slice(self.first_expert, self.first_expert + self.num_local_experts)
         for name in ("gate_up_proj", "down_proj"):
             whole = getattr(original, name)
@@ -51,16 +53,19 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         group = self.groups.ep_group
-        routing = route(top_k_index, self.num_experts, group)
+        if self.assumed_imbalance is None:
+            routing = route(top_k_index, self.num_experts, group)
+        else:
+            routing = assumed_route(top_k_index, self.num_experts, group, self.assumed_imbalance)
         sent = hidden_states[routing.token]  # [A, H], grouped by expert
         rows = exchange(sent, routing.receive, routing.send, group)  # [R, H]
-        out = self._compute(rows, routing.local_expert)
+        out = self._compute(rows, routing)
         back = exchange(out, routing.send, routing.receive, group)  # [A, H], as sent
         back = back * top_k_weights[routing.token, routing.choice, None]
         final = torch.zeros_like(hidden_states)
         return final.index_add(0, routing.token, back.to(final.dtype))
 
-    def _compute(self, rows, local_expert):
+    def _compute(self, rows, routing):
         """Each local expert on its rows, as the model's own forward computes one expert.
 
         Note: a rank receiving no rows at all still ties its (empty) output to the rows and
@@ -74,8 +79,13 @@ class ExpertParallelExperts(nn.Module):
         out = rows.new_zeros(rows.shape[0], self.hidden_dim)
         if rows.shape[0] == 0:  # no tokens here: see the Note below
             return out + 0 * (gate_up.sum() + down.sum() + rows.sum()).to(out.dtype)
+        starts = None if routing.expert_rows is None else [0, *routing.expert_rows]
         for e in range(self.num_local_experts):
-            (index,) = torch.where(local_expert == e)
+            if starts is not None:  # assumed routing: each expert's rows in a run (no values)
+                start = sum(starts[: e + 1])
+                index = torch.arange(start, start + starts[e + 1], device=rows.device)
+            else:
+                (index,) = torch.where(routing.local_expert == e)
             if index.numel() == 0:
                 continue
             gate, up = F.linear(rows[index], gate_up[e]).chunk(2, dim=-1)

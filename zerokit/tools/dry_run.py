@@ -28,6 +28,7 @@ from ..layout import init_hybrid_parallel
 from ..memory import measure
 from ..mixed_precision import MixedPrecision
 from ..scaler import ShardedGradScaler, step_and_zero
+from .plan_moe import expert_dense_bytes, split_experts
 from .plan_optimizers import OPTIMIZERS, as_list, step_flops
 from .workload import Workload, as_workload, tp_workload
 
@@ -56,6 +57,10 @@ class Job:
     over_replicas: bool = False
     """``ShardingConfig.shard_optimizer_over_replicas``: the optimizer state sharded over the
     replicas too."""
+    ep: int = 1
+    """Expert parallelism (``zerokit.tools.plan_moe``): the experts split over this many ranks."""
+    moe_imbalance: float = 1.0
+    """The routing assumed under ``ep``: max / mean tokens a rank receives."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ class RankRun:
     "the loss, averaged", ... (``dry_run_pp``); the call), in the order issued."""
     flops: int = 0
     """The optimizer step's FLOPs on this rank (``zerokit.tools.plan_optimizers.FLOPS_RULE``)."""
+    moe: dict | None = None
+    """Under ``ep``: the experts' and the dense bytes (``plan_moe.expert_dense_bytes``)."""
 
 
 NO_VALUES = (
@@ -124,6 +131,8 @@ def _wrapped(job: Job, rank: int, factory: Callable):
     workload, model, optimizer, scaler or None, this rank's batch on meta)."""
     roles, kwargs, layout = job_groups(job, rank)
     work = _meta_workload(factory, job, layout)
+    if job.ep > 1:  # the experts split, as the real run splits them before wrapping
+        roles.update(split_experts(work.model, job.ep, job.moe_imbalance))
     opt = OPTIMIZERS[job.optimizer](work.model)
     model, opt, scaler = group_sharded_parallel(
         work.model, opt, job.level, buffer_max_size=job.buffer_max_size,
@@ -147,12 +156,13 @@ def _play(job: Job, rank: int, factory: Callable) -> RankRun:
         set_phase("backward")
         (scaler.scale(loss) if scaler else loss).backward()
         held = measure(model, opt)
+        moe = expert_dense_bytes(model, opt, held) if job.ep > 1 else None
         set_phase("step")
         with meta_scalars():
             step_and_zero(opt, scaler)
     calls = [(roles.get(id(g), "model"), c) for g in recording_groups() for c in g.calls]
     memory = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer}
-    return RankRun(rank, memory, calls, step_flops(as_list(opt)))
+    return RankRun(rank, memory, calls, step_flops(as_list(opt)), moe)
 
 
 #: how the micro-batches of an accumulated step are reduced: each one in full ("every"), the

@@ -36,6 +36,8 @@ from ..memory import STATE_PER_PARAM, paper_bytes_per_step
 from ..mixed_precision import PRECISIONS, MixedPrecision
 from .dry_run import NO_VALUES, DryRunError, Job, RankRun, run_rank, stand_in_world
 from .plan_links import link_bytes
+from .plan_moe import BUILT_IN, builtin_factory, check_moe, moe_report
+from .plan_moe import purpose as ep_purpose
 from .plan_optimizers import FLOPS_RULE, OPTIMIZERS, as_list
 from .workload import accepts_layout, as_workload, load_factory, tp_workload
 
@@ -88,6 +90,15 @@ class PlanConfig:
     shard_optimizer_over_replicas: bool = False
     """Hybrid sharding: the optimizer state sharded over the replicas too
     (``ShardingConfig.shard_optimizer_over_replicas``): 1/R of it per rank."""
+    ep: int = 1
+    """Expert parallelism (``zerokit.tools.plan_moe``): each MoE layer's experts split over
+    this many ranks; the model a Hugging Face MoE model (None: a built-in tiny Mixtral)."""
+    moe_imbalance: float = 1.0
+    """Under ``ep``: the routing assumed, max / mean tokens a rank receives (1.0: uniform)."""
+    experts: int = 8
+    """The built-in Mixtral's experts per layer (under ``ep`` without ``model``)."""
+    top_k: int = 2
+    """The built-in Mixtral's experts per token."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +169,7 @@ def check_config(cfg: PlanConfig) -> None:
         raise ValueError(
             f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}"
         )
+    check_moe(cfg)
     if cfg.pp > 1 and cfg.optimizer not in STATE_PER_PARAM:
         raise ValueError(
             f"--pp plans elementwise optimizers only: --optimizer {cfg.optimizer} is planned "
@@ -185,7 +197,7 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
         world=cfg.world, level=cfg.level, tp=cfg.tp, degree=degree, seq=cfg.seq,
         rows=batch // dp, low=low, optimizer=cfg.optimizer, buffer_max_size=cfg.buffer_max_size,
         segment_size=cfg.segment_size, whole_grads=cfg.whole_grads,
-        over_replicas=cfg.shard_optimizer_over_replicas,
+        over_replicas=cfg.shard_optimizer_over_replicas, ep=cfg.ep, moe_imbalance=cfg.moe_imbalance,
     )  # fmt: skip
     played = _play_alike_once(job, cfg, factory, per_tp_rank)
     # alike ranks share their run: describe each once
@@ -199,6 +211,8 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
         sent = lambda call: Collective(call.op, call.group_size, call.bytes, "").sent  # noqa: E731
         links["links"] = link_bytes(job, factory, cfg.accumulation, sent)
         links["accumulation"] = cfg.accumulation
+    if cfg.ep > 1:
+        links["moe"] = moe_report(cfg, played)
     return {
         **links,
         "params": psi_model if cfg.tp > 1 else psi,
@@ -241,7 +255,9 @@ def _tp_splits(cfg: PlanConfig, degree: int, rows: int) -> tuple:
 
     policy = MixedPrecision(param_dtype=LOW[cfg.mixed_precision])
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        factory = load_factory(cfg.model)  # a ValueError: a usage error, as it is
+        # the built-in Mixtral under --ep without --model
+        factory = builtin_factory(cfg.experts, cfg.top_k) if cfg.ep > 1 and not cfg.model else None
+        factory = factory or load_factory(cfg.model)  # a ValueError: a usage error, as it is
         if cfg.tp > 1 and not accepts_layout(factory):
             raise ValueError(
                 f"--tp {cfg.tp}: the factory {cfg.model} takes no 'layout' keyword (see "
@@ -288,7 +304,7 @@ def report_head(cfg: PlanConfig, degree: int, batch: int) -> dict:
         "world": cfg.world,
         "level": cfg.level,
         "sharding_degree": degree,
-        "model": cfg.model or "built-in GPT",
+        "model": cfg.model or (BUILT_IN if cfg.ep > 1 else "built-in GPT"),
         "precision": cfg.mixed_precision or "fp32",
         "batch": batch,
         "seq": cfg.seq,
@@ -304,7 +320,8 @@ def _play_alike_once(job: Job, cfg: PlanConfig, factory, per_tp_rank: dict) -> d
     """Every rank's ``RankRun``, playing ranks the layout says are alike only once: alike
     ranks hold the same tp split and the same pieces of every bucket (``holding``)."""
     # the owner layout, or the state sharded over replicas too: each rank holds its own
-    if cfg.optimizer not in STATE_PER_PARAM or cfg.shard_optimizer_over_replicas:
+    # under ep the experts' buckets differ by rank (the units above are the unsplit model's)
+    if cfg.optimizer not in STATE_PER_PARAM or cfg.shard_optimizer_over_replicas or cfg.ep > 1:
         return {rank: run_rank(job, rank, factory) for rank in range(cfg.world)}
     alike: dict[tuple, list[int]] = {}
     for rank in range(cfg.world):
@@ -339,6 +356,10 @@ def _described(calls: list[tuple[str, Call]], level: str) -> list[Collective]:
 def _purpose(role: str, c: Call, shard_params: bool) -> str:
     """What a call of zerokit's (or the model's) is for; ``shard_params``: the level frees
     parameters between uses (a backward all-gather gathers them, not spread gradients)."""
+    if role == "ep":  # the tokens' exchange of expert parallelism
+        return ep_purpose(c)
+    if role == "experts":  # the experts' shard group: their units' collectives
+        return "experts: " + _purpose("shard", c, shard_params)
     if role == "model":  # a group zerokit was not given: the model's own (or the world)
         return f"{c.op} ({c.phase})"
     if role == "tp" and not (c.phase == "step" and c.op == "all_reduce"):

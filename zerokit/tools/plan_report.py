@@ -6,6 +6,7 @@ from __future__ import annotations
 from ..memory import format_bytes, paper_volume
 from .plan import summarize
 from .plan_links import format_links
+from .plan_moe import format_moe
 
 _MEMORY = ("params", "grads", "optimizer", "transient", "activations")
 
@@ -25,6 +26,8 @@ def format_plan(report: dict) -> str:
         lines += _collectives(report, body, who)
     if "links" in report:  # --accumulation: bytes by link, each way to accumulate
         lines += format_links(report["links"], report["accumulation"])
+    if "moe" in report:  # --ep: the all-to-alls and the experts' bytes beside the dense
+        lines += format_moe(report["moe"], report["world"])
     return "\n".join(lines + _flops(report))
 
 
