@@ -388,7 +388,11 @@ so a 7B model costs no memory.
 --json PATH: {"params", "world", "level", "ranks": [{"rank", "memory": {"params", "grads",
 "optimizer", "transient", "activations"}, "collectives": [{"op", "group_size", "calls",
 "bytes"}], "bytes_per_step", "optimizer_flops"}], "optimizer_flops_imbalance"} (bytes per
-entry summed over its calls).
+entry summed over its calls); with --ep also "moe": {"ep", "imbalance", "experts",
+"experts_per_rank", "all_to_all": {"counts", "dispatch_forward", "combine_forward",
+"combine_backward", "dispatch_backward"}, "memory_by_ranks": [[ranks, {"experts", "dense"}]]}.
+--ep N: the routing is assumed (the dry run has no values): each rank sends its tokens evenly
+over the ep ranks and receives --moe-imbalance x the mean, as the busiest rank would.
 --optimizer: the optimizer-step FLOPs of each rank are printed, with the imbalance (max / mean
 over ranks). Muon: 2 x 5 Newton-Schulz iterations x m*n*min(m,n) per m x n matrix a rank owns
 (Muon's parameters are owned whole, balanced by that cost); other optimizers: 10 per element
@@ -452,7 +456,29 @@ def _add_plan_parser(commands) -> None:
         help="with --sharding-degree: the optimizer state sharded over the replicas too "
         "(1/R of it per rank, the same bytes across replicas)",
     )  # fmt: skip
+    _add_moe_flags(plan)
     plan.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+
+
+def _add_moe_flags(plan) -> None:
+    moe = plan.add_argument_group("expert parallelism (zerokit.moe)")
+    moe.add_argument(
+        "--ep", type=int, default=PlanConfig.ep,
+        help="split each MoE layer's experts over this many ranks and print the dispatch and "
+        "combine all-to-all bytes per rank, and the experts' bytes beside the dense; --model a "
+        "Hugging Face MoE model, or a built-in tiny Mixtral (default %(default)s: no split)",
+    )  # fmt: skip
+    moe.add_argument(
+        "--moe-imbalance", type=float, default=PlanConfig.moe_imbalance,
+        help="the routing assumed: max / mean tokens a rank receives, between 1 (uniform) and "
+        "--ep (default %(default)s)",
+    )  # fmt: skip
+    for flag, field, what in (("--experts", "experts", "experts per layer"),
+                              ("--top-k", "top_k", "experts per token")):  # fmt: skip
+        moe.add_argument(
+            flag, type=int, default=getattr(PlanConfig, field),
+            help=f"the built-in Mixtral's {what} (default %(default)s)",
+        )  # fmt: skip
 
 
 def _plan(args) -> int:
@@ -474,6 +500,10 @@ def _plan(args) -> int:
                 whole_grads=args.whole_grads,
                 accumulation=args.accumulation,
                 shard_optimizer_over_replicas=args.shard_optimizer_over_replicas,
+                ep=args.ep,
+                moe_imbalance=args.moe_imbalance,
+                experts=args.experts,
+                top_k=args.top_k,
             )
         )
     except ValueError as e:
