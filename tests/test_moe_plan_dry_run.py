@@ -1,0 +1,108 @@
+"""``zerokit plan --ep`` against a real run at world 4, ep 2: the bytes each rank hands to the
+dispatch and combine all-to-alls (forward and backward), counted on the wire, and the
+experts' and the dense bytes per rank, measured after the steady step's backward.
+
+The real run's routing is forced by a forward hook on each layer's router (its top-k
+indices replaced): ``uniform`` (token t's j-th choice is expert (t k + j) mod E: every expert
+receives as many) is the plan's ``--moe-imbalance 1``; ``skewed`` (every token to experts
+0..k-1, all on ep rank 0) makes ep rank 0 receive every token of its group, ``--moe-imbalance
+2``, the busiest rank the plan describes. The plan plays its ranks on meta, routing assumed."""
+
+import collections
+
+import pytest
+import torch
+from counting import patched_collectives
+from dist_helpers import run_distributed
+
+import zerokit
+from zerokit.memory import measure
+from zerokit.moe import apply_expert_parallel, init_expert_groups
+from zerokit.tools.plan import PlanConfig, make_plan
+from zerokit.tools.plan_moe import builtin_factory, expert_dense_bytes
+
+WORLD, EP, SEQ, EXPERTS, TOP_K = 4, 2, 32, 8, 2
+
+
+def _force_routing(model, how):
+    def hook(router, args, output):
+        logits, scores, indices = output
+        t = torch.arange(indices.shape[0])[:, None]
+        j = torch.arange(indices.shape[1])[None, :]
+        forced = (t * TOP_K + j) % EXPERTS if how == "uniform" else j.expand_as(indices)
+        return logits, scores, forced.to(indices.dtype)
+
+    for layer in model.model.layers:
+        layer.mlp.gate.register_forward_hook(hook)
+
+
+def _real_step_equals_plan(rank, world, level, how, plan):
+    torch.manual_seed(0)
+    model = builtin_factory(EXPERTS, TOP_K)()
+    _force_routing(model, how)
+    groups = init_expert_groups(EP)
+    apply_expert_parallel(model, groups)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, _ = zerokit.group_sharded_parallel(
+        model, opt, level, buffer_max_size=PlanConfig.buffer_max_size,
+        segment_size=PlanConfig.segment_size,
+    )  # fmt: skip
+    phase = ["forward"]
+    sent_order = []  # (phase or "counts", bytes handed to all_to_all_single), as issued
+
+    def record(op, tensor, args, kwargs):
+        if kwargs.get("group") is groups.ep_group:
+            kind = phase[0] if args[0].is_floating_point() else "counts"
+            sent_order.append((kind, args[0].numel() * args[0].element_size()))
+
+    tokens = torch.randint(0, 256, (2, world, SEQ), generator=torch.Generator().manual_seed(1))
+    for step in range(2):
+        sent_order.clear()
+        mine = tokens[step, rank : rank + 1]
+        with patched_collectives(("all_to_all_single",), record):
+            phase[0] = "forward"
+            loss = model(input_ids=mine, labels=mine).loss
+            phase[0] = "backward"
+            loss.backward()
+        held = measure(model, opt)
+        split = expert_dense_bytes(model, opt, held)
+        opt.step()
+        opt.zero_grad()
+    counted = _counted(sent_order)
+    if groups.ep_rank == 0:  # the busiest rank of its ep group: the one the plan describes
+        assert counted == plan["all_to_all"], f"rank {rank} ({how}): {counted} vs {plan}"
+    elif how == "skewed":  # the idle ep rank sends its tokens, receives none
+        assert counted["dispatch_forward"] == plan["all_to_all"]["dispatch_forward"]
+        assert counted.get("combine_forward", 0) == 0 < plan["all_to_all"]["combine_forward"]
+    planned = {int(r): m for ranks, m in plan["memory_by_ranks"] for r in ranks.split(",")}
+    got = {k: split[k] for k in ("experts", "dense")}
+    assert planned[rank] == got, f"rank {rank} at {level}: planned {planned[rank]}, held {got}"
+
+
+def _counted(order) -> dict[str, int]:
+    """The counted calls, named as the plan names them: per layer the forward's dispatch then
+    combine, the backward's combine then dispatch."""
+    got = collections.Counter()
+    seen = collections.Counter()
+    for kind, nbytes in order:
+        if kind == "counts":
+            got["counts"] += nbytes
+            continue
+        names = ("dispatch", "combine") if kind == "forward" else ("combine", "dispatch")
+        got[f"{names[seen[kind] % 2]}_{kind}"] += nbytes
+        seen[kind] += 1
+    return dict(got)
+
+
+@pytest.mark.parametrize(
+    ("level", "how", "imbalance"),
+    [("os_g", "uniform", 1.0), ("p_g_os", "skewed", 2.0)],
+)
+def test_plan_all_to_all_and_expert_bytes_match_a_real_run(level, how, imbalance):
+    plan = make_plan(
+        PlanConfig(world=WORLD, level=level, ep=EP, moe_imbalance=imbalance, seq=SEQ,
+                   experts=EXPERTS, top_k=TOP_K)
+    )["moe"]  # fmt: skip
+    memory = [m for _, m in plan["memory_by_ranks"]]
+    assert all(m["experts"]["optimizer"] > 0 and m["dense"]["grads"] > 0 for m in memory)
+    run_distributed(_real_step_equals_plan, WORLD, level, how, plan)
