@@ -9,6 +9,7 @@ receives as many) is the plan's ``--moe-imbalance 1``; ``skewed`` (every token t
 2``, the busiest rank the plan describes. The plan plays its ranks on meta, routing assumed."""
 
 import collections
+import re
 
 import pytest
 import torch
@@ -106,3 +107,34 @@ def test_plan_all_to_all_and_expert_bytes_match_a_real_run(level, how, imbalance
     memory = [m for _, m in plan["memory_by_ranks"]]
     assert all(m["experts"]["optimizer"] > 0 and m["dense"]["grads"] > 0 for m in memory)
     run_distributed(_real_step_equals_plan, WORLD, level, how, plan)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ep", "3"], "--ep 3 must be at least 2 and divide --world 4"),
+        (["--ep", "2", "--moe-imbalance", "2.5"], "at most --ep = 2 .one rank receives all."),
+        (["--ep", "2", "--moe-imbalance", "0.5"], "at least 1 .uniform routing."),
+        (["--moe-imbalance", "1.5"], "--moe-imbalance needs --ep"),
+        (["--ep", "2", "--tp", "2"], "--ep is planned with plain data parallelism only"),
+        (["--ep", "4", "--experts", "6"], "--experts 6 must be a multiple of --ep 4"),
+    ],
+)
+def test_bad_ep_arguments_refused_before_anything_is_played(capsys, args, message):
+    from zerokit.tools.cli import main
+
+    assert main(["plan", "--world", "4", "--level", "os_g", *args]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_printout_names_the_assumption_and_each_all_to_all(capsys):
+    from zerokit.tools.cli import main
+
+    argv = ["plan", "--world", "4", "--level", "os", "--ep", "4", "--moe-imbalance", "3"]
+    assert main([*argv, "--experts", "4", "--top-k", "1", "--seq", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "routing assumed: a rank receives 3 x the mean tokens" in out
+    # 8 tokens x top-1 x hidden 64 x 4 bytes x 2 layers sent; 3 x that received
+    assert re.search(r"dispatch  forward +4.0 KiB   backward +12.0 KiB", out)
+    assert re.search(r"combine   forward +12.0 KiB   backward +4.0 KiB", out)
+    assert "expert parallel: tokens' all-to-all (forward)" in out
