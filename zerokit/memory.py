@@ -258,6 +258,36 @@ class MemoryMeasurement:
         return self.params + self.grads + self.optimizer
 
 
+class StorageCounter:
+    """Bytes of the distinct storages among the tensors it is called with, each storage once
+    over every call: placeholders hold none, FSDP2's DTensors count their local shard, low-bit
+    states their codes and scales, and meta storages (``zerokit plan``'s dry run, all at
+    address 0) are told apart by identity."""
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[int, int]] = set()
+
+    def __call__(self, tensors) -> int:
+        from torch.distributed.tensor import DTensor
+
+        total = 0
+        for t in tensors:
+            if not isinstance(t, torch.Tensor) or is_placeholder(t):
+                continue
+            if isinstance(t, DTensor):
+                t = t.to_local()
+            if hasattr(t, "__tensor_flatten__"):
+                names, _ = t.__tensor_flatten__()
+                total += self(getattr(t, name) for name in names)
+                continue
+            storage = t.untyped_storage()
+            key = (storage.data_ptr() or storage._cdata, storage.nbytes())
+            if storage.nbytes() and key not in self._seen:
+                self._seen.add(key)
+                total += storage.nbytes()
+        return total
+
+
 def measure(model: nn.Module, optimizer, peak: PeakMemory | None = None) -> MemoryMeasurement:
     """Count the parameter, gradient and optimizer-state bytes this rank holds.
 
@@ -267,29 +297,7 @@ def measure(model: nn.Module, optimizer, peak: PeakMemory | None = None) -> Memo
     zerokit's gradient buffers; optimizer state is every tensor in the optimizer's state.
     With ``peak``, its reading is included: see ``PeakMemory``.
     """
-    from torch.distributed.tensor import DTensor
-
-    seen: set[tuple[int, int]] = set()
-
-    def count(tensors) -> int:
-        total = 0
-        for t in tensors:
-            if not isinstance(t, torch.Tensor) or is_placeholder(t):  # a placeholder holds no bytes
-                continue
-            if isinstance(t, DTensor):  # FSDP2: this rank holds the local shard
-                t = t.to_local()
-            if hasattr(t, "__tensor_flatten__"):  # a low-bit state: its codes and scales
-                names, _ = t.__tensor_flatten__()
-                total += count(getattr(t, name) for name in names)
-                continue
-            storage = t.untyped_storage()
-            # meta storages (``zerokit plan``'s dry run) all have address 0: tell them apart
-            key = (storage.data_ptr() or storage._cdata, storage.nbytes())
-            if storage.nbytes() and key not in seen:
-                seen.add(key)
-                total += storage.nbytes()
-        return total
-
+    count = StorageCounter()  # one for every category: a storage is counted once
     optimizers = as_optimizer_list(optimizer)
     # ZeroRedundancyOptimizer keeps its own inner optimizer
     inners = [getattr(opt, "optim", opt) for opt in optimizers]

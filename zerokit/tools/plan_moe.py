@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
-from ..core import as_optimizer_list, is_placeholder, state_of
-from ..memory import format_bytes
+from ..core import as_optimizer_list, state_of
+from ..memory import StorageCounter, format_bytes
 from ..moe import ExpertParallelExperts, apply_expert_parallel, init_expert_groups
 
 BUILT_IN = "built-in Mixtral"
@@ -129,18 +128,8 @@ def expert_dense_bytes(model: nn.Module, optimizer, held) -> dict[str, dict[str,
 
 
 def _count(tensors) -> int:
-    """Bytes of the distinct storages among ``tensors`` (``measure``'s way: meta storages
-    told apart by identity)."""
-    seen, total = set(), 0
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or is_placeholder(t):  # no bytes
-            continue
-        storage = t.untyped_storage()
-        key = (storage.data_ptr() or storage._cdata, storage.nbytes())
-        if storage.nbytes() and key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
+    """Bytes of the distinct storages among ``tensors`` (``measure``'s way)."""
+    return StorageCounter()(tensors)
 
 
 def all_to_all_bytes(calls) -> dict[str, int]:
