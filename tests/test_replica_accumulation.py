@@ -31,6 +31,7 @@ from models import (
     make_optimizer,
     make_optimizers,
 )
+from test_optimizers import newton_schulz_in_fp32
 
 import zerokit
 from zerokit.core.state import state_of
@@ -146,14 +147,9 @@ def _families(rank, world, sharding, k, kinds):
     """Muon (its owners step whole matrices; Newton-Schulz in fp32 so a last-bit difference
     in a reduced gradient stays one) and torchao's AdamW8bit, K micro-batches a step, the
     first K-1 deferred, every level."""
-    import torch.optim._muon as muon
-
-    from zerokit.tools.plan_optimizers import newton_schulz_fp32
-
     group, replicas = _groups(world // sharding, sharding)
     batches = global_batches(STEPS, batch=k * world * 2)
-    saved, muon._zeropower_via_newtonschulz = muon._zeropower_via_newtonschulz, newton_schulz_fp32
-    try:
+    with newton_schulz_in_fp32():
         for kind in kinds:
             for level in ("os", "os_g", "p_g_os"):
                 what = f"S={sharding} R={world // sharding} k={k} {level} {kind}"
@@ -183,8 +179,6 @@ def _families(rank, world, sharding, k, kinds):
                     for opt in opts:
                         opt.zero_grad()
                 assert_same_params(model, ref, ATOL, what)
-    finally:
-        muon._zeropower_via_newtonschulz = saved
 
 
 @pytest.mark.slow

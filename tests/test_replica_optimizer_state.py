@@ -32,6 +32,7 @@ from models import (
     train_reference,
     train_sharded,
 )
+from test_optimizers import newton_schulz_in_fp32
 
 import zerokit
 from zerokit.core.bucket_layout import ParamSpec, plan_buckets
@@ -97,22 +98,6 @@ def test_2x2_and_3x2_sgd_adamw_gpt_match_one_process():
     run_distributed(_elementwise, 6, 3, 2, levels, ("sgd", "adamw"), ("awkward", "gpt"))
 
 
-@contextlib.contextmanager
-def _newton_schulz_in_fp32():
-    """Muon's Newton-Schulz in fp32 (as tests/test_optimizers.py checks it): a last-bit
-    difference in a reduced gradient stays one, so 2e-5 holds."""
-    import torch.optim._muon as muon
-
-    from zerokit.tools.plan_optimizers import newton_schulz_fp32
-
-    saved = muon._zeropower_via_newtonschulz
-    muon._zeropower_via_newtonschulz = newton_schulz_fp32
-    try:
-        yield
-    finally:
-        muon._zeropower_via_newtonschulz = saved
-
-
 def _families(rank, world, shards, replicas, kinds, levels, micro=1):
     group, replica_group = _groups(shards, replicas)
     batches = global_batches(STEPS, batch=4 * world)
@@ -161,14 +146,14 @@ def _check_owners_over_world(model, replicas):
 
 @pytest.mark.parametrize("shards", [2, 3])
 def test_muon_and_adafactor_owners_over_the_world_match_one_process(shards):
-    with _newton_schulz_in_fp32():
+    with newton_schulz_in_fp32():
         levels = ("os_g",) if shards == 2 else ("os", "p_g_os")
         run_distributed(_families, 2 * shards, shards, 2, ("muon", "adafactor"), levels)
 
 
 @pytest.mark.slow
 def test_every_family_every_level_with_accumulation_matches_one_process():
-    with _newton_schulz_in_fp32():
+    with newton_schulz_in_fp32():
         levels = ("os", "os_g", "p_g_os")
         run_distributed(_families, 4, 2, 2, ("muon", "adafactor"), levels, 2)
         run_distributed(_families, 6, 3, 2, ("muon", "adafactor"), levels, 2)
@@ -433,7 +418,7 @@ def test_clip_and_unwrap_give_one_process_norm_and_state():
 
 @pytest.mark.slow
 def test_unwrap_gives_one_process_state_every_level_and_family():
-    with _newton_schulz_in_fp32():
+    with newton_schulz_in_fp32():
         for level in ("os", "p_g_os"):
             run_distributed(_clip_and_unwrap, 6, 3, 2, level, "adamw")
         run_distributed(_clip_and_unwrap, 6, 3, 2, "os_g", "muon")
