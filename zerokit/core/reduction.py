@@ -55,11 +55,7 @@ class AllReduce:
             return pending
         # Across replicas only this rank's shard travels (P/N bytes, not P), then the shards
         # are gathered inside the group again: the slow link carries what 'os_g' sends.
-        rank = self.group.rank()
-        if ranges is None:
-            own = full.view(self.group.size(), -1)[rank]
-        else:
-            own = full[ranges[rank][0] : ranges[rank][1]]
+        own = _chunk(full, self.group, ranges)
         return pending.then(lambda: start_all_reduce_mean(own, self.replicas).finish()).then(
             lambda: start_all_gather_(full, self.group, ranges=ranges).finish()
         )
@@ -157,21 +153,22 @@ class ReduceScatterThenReduceScatter(ReduceScatter):
     ) -> Pending:
         """``then`` runs after the replicas' reduce-scatter: this reduction is never deferred
         (``ReplicaSync.cannot_defer``), so nothing accumulated waits to be averaged."""
-        rank, size = self.group.rank(), self.group.size()
-        own = full.view(size, -1)[rank] if ranges is None else full[slice(*ranges[rank])]
+        own = _chunk(full, self.group, ranges)
         pending = start_reduce_scatter_mean(
             full, own, self.group, accumulate=False, ranges=ranges, scratch=scratch
         )
-        q, r = self.replicas.rank(), self.replicas.size()
-        if replica_ranges is None:
-            sub = own.numel() // r
-            lo, hi = q * sub, (q + 1) * sub
-        else:
-            lo, hi = replica_ranges[q]
-        mine = shard[lo:hi]
+        mine = _chunk(shard, self.replicas, replica_ranges)  # this replica's sub-shard
         pending = pending.then(
             lambda: start_reduce_scatter_mean(
                 own, mine, self.replicas, accumulate=accumulate, ranges=replica_ranges
             ).finish()
         )
         return pending if then is None else pending.then(then)
+
+
+def _chunk(flat: torch.Tensor, group: ProcessGroup, ranges: Ranges = None) -> torch.Tensor:
+    """This rank's part of ``flat`` in ``group``: its range, or (None) its equal share."""
+    rank = group.rank()
+    if ranges is None:
+        return flat.view(group.size(), -1)[rank]
+    return flat[ranges[rank][0] : ranges[rank][1]]
