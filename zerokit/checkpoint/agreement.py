@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed as dist
@@ -40,8 +41,15 @@ def rank() -> int:
 
 
 def gather_json(what: str, value: Any, group, timeout: float | None) -> list[Any]:
-    try:
+    with _as_checkpoint_error():
         return [json.loads(r) for r in gather(what, json.dumps(value).encode(), group, timeout)]
+
+
+@contextmanager
+def _as_checkpoint_error():
+    """A disagreement the core reports is a ``CheckpointError`` here (a timeout stays one)."""
+    try:
+        yield
     except CollectiveTimeout:
         raise
     except AgreementError as e:
@@ -127,30 +135,32 @@ def optimizer_fingerprint(h: Holdings) -> bytes:
 
 
 def agree_on(what: str, fields: dict[str, bytes], group, timeout: float | None) -> None:
-    try:
+    with _as_checkpoint_error():
         agree_all(what, fields, group, timeout)
-    except CollectiveTimeout:
-        raise
-    except AgreementError as e:
-        raise CheckpointError(str(e)) from None
 
 
-def raise_any(replies: list) -> list:
+def raise_any(replies: list, alike: bool = False) -> list:
     """Raise the same ``CheckpointError`` on every rank if any rank's ``[error, ...]`` reply
-    holds an error; else return the replies."""
+    holds an error, each failing rank named (``alike``: one message when every failing rank
+    failed alike, as DCP's load tells it); else return the replies."""
     failed = [(r, e) for r, (e, _) in enumerate(replies) if e is not None]
-    if len(replies) == 1 and failed:
+    if failed and (len(replies) == 1 or (alike and len({e for _, e in failed}) == 1)):
         raise CheckpointError(failed[0][1])
     if failed:
         raise CheckpointError("; ".join(f"rank {r}: {e}" for r, e in failed))
     return replies
 
 
-def agreed(replies: list) -> None:
-    """The same ``CheckpointError`` on every rank: one message if every rank failed alike
-    (DCP's load tells it so), else each failing rank's, named."""
-    failed = {e for e, _ in replies if e is not None}
-    if len(failed) == 1:
-        raise CheckpointError(failed.pop())
-    if failed:
-        raise CheckpointError("; ".join(f"rank {r}: {e}" for r, (e, _) in enumerate(replies) if e))
+def attempt(work, errors: tuple = (), prefix: str = ""):
+    """``(work(), None)``, or ``(None, why)`` to tell every rank: a ``CheckpointError``'s
+    message as it is, one of ``errors`` named after ``prefix``."""
+    try:
+        return work(), None
+    except CheckpointError as e:
+        return None, str(e)
+    except errors as e:
+        return None, f"{prefix}{named(e)}"
+
+
+def named(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"

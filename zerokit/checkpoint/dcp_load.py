@@ -26,11 +26,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .agreement import agreed
 from .dcp_format import MODEL, OPTIMIZER, boxes, load_value, path_of, plain, read_metadata
 from .holdings import Holdings, TensorMeta, full_runs, optimizers_of
 from .index import CheckpointError
-from .protocol import Staged, check_loaded_hyperparameter
+from .protocol import Staged, staged_hyperparameters
 
 _SHOWN = 10
 
@@ -279,14 +278,14 @@ def _hyperparameters(groups: list[dict], h: Holdings, optimizer) -> list[dict]:
     """The saved param groups, checked against the optimizers': the same parameters in each
     (by name) and hyperparameters of the kind it holds (several optimizers: their groups in
     order, as ``get_state_dict(model, optimizers=(...))`` lists them)."""
-    current_groups = [g for opt in optimizers_of(optimizer) for g in opt.param_groups]
-    if len(groups) != len(current_groups):
+    optimizers = optimizers_of(optimizer)
+    current = sum(len(opt.param_groups) for opt in optimizers)
+    if len(groups) != current:
         raise CheckpointError(
-            f"the checkpoint's optimizer has {len(groups)} param groups, "
-            f"the optimizer {len(current_groups)}"
+            f"the checkpoint's optimizer has {len(groups)} param groups, the optimizer {current}"
         )
-    out = []
-    for i, (saved, held, current) in enumerate(zip(groups, h.groups, current_groups)):
+    values = []
+    for i, (saved, held) in enumerate(zip(groups, h.groups)):
         params = {h.aliases.get(plain(p), plain(p)) for p in saved.get("params", [])}
         if params != set(held["params"]):
             only = sorted(params ^ set(held["params"]))
@@ -294,16 +293,14 @@ def _hyperparameters(groups: list[dict], h: Holdings, optimizer) -> list[dict]:
                 f"param group {i} holds other parameters than the "
                 f"checkpoint's (differing: {_listing(only)})"
             )
-        mine = {}
-        for key, value in saved.items():
-            if key == "params" or key not in current:
-                continue
-            value = value.item() if isinstance(value, torch.Tensor) else value
-            value = list(value) if isinstance(value, tuple) else value
-            check_loaded_hyperparameter(i, key, value, current[key])
-            mine[key] = value
-        out.append(mine)
-    return out
+        values.append({k: _as_saved(v) for k, v in saved.items() if k != "params"})
+    return staged_hyperparameters(values, optimizers)
+
+
+def _as_saved(value):
+    """A hyperparameter as zerokit's index holds it (a number, a list)."""
+    value = value.item() if isinstance(value, torch.Tensor) else value
+    return list(value) if isinstance(value, tuple) else value
 
 
 def ask_extra(src: DcpDirectory, reads: _Reads, name: str):
@@ -355,10 +352,11 @@ class DcpSource:
     read_what = "the checkpoint read (sha256 of its .metadata)"
     malformed = "malformed DCP checkpoint"
     malformed_errors = (OSError, KeyError, TypeError, ValueError, RuntimeError)
-    combine = staticmethod(agreed)  # one message when every rank failed alike
+    alike = True  # one message when every rank failed alike
 
     def __init__(self, directory: str, extra_keys):
-        self.where, self.extra_keys, self.src, self.digest = directory, extra_keys, None, ""
+        self.where = self.directory = directory
+        self.extra_keys, self.src, self.digest = extra_keys, None, ""
 
     def open(self, h: Holdings, strict: bool) -> None:
         if h.pipeline is not None:
@@ -370,14 +368,8 @@ class DcpSource:
         self.digest = self.src.digest
         _compare(self.src, h, strict)
 
-    def world(self, h: Holdings, group, timeout) -> None:
-        return None  # a pipeline is refused above: every rank holds the same model
-
     def stage(self, h: Holdings, optimizer, strict: bool, extra, world) -> Staged:
         return _stage(self.src, h, optimizer, extra)
-
-    def directory(self) -> str:
-        return self.where
 
     def close(self) -> None:
         pass

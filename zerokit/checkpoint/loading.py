@@ -14,11 +14,11 @@ import torch.distributed as dist
 from torch import nn
 
 from . import extra as extra_state
-from .agreement import mark_call, raise_any, world_group, world_view
+from .agreement import mark_call, world_group
 from .dcp_format import is_dcp
 from .holdings import Chunk, Holdings, TensorMeta, holds_all_of, optimizers_of
 from .index import INDEX_NAME, CheckpointError, dtype_from_name, split_from_json
-from .protocol import Staged, check_loaded_hyperparameter, load_with
+from .protocol import Staged, load_with, staged_hyperparameters
 from .reading import CheckpointReader, resolve
 
 __all__ = ["load", "resolve"]
@@ -67,23 +67,17 @@ class ZerokitSource:
     read_what = "the checkpoint read (sha256 of its index)"
     malformed = "malformed checkpoint"
     malformed_errors = (OSError, KeyError, TypeError, ValueError)
-    combine = staticmethod(raise_any)
+    alike = False
 
     def __init__(self, path):
         self.path, self.where, self.reader, self.digest = path, os.fspath(path), None, ""
 
     def open(self, h: Holdings, strict: bool) -> None:
         self.reader = CheckpointReader(self.path)
-        self.digest = self.reader.digest
-
-    def world(self, h: Holdings, group, timeout) -> dict | None:
-        return world_view(h, "checkpoint.load", group, timeout)
+        self.directory, self.digest = self.reader.directory, self.reader.digest
 
     def stage(self, h: Holdings, optimizer, strict: bool, extra, world) -> Staged:
         return _stage(self.reader, h, optimizer, strict, extra, world)
-
-    def directory(self) -> str:
-        return self.reader.directory
 
     def close(self) -> None:
         if self.reader is not None:
@@ -202,11 +196,7 @@ def _stage_optimizer(
         raise CheckpointError(
             "the optimizer's param groups hold other parameters than the saved ones"
         )
-    current_groups = [g for o in optimizers for g in o.param_groups]
-    for i, ((_, group), current) in enumerate(zip(groups, current_groups)):
-        for key, value in group["hyperparameters"].items():
-            if key in current:  # a key this optimizer does not know cannot change it
-                check_loaded_hyperparameter(i, key, value, current[key])
+    hyperparameters = staged_hyperparameters([g["hyperparameters"] for _, g in groups], optimizers)
     merged: dict[str, dict] = {"state_tensors": {}, "scalar_state": {}, "quantized_state": {}}
     for entry in entries:  # each parameter is in one optimizer: its state is keyed by name
         for part, values in merged.items():
@@ -226,10 +216,7 @@ def _stage_optimizer(
                 value = torch.tensor(value, dtype=dtype)
             state[key] = value
         staged.optimizer_state.append((key_tensor, state, k))
-    staged.hyperparameters = [
-        {k: v for k, v in g["hyperparameters"].items() if k in current}
-        for (_, g), current in zip(groups, current_groups)
-    ]
+    staged.hyperparameters = hyperparameters
 
 
 def _read_state(

@@ -38,9 +38,11 @@ from ..core import alive, state_of
 from . import extra as extra_state
 from .agreement import (
     agree_on,
+    attempt,
     gather_json,
     mark_call,
     model_fingerprint,
+    named,
     optimizer_fingerprint,
     raise_any,
     rank,
@@ -77,19 +79,14 @@ class Prepared:
 
 
 def prepare(model, optimizer, extra) -> Prepared:
-    h, extras, error = None, {}, None
-    try:
-        h = collect(model, optimizer)
-        extras = _local_checks(h, extra)
-    except CheckpointError as e:
-        error = str(e)
-    except Exception as e:  # every rank must hear of it, or the others would wait for it
-        error = f"{type(e).__name__}: {e}"
-    return Prepared(h, extras, error)
+    # any exception: every rank must hear of it, or the others would wait for this one
+    got, error = attempt(lambda: _checked(model, optimizer, extra), Exception)
+    return Prepared(*(got or (None, {})), error)
 
 
-def _local_checks(h: Holdings, extra: Mapping[str, Any] | None) -> dict:
-    """What this rank was given, checked, and its extra state encoded."""
+def _checked(model, optimizer, extra: Mapping[str, Any] | None) -> tuple[Holdings, dict]:
+    """What this rank was given, collected and checked, and its extra state encoded."""
+    h = collect(model, optimizer)
     for i, group in enumerate(h.groups):
         for key, value in group["hyperparameters"].items():
             try:
@@ -106,7 +103,7 @@ def _local_checks(h: Holdings, extra: Mapping[str, Any] | None) -> dict:
         if not isinstance(key, str):
             raise CheckpointError(f"extra: keys must be strings, got {key!r}")
         extras[key] = extra_state.encode(value, f"extra[{key!r}]")
-    return extras
+    return h, extras
 
 
 def agree(path: str, p: Prepared, writer: Writer, group, timeout) -> tuple[dict, dict | None]:
@@ -183,7 +180,7 @@ class SaveJob:
         except Exception as e:  # disk full, permissions: every rank must hear of it
             self.errno = getattr(e, "errno", None)
             where = os.path.join(self.path, self.writer.file_of(rank()))
-            return None, f"writing its shard failed: {where}: {type(e).__name__}: {e}"
+            return None, f"writing its shard failed: {where}: {named(e)}"
 
     def seal_and_publish(self, shards: list) -> None:
         """Rank 0: the writer seals its index (or metadata) and swaps the directory in."""
@@ -230,7 +227,7 @@ def save_together(job: SaveJob, group, timeout) -> None:
                 job.seal_and_publish(shards)
                 committed = True
             except Exception as e:
-                error = f"finishing the checkpoint failed: {type(e).__name__}: {e}"
+                error = f"finishing the checkpoint failed: {named(e)}"
             job.lock.release()
         raise_any(gather_json("checkpoint.save: committed", [error, None], group, timeout))
     finally:
@@ -278,38 +275,36 @@ class Source(Protocol):
     """A format's reading half, for ``load_with``."""
 
     where: str  # the path as given, for "cannot read"
+    directory: str  # the directory read, for "malformed" (set by ``open``)
     read_what: str  # what the ranks agree they read ("the checkpoint read (sha256 of ...)")
     malformed: str  # how a staging failure is called ("malformed checkpoint")
     malformed_errors: tuple  # the exceptions that mean it
+    alike: bool  # one message when every failing rank failed alike (``raise_any``)
     digest: str  # of what was opened, set by ``open``
 
     def open(self, h: Holdings, strict: bool) -> None: ...  # plan reads; raises to refuse
 
-    def world(self, h: Holdings, group, timeout) -> dict | None: ...
-
     def stage(self, h: Holdings, optimizer, strict: bool, extra, world) -> Staged: ...
-
-    def directory(self) -> str: ...
-
-    def combine(self, replies: list) -> Any: ...  # raise_any or agreed
 
     def close(self) -> None: ...
 
 
 def load_with(source: Source, model: nn.Module, optimizer, strict, extra, group, timeout):
     """agree -> plan reads -> stage -> validate -> apply (see the module's note)."""
+
+    def tell(what: str, error: str | None) -> None:  # the same outcome on every rank
+        raise_any(gather_json(what, [error, None], group, timeout), source.alike)
+
+    def opened():
+        h = collect(model, optimizer)
+        source.open(h, strict)
+        return h
+
     with alive(group):
-        h, error = None, None
         try:
-            h = collect(model, optimizer)
-            source.open(h, strict)
-        except CheckpointError as e:
-            error = str(e)
-        except (OSError, ValueError) as e:
-            error = f"{source.where}: cannot read: {type(e).__name__}: {e}"
-        try:
-            source.combine(gather_json("checkpoint.load", [error, None], group, timeout))
-            world = source.world(h, group, timeout)
+            h, error = attempt(opened, (OSError, ValueError), f"{source.where}: cannot read: ")
+            tell("checkpoint.load", error)
+            world = world_view(h, "checkpoint.load", group, timeout)  # None but for a pipeline
             fingerprint = model_fingerprint(h) if world is None else world["fingerprint"]
             agree_on(
                 "checkpoint.load: what",
@@ -317,14 +312,12 @@ def load_with(source: Source, model: nn.Module, optimizer, strict, extra, group,
                 group,
                 timeout,
             )
-            staged, error = None, None
-            try:
-                staged = source.stage(h, optimizer, strict, extra, world)
-            except CheckpointError as e:
-                error = str(e)
-            except source.malformed_errors as e:
-                error = f"{source.directory()}: {source.malformed}: {type(e).__name__}: {e}"
-            source.combine(gather_json("checkpoint.load: read", [error, None], group, timeout))
+            staged, error = attempt(
+                lambda: source.stage(h, optimizer, strict, extra, world),
+                source.malformed_errors,
+                f"{source.directory}: {source.malformed}: ",
+            )
+            tell("checkpoint.load: read", error)
         finally:
             source.close()
         error = None
@@ -332,10 +325,10 @@ def load_with(source: Source, model: nn.Module, optimizer, strict, extra, group,
             apply_extra(staged.extra, extra)
         except Exception as e:
             error = (
-                f"restoring the extra state failed: {type(e).__name__}: {e}; the model and "
+                f"restoring the extra state failed: {named(e)}; the model and "
                 "optimizer are unchanged"
             )
-        source.combine(gather_json("checkpoint.load: extra", [error, None], group, timeout))
+        tell("checkpoint.load: extra", error)
         apply_staged(staged, model, optimizer)
 
 
@@ -375,6 +368,19 @@ def check_loaded_hyperparameter(i: int, key: str, value, current) -> None:
             f"{what} is {value!r} in the checkpoint; the optimizer holds {current!r} there "
             "(refused: it would fail or diverge at the next step)"
         )
+
+
+def staged_hyperparameters(saved: list[dict], optimizers: list) -> list[dict]:
+    """validate: of each saved param group, the hyperparameters its optimizer's group holds
+    (a key it does not know cannot change it), each checked."""
+    current_groups = [g for opt in optimizers for g in opt.param_groups]
+    out = []
+    for i, (values, current) in enumerate(zip(saved, current_groups)):
+        known = {k: v for k, v in values.items() if k in current}
+        for key, value in known.items():
+            check_loaded_hyperparameter(i, key, value, current[key])
+        out.append(known)
+    return out
 
 
 def apply_extra(values: dict[str, Any], extra) -> None:
