@@ -85,6 +85,13 @@ class _Reads(LoadPlanner):
         )
         return key
 
+    def got(self, ref, device=None):
+        """What was read for ``ref``: a value asked by ``value`` (its key), or a tensor (a
+        copy on ``device``, when given)."""
+        if isinstance(ref, str):
+            return self.values[ref]
+        return ref if device is None else ref.clone().to(device)
+
     def read(self, directory: str) -> None:
         from torch.distributed.checkpoint import FileSystemReader
 
@@ -92,7 +99,7 @@ class _Reads(LoadPlanner):
         reader.set_up_storage_reader(self.metadata, False)
         reader.read_data(LoadPlan(self.items), self).wait()
 
-    # LoadPlanner: only what FileSystemReader.read_data calls is used
+    # LoadPlanner: only what FileSystemReader.read_data calls (the planning half is ours)
     def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
         target = self.targets[int(req.dest_index.fqn)]
         for dim, (offset, length) in enumerate(zip(req.dest_offsets, req.lengths)):
@@ -104,18 +111,6 @@ class _Reads(LoadPlanner):
 
     def load_bytes(self, req: ReadItem, value) -> None:
         self.values[req.dest_index.fqn] = load_value(value, req.dest_index.fqn)
-
-    def set_up_planner(self, *args, **kwargs) -> None:
-        pass
-
-    def create_local_plan(self) -> LoadPlan:
-        return LoadPlan(self.items)
-
-    def create_global_plan(self, plans):
-        return plans
-
-    def finish_plan(self, plan):
-        return plan
 
 
 @dataclasses.dataclass
@@ -203,7 +198,7 @@ def _compare(src: DcpDirectory, h: Holdings, strict: bool) -> None:
 
 
 def _stage(src: DcpDirectory, h: Holdings, optimizer, extra) -> Staged:
-    reads, staged, later = _Reads(src.metadata), Staged(), []
+    reads, staged = _Reads(src.metadata), Staged()
     for chunk in h.chunks:
         key = _key_of(src, h, chunk.name) if chunk.name in h.param_names else None
         if key is None or not chunk.tensor.numel():
@@ -211,12 +206,11 @@ def _stage(src: DcpDirectory, h: Holdings, optimizer, extra) -> Staged:
         data = torch.empty(chunk.tensor.numel(), dtype=chunk.tensor.dtype)
         reads.tensor_range(key, h.metas[chunk.name], chunk.start, data)
         staged.copies.append((chunk.tensor, data))
-    if optimizer is not None:
-        later.append(_ask_optimizer(src, h, reads))
+    optimizer_read = None if optimizer is None else _ask_optimizer(src, h, reads)
     asked = {k: ask_extra(src, reads, k) for k in (extra or {})}
     reads.read(src.directory)
-    if optimizer is not None:
-        later[0](staged, optimizer)
+    if optimizer_read is not None:
+        optimizer_read(staged, optimizer)
     staged.extra = {k: finish() for k, finish in asked.items()}
     return staged
 
@@ -235,17 +229,17 @@ def _ask_optimizer(src: DcpDirectory, h: Holdings, reads: _Reads):
         for skey, key in src.state.get(chunk.name, {}).items():
             md, meta = items[key], h.metas[chunk.name]
             if isinstance(md, BytesStorageMetadata):
-                state[skey] = ("value", reads.value(key))
+                state[skey] = reads.value(key)  # a str: the key its value is read under
             elif tuple(md.size) == meta.shape:
                 data = torch.empty(chunk.tensor.numel(), dtype=md.properties.dtype)
                 reads.tensor_range(
                     key, dataclasses.replace(meta, dtype=md.properties.dtype), chunk.start, data
                 )
-                state[skey] = ("tensor", data.view(key_tensor.shape))
+                state[skey] = data.view(key_tensor.shape)
             elif len(md.size) == 0 or chunk.tensor.numel() == math.prod(meta.shape):
                 # a scalar, or state in its own shape (Adafactor's row_var) of a parameter this
                 # rank holds whole (the owner layout): read whole
-                state[skey] = ("tensor", reads.whole(key))
+                state[skey] = reads.whole(key)
             else:
                 raise CheckpointError(
                     f"{key}: shape {list(md.size)}, neither {chunk.name}'s "
@@ -255,19 +249,9 @@ def _ask_optimizer(src: DcpDirectory, h: Holdings, reads: _Reads):
     groups = {i: {hk: reads.value(k) for hk, k in g.items()} for i, g in src.groups.items()}
 
     def finish(staged: Staged, optimizer) -> None:
-        for key_tensor, state, k in per_chunk:
-            staged.optimizer_state.append(
-                (
-                    key_tensor,
-                    {
-                        key: reads.values[ref]
-                        if kind == "value"
-                        else ref.clone().to(key_tensor.device)
-                        for key, (kind, ref) in state.items()
-                    },
-                    k,
-                )
-            )
+        for key_tensor, asked, k in per_chunk:
+            state = {key: reads.got(ref, key_tensor.device) for key, ref in asked.items()}
+            staged.optimizer_state.append((key_tensor, state, k))
         values = [{hk: reads.values[k] for hk, k in groups[i].items()} for i in sorted(groups)]
         staged.hyperparameters = _hyperparameters(values, h, optimizer)
 
@@ -324,8 +308,7 @@ def ask_extra(src: DcpDirectory, reads: _Reads, name: str):
     def finish():
         built = None
         for path, ref in asked:
-            value = reads.values[ref] if isinstance(ref, str) else ref
-            built = _put(built, path, value)
+            built = _put(built, path, reads.got(ref))
         return built
 
     return finish

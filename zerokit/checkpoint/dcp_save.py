@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.metadata import (
 from . import extra as extra_state
 from .agreement import rank
 from .dcp_format import METADATA, MODEL, OPTIMIZER, boxes
+from .fields import scalar_value
 from .holdings import OPTIM_PREFIX, Holdings, full_runs
 from .index import CheckpointError, dtype_from_name, dtype_name
-from .protocol import fsync_dir, swap_in
 
 
 def _path(name: str) -> list:
@@ -86,6 +86,13 @@ class DcpFile:
         self.f.write(buffer.getbuffer())
         self.items.append({"path": path, "offsets": None, "at": at, "length": self.f.tell() - at})
 
+    def whole(self, path: list, value) -> None:
+        """A tensor as one box, or a value."""
+        if isinstance(value, torch.Tensor):
+            self.tensor(path, value, (0,) * value.dim(), value.shape)
+        else:
+            self.value(path, value)
+
     def close(self) -> None:
         self.f.flush()
         os.fsync(self.f.fileno())
@@ -107,12 +114,7 @@ def _write_tensors(out: DcpFile, h: Holdings) -> None:
                 at += n
         first = chunk.start == 0 and (meta.split is None or meta.tp_rank == 0)
         for key, scalar in h.scalars.get(chunk.name, {}).items() if first else ():
-            path = [OPTIMIZER, "state", chunk.name, key]
-            if scalar["tensor_dtype"] is None:
-                out.value(path, scalar["value"])
-            else:
-                dtype = dtype_from_name(scalar["tensor_dtype"], key)
-                out.tensor(path, torch.tensor(scalar["value"], dtype=dtype), (), ())
+            out.whole([OPTIMIZER, "state", chunk.name, key], scalar_value(scalar, key))
 
 
 class DcpWriter:
@@ -149,16 +151,8 @@ class DcpWriter:
             out.close()
         return {"file": out.name, "items": out.items}
 
-    def finish(self, path: str, tmp: str, h: Holdings, shards: list, per_rank, world) -> None:
-        metadata = dcp_metadata(h, shards)
-        partial = os.path.join(tmp, METADATA + ".tmp")
-        with open(partial, "wb") as f:
-            pickle.dump(metadata, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, os.path.join(tmp, METADATA))
-        fsync_dir(tmp)
-        swap_in(path, tmp)
+    def seal(self, tmp: str, h: Holdings, shards: list, per_rank, world) -> tuple[str, bytes]:
+        return METADATA, pickle.dumps(dcp_metadata(h, shards))
 
 
 def dcp_metadata(h: Holdings, shards: list) -> Metadata:

@@ -170,6 +170,13 @@ def digest(doc: Any, tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def read_saved(value: dict, read_tensor, key: str) -> Any:
+    """A stored value of the extra key ``key`` (``{"json", "tensors"}``), its tensors read by
+    ``read_tensor(file, key)``."""
+    tensors = [read_tensor(ref["file"], ref["key"]) for ref in value["tensors"]]
+    return decode(value["json"], tensors, f"extra {key!r}")
+
+
 def tensor_key(position: int, rank: int, n: int) -> str:
     """The safetensors key of the n-th tensor of the position-th extra key (sorted), as saved
     by ``rank``."""

@@ -24,6 +24,14 @@ def dtype_from_name(name: str, what: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def scalar_value(scalar: dict, what: str):
+    """Saved scalar optimizer state (``{"value", "tensor_dtype"}``) as the optimizer held it:
+    a number, or a 0-dim tensor of its dtype (Adam's ``step``)."""
+    if scalar["tensor_dtype"] is None:
+        return scalar["value"]
+    return torch.tensor(scalar["value"], dtype=dtype_from_name(scalar["tensor_dtype"], what))
+
+
 def need(ok: bool, message: str) -> None:
     if not ok:
         raise CheckpointError(message)

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from . import extra as extra_state
+from .fields import scalar_value
 from .holdings import OPTIM_PREFIX
-from .index import CheckpointError, dtype_from_name
+from .index import CheckpointError
 from .reading import CheckpointReader
 
 EXTRA_PREFIX = "lightning/"  # Lightning's checkpoint key K is the zerokit extra "lightning/K"
@@ -72,8 +73,7 @@ def _check_output(output: str, directory: str) -> None:
 
 def _read_extra(reader: CheckpointReader, key: str) -> Any:
     value = reader.index["extra"][key]["values"][0]  # per rank: rank 0's
-    tensors = [reader.read_tensor(ref["file"], ref["key"]) for ref in value["tensors"]]
-    return extra_state.decode(value["json"], tensors, f"extra {key!r}")
+    return extra_state.read_saved(value, reader.read_tensor, key)
 
 
 def _model_state(reader: CheckpointReader) -> dict[str, torch.Tensor]:
@@ -106,12 +106,7 @@ def _optimizer_state(reader: CheckpointReader, saved: dict) -> dict[str, Any]:
         name = aliases.get(name, name)  # state is kept under the tensor's stored name
         entry = {k: reader.read_full(t) for k, t in saved["state_tensors"].get(name, {}).items()}
         for key, scalar in saved["scalar_state"].get(name, {}).items():
-            dtype = scalar["tensor_dtype"]
-            entry[key] = (
-                scalar["value"]
-                if dtype is None
-                else torch.tensor(scalar["value"], dtype=dtype_from_name(dtype, key))
-            )
+            entry[key] = scalar_value(scalar, key)
         if entry:
             state[number] = entry
     return {"state": state, "param_groups": groups}

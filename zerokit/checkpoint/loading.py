@@ -16,6 +16,7 @@ from torch import nn
 from . import extra as extra_state
 from .agreement import mark_call, world_group
 from .dcp_format import is_dcp
+from .fields import scalar_value
 from .holdings import Chunk, Holdings, TensorMeta, holds_all_of, optimizers_of
 from .index import INDEX_NAME, CheckpointError, dtype_from_name, split_from_json
 from .protocol import Staged, load_with, staged_hyperparameters
@@ -210,11 +211,7 @@ def _stage_optimizer(
                 reader, described, h.metas[chunk.name], chunk, key_tensor, optimizers[k]
             )
         for key, scalar in merged["scalar_state"].get(chunk.name, {}).items():
-            value = scalar["value"]
-            if scalar["tensor_dtype"] is not None:
-                dtype = dtype_from_name(scalar["tensor_dtype"], f"{chunk.name} {key}")
-                value = torch.tensor(value, dtype=dtype)
-            state[key] = value
+            state[key] = scalar_value(scalar, f"{chunk.name} {key}")
         staged.optimizer_state.append((key_tensor, state, k))
     staged.hyperparameters = hyperparameters
 
@@ -297,6 +294,5 @@ def _stage_extra(reader: CheckpointReader, extra) -> dict[str, Any]:
             value = entry["values"][rank]
         else:
             value = entry["values"][0]
-        tensors = [reader.read_tensor(ref["file"], ref["key"]) for ref in value["tensors"]]
-        out[key] = extra_state.decode(value["json"], tensors, f"extra {key!r}")
+        out[key] = extra_state.read_saved(value, reader.read_tensor, key)
     return out

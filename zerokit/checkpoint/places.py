@@ -107,6 +107,16 @@ def clear_debris(path: str) -> None:
             remove(os.path.join(parent, name))
 
 
+def write_whole(path: str, data: bytes) -> None:
+    """``path`` holds ``data`` or is not there: written beside it, fsynced, renamed."""
+    partial = path + ".tmp"
+    with open(partial, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
 def make_temp(path: str) -> str:
     tmp = f"{path}{TMP_INFIX}{secrets.token_hex(6)}"
     os.mkdir(tmp)  # fails if it exists: never another save's directory

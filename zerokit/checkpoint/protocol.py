@@ -50,7 +50,7 @@ from .agreement import (
 )
 from .holdings import Holdings, collect, holder_of, optimizers_of
 from .index import CheckpointError, check_hyperparameter, is_finite_number
-from .places import SaveLock, clear_debris, make_temp, remove, why_not_replaceable
+from .places import SaveLock, clear_debris, make_temp, remove, why_not_replaceable, write_whole
 from .reading import OLD_SUFFIX
 
 # ---------------------------------------------------------------------------- save
@@ -65,7 +65,8 @@ class Writer(Protocol):
 
     def write(self, tmp: str, h: Holdings, extras: dict, per_rank: dict[str, bool]) -> dict: ...
 
-    def finish(self, path: str, tmp: str, h: Holdings, shards: list, per_rank, world) -> None: ...
+    # seal (rank 0): every rank's write checked, and the file that makes it one checkpoint
+    def seal(self, tmp: str, h: Holdings, shards: list, per_rank, world) -> tuple[str, bytes]: ...
 
 
 @dataclass
@@ -183,8 +184,10 @@ class SaveJob:
             return None, f"writing its shard failed: {where}: {named(e)}"
 
     def seal_and_publish(self, shards: list) -> None:
-        """Rank 0: the writer seals its index (or metadata) and swaps the directory in."""
-        self.writer.finish(self.path, self.tmp, self.p.h, shards, self.per_rank, self.world)
+        """Rank 0: the writer's index (or metadata) written whole, the directory swapped in."""
+        name, sealed = self.writer.seal(self.tmp, self.p.h, shards, self.per_rank, self.world)
+        write_whole(os.path.join(self.tmp, name), sealed)
+        swap_in(self.path, self.tmp)
 
     def abandon(self) -> None:
         """Rank 0: the temp directory removed, the lock released (the previous checkpoint

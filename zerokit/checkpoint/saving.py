@@ -36,7 +36,7 @@ from .index import (
     split_to_json,
 )
 from .inflight import wait_in_flight
-from .protocol import begin_save, save_together, swap_in
+from .protocol import begin_save, save_together
 from .streaming import write_safetensors
 
 
@@ -182,8 +182,15 @@ class ZerokitWriter:
         shard["tp_rank"] = next((m.tp_rank for m in h.metas.values() if m.split), 0)
         return shard
 
-    def finish(self, path: str, tmp: str, h: Holdings, shards: list, per_rank, world) -> None:
-        _commit(path, tmp, _build_index(h, shards, per_rank, world))
+    def seal(self, tmp: str, h: Holdings, shards: list, per_rank, world) -> tuple[str, bytes]:
+        index = _build_index(h, shards, per_rank, world)
+        for name, listed in index["files"].items():  # written where rank 0 sees them
+            full = os.path.join(tmp, name)
+            if not os.path.isfile(full) or os.path.getsize(full) != listed["size"]:
+                raise CheckpointError(
+                    f"{full} is not there as written: all ranks must share one file system"
+                )
+        return INDEX_NAME, seal(index)
 
 
 def writer_for(format: str):
@@ -237,19 +244,3 @@ def save(
 def _as_is(p):
     """A synchronous save's stage: the live shards are written before training goes on."""
     return p
-
-
-def _commit(path: str, tmp: str, index: dict) -> None:
-    for name, listed in index["files"].items():  # written where rank 0 sees them
-        full = os.path.join(tmp, name)
-        if not os.path.isfile(full) or os.path.getsize(full) != listed["size"]:
-            raise CheckpointError(
-                f"{full} is not there as written: all ranks must share one file system"
-            )
-    index_tmp = os.path.join(tmp, INDEX_NAME + ".tmp")
-    with open(index_tmp, "wb") as f:
-        f.write(seal(index))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(index_tmp, os.path.join(tmp, INDEX_NAME))
-    swap_in(path, tmp)
