@@ -93,6 +93,14 @@ class DcpFile:
         else:
             self.value(path, value)
 
+    def param_groups(self, groups: list[dict]) -> None:
+        """Each group's hyperparameters and ``params`` (its parameters' names), as
+        ``get_state_dict`` gives them."""
+        for i, group in enumerate(groups):
+            for key, value in group["hyperparameters"].items():
+                self.value([OPTIMIZER, "param_groups", i, key], hyperparameter_value(value))
+            self.value([OPTIMIZER, "param_groups", i, "params"], list(group["params"]))
+
     def close(self) -> None:
         self.f.flush()
         os.fsync(self.f.fileno())
@@ -141,10 +149,7 @@ class DcpWriter:
         try:
             _write_tensors(out, h)
             if rank() == 0:
-                for i, group in enumerate(h.groups):
-                    for key, value in group["hyperparameters"].items():
-                        out.value([OPTIMIZER, "param_groups", i, key], hyperparameter_value(value))
-                    out.value([OPTIMIZER, "param_groups", i, "params"], list(group["params"]))
+                out.param_groups(h.groups)
                 for key, (doc, tensors) in extras.items():
                     out.value([key], extra_state.decode(doc, tensors, f"extra {key!r}"))
         finally:

@@ -217,8 +217,4 @@ def validate_extra(extra: dict, files: dict, used: dict) -> None:
                     f"{what}: bad key",
                 )
                 itemsize = dtype_from_name(ref["dtype"], what).itemsize
-                shape = fields.as_list(ref["shape"], f"{what}: shape")
-                fields.need(len(shape) <= 64, f"{what}: {len(shape)} dimensions")
-                for n in shape:
-                    fields.as_int(n, f"{what}: a dimension")
-                used[ref["file"]] += math.prod(shape) * itemsize
+                used[ref["file"]] += math.prod(fields.as_shape(ref["shape"], what)) * itemsize

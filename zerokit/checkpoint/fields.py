@@ -52,6 +52,14 @@ def as_list(value, what: str) -> list:
     return value
 
 
+def as_shape(value, what: str) -> list[int]:
+    shape = as_list(value, f"{what}: shape")
+    need(len(shape) <= 64, f"{what}: {len(shape)} dimensions")
+    for size in shape:
+        as_int(size, f"{what}: a dimension")
+    return shape
+
+
 def check_keys(
     value: dict, what: str, required: set[str], optional: frozenset = frozenset()
 ) -> None:

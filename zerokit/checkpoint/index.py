@@ -26,6 +26,7 @@ from .fields import (  # noqa: F401  (re-exported: the index's error and names)
     as_dict,
     as_int,
     as_list,
+    as_shape,
     check_keys,
     dtype_from_name,
     dtype_name,
@@ -218,10 +219,7 @@ def check_tensor_entry(name: str, entry: dict, files: dict, used: dict | None = 
     listed files, keyed ``<name>@<start>``, that tile each tp part exactly once."""
     check_name(name)
     check_keys(as_dict(entry, name), name, {"shape", "dtype", "tp", "parts"})
-    shape = as_list(entry["shape"], f"{name}: shape")
-    need(len(shape) <= 64, f"{name}: {len(shape)} dimensions")
-    for size in shape:
-        as_int(size, f"{name}: a dimension")
+    shape = as_shape(entry["shape"], name)
     itemsize = dtype_from_name(entry["dtype"], name).itemsize
     _check_split(name, entry["tp"], shape)
     nparts = len(entry["tp"]["block_sizes"]) if entry["tp"] else 1

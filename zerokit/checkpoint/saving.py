@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -231,14 +232,21 @@ def save(
     directory instead (FSDP2 loads it with ``dcp.load`` and ``set_state_dict`` at any world
     size), as atomically; it may replace a DCP directory as well.
     """
-    refuse_split_experts(model, "zerokit.checkpoint.save()")  # before anything is written
+    with begun("save", path, model, optimizer, extra, timeout, format, _as_is) as (job, group):
+        save_together(job, group, timeout)
+
+
+@contextmanager
+def begun(call: str, path, model, optimizer, extra, timeout, format: str, stage):
+    """Every save's prologue (``save``, ``async_save``), then ``begin_save``: yields the
+    ``SaveJob`` and the world group, the ranks kept alive and the shards whole meanwhile."""
+    refuse_split_experts(model, f"zerokit.checkpoint.{call}()")  # before anything is written
     wait_in_flight()  # this process's async_save first: one save at a time
     path = os.path.abspath(os.fspath(path))
     group = world_group()
     writer = writer_for(format)
     with alive(group), whole_shards(model, optimizer):  # state sharded over replicas
-        job = begin_save("save", path, model, optimizer, extra, writer, group, timeout, _as_is)
-        save_together(job, group, timeout)
+        yield begin_save(call, path, model, optimizer, extra, writer, group, timeout, stage), group
 
 
 def _as_is(p):
