@@ -143,12 +143,10 @@ def make_place(path: str) -> tuple[SaveLock | None, str | None, str | None]:
             )
         clear_debris(path)
         return lock, make_temp(path), None
-    except (CheckpointError, OSError) as e:
-        return (
-            lock,
-            None,
-            str(e) if isinstance(e, CheckpointError) else f"cannot prepare {path}: {e}",
-        )
+    except CheckpointError as e:
+        return lock, None, str(e)
+    except OSError as e:
+        return lock, None, f"cannot prepare {path}: {e}"
 
 
 @dataclass
@@ -309,12 +307,13 @@ def load_with(source: Source, model: nn.Module, optimizer, strict, extra, group,
             tell("checkpoint.load", error)
             world = world_view(h, "checkpoint.load", group, timeout)  # None but for a pipeline
             fingerprint = model_fingerprint(h) if world is None else world["fingerprint"]
-            agree_on(
-                "checkpoint.load: what",
-                what_is_loaded(source.read_what, source.digest, fingerprint, h, extra),
-                group,
-                timeout,
-            )
+            what = {  # the same for every format
+                source.read_what: source.digest.encode(),
+                "the model's tensors": fingerprint,
+                "the optimizer": str(h.optimizer_class).encode(),
+                "the extra state asked for": repr(sorted(extra or {})).encode(),
+            }
+            agree_on("checkpoint.load: what", what, group, timeout)
             staged, error = attempt(
                 lambda: source.stage(h, optimizer, strict, extra, world),
                 source.malformed_errors,
@@ -333,17 +332,6 @@ def load_with(source: Source, model: nn.Module, optimizer, strict, extra, group,
             )
         tell("checkpoint.load: extra", error)
         apply_staged(staged, model, optimizer)
-
-
-def what_is_loaded(read: str, digest: str, fingerprint: bytes, h: Holdings, extra) -> dict:
-    """What every rank must agree on before a load changes anything (every format alike):
-    the checkpoint read, the model's tensors, the optimizers, the extra state."""
-    return {
-        read: digest.encode(),
-        "the model's tensors": fingerprint,
-        "the optimizer": str(h.optimizer_class).encode(),
-        "the extra state asked for": repr(sorted(extra or {})).encode(),
-    }
 
 
 _NON_NEGATIVE = {"lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay", "alpha"}
