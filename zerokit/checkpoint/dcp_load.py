@@ -34,7 +34,7 @@ from .protocol import Staged, staged_hyperparameters
 _SHOWN = 10
 
 
-class Reads(LoadPlanner):
+class _Reads(LoadPlanner):
     """The reads one rank asks for: each destination is a view into its staging buffers."""
 
     def __init__(self, metadata):
@@ -198,7 +198,7 @@ def _compare(src: DcpDirectory, h: Holdings, strict: bool) -> None:
 
 
 def _stage(src: DcpDirectory, h: Holdings, optimizer, extra) -> Staged:
-    reads, staged = Reads(src.metadata), Staged()
+    reads, staged = _Reads(src.metadata), Staged()
     for chunk in h.chunks:
         key = _key_of(src, h, chunk.name) if chunk.name in h.param_names else None
         if key is None or not chunk.tensor.numel():
@@ -215,7 +215,7 @@ def _stage(src: DcpDirectory, h: Holdings, optimizer, extra) -> Staged:
     return staged
 
 
-def _ask_optimizer(src: DcpDirectory, h: Holdings, reads: Reads):
+def _ask_optimizer(src: DcpDirectory, h: Holdings, reads: _Reads):
     """Ask for this rank's optimizer state and every param group; returns the function that
     stages them once read."""
     if not src.groups:
@@ -287,7 +287,7 @@ def _as_saved(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def ask_extra(src: DcpDirectory, reads: Reads, name: str):
+def ask_extra(src: DcpDirectory, reads: _Reads, name: str):
     """Ask for the entry ``name`` (every key under it); returns the function that rebuilds
     its value once read."""
     keys = src.other.get(name, []) + ([src.model[name]] if name in src.model else [])
@@ -358,7 +358,9 @@ class DcpSource:
         pass
 
 
-reads_of = Reads  # a plan of reads from a DCP directory's metadata (``convert``'s name)
+def reads_of(metadata) -> _Reads:
+    """A plan of reads from a DCP directory of ``metadata`` (for ``convert``)."""
+    return _Reads(metadata)
 
 
 def describe_dcp(directory: str) -> tuple[str, bool]:
