@@ -27,11 +27,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .dcp_format import MODEL, OPTIMIZER, boxes, load_value, path_of, plain, read_metadata
+from .fields import listing
 from .holdings import Holdings, TensorMeta, full_runs, optimizers_of
 from .index import CheckpointError
 from .protocol import Staged, staged_hyperparameters
-
-_SHOWN = 10
 
 
 class _Reads(LoadPlanner):
@@ -151,12 +150,6 @@ class DcpDirectory:
         return src
 
 
-def _listing(names: list[str]) -> str:
-    return ", ".join(names[:_SHOWN]) + (
-        f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
-    )
-
-
 def _key_of(src: DcpDirectory, h: Holdings, name: str) -> str | None:
     """The checkpoint's key for ``name`` or for any name tied to it."""
     names = [name] + [a for a, s in h.aliases.items() if s == name]
@@ -184,11 +177,11 @@ def _compare(src: DcpDirectory, h: Holdings, strict: bool) -> None:
             )
     known = set(h.param_names) | set(h.aliases)
     unexpected = sorted(n for n in src.model if n not in known)
-    problems = [f"shapes or dtypes differ: {_listing(wrong)}"] if wrong else []
+    problems = [f"shapes or dtypes differ: {listing(wrong)}"] if wrong else []
     if strict and missing:
-        problems.append(f"missing from the checkpoint: {_listing(missing)}")
+        problems.append(f"missing from the checkpoint: {listing(missing)}")
     if strict and unexpected:
-        problems.append(f"in the checkpoint but not in the model: {_listing(unexpected)}")
+        problems.append(f"in the checkpoint but not in the model: {listing(unexpected)}")
     if problems:
         hint = "" if wrong else " (strict=False loads the tensors both have)"
         raise CheckpointError(
@@ -275,7 +268,7 @@ def _hyperparameters(groups: list[dict], h: Holdings, optimizer) -> list[dict]:
             only = sorted(params ^ set(held["params"]))
             raise CheckpointError(
                 f"param group {i} holds other parameters than the "
-                f"checkpoint's (differing: {_listing(only)})"
+                f"checkpoint's (differing: {listing(only)})"
             )
         values.append({k: _as_saved(v) for k, v in saved.items() if k != "params"})
     return staged_hyperparameters(values, optimizers)

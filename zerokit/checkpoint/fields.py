@@ -32,6 +32,13 @@ def scalar_value(scalar: dict, what: str):
     return torch.tensor(scalar["value"], dtype=dtype_from_name(scalar["tensor_dtype"], what))
 
 
+def listing(names: list[str], most: int = 10, show=str) -> str:
+    """The first ``most`` names for an error message (each as ``show`` gives it), then how
+    many more."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(map(show, names[:most])) + more
+
+
 def need(ok: bool, message: str) -> None:
     if not ok:
         raise CheckpointError(message)

@@ -25,6 +25,7 @@ import stat
 import time
 
 from .dcp_format import METADATA
+from .fields import listing
 from .index import FORMAT, INDEX_NAME, MAX_INDEX_BYTES, CheckpointError
 from .reading import OLD_SUFFIX, kind_of
 
@@ -33,9 +34,8 @@ LOCK_SUFFIX = ".zerokit-lock"
 _DCP_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
 
-def _listing(names: list[str], path: str) -> str:
-    shown = [n + ("/" if os.path.isdir(os.path.join(path, n)) else "") for n in sorted(names)[:5]]
-    return ", ".join(shown) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+def _listing(names: list[str], path: str) -> str:  # a directory's name ends in a slash
+    return listing(sorted(names), 5, lambda n: n + "/" * os.path.isdir(os.path.join(path, n)))
 
 
 def why_not_replaceable(path: str) -> str | None:
