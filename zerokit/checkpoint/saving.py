@@ -93,11 +93,16 @@ def _describe(h: Holdings) -> dict:
 def _build_index(
     h: Holdings, shards: list[dict], per_rank: dict[str, bool], world: dict | None
 ) -> dict:
-    tensors = {}
+    tensors, scalars, state_names, quantized = {}, {}, {}, {}
     for shard in shards:  # a rank knows the optimizer state of the pieces it holds only
         for name, described in shard["tensors"].items():
             if tensors.setdefault(name, described | {"parts": {}})["shape"] != described["shape"]:
                 raise CheckpointError(f"{name}: ranks disagree on its shape")
+        scalars.update(shard["scalars"])
+        for param, keys in shard["state_names"].items():
+            state_names.setdefault(param, {}).update(keys)
+        for param, keys in shard["quantized"].items():
+            quantized.setdefault(param, {}).update(keys)
     files = {}
     for shard in shards:
         if shard["file"] is not None:
@@ -110,13 +115,6 @@ def _build_index(
             entry["parts"].setdefault(part, []).append(
                 {k: piece[k] for k in ("key", "start", "numel")} | {"file": shard["file"]["name"]}
             )
-    scalars, state_names, quantized = {}, {}, {}
-    for shard in shards:
-        scalars.update(shard["scalars"])
-        for param, keys in shard["state_names"].items():
-            state_names.setdefault(param, {}).update(keys)
-        for param, keys in shard["quantized"].items():
-            quantized.setdefault(param, {}).update(keys)
     extra = {
         key: {
             "per_rank": per_rank[key],
