@@ -37,7 +37,25 @@ def _force_routing(model, how):
         layer.mlp.gate.register_forward_hook(hook)
 
 
-def _real_step_equals_plan(rank, world, level, how, plan):
+def _loss_and_saved_bytes(model, tokens):
+    """The loss, and what autograd saves for it, each storage once, the parameters as they are
+    when saved left out (at 'p_g_os' a saved weight is a gathered unit's, not a parameter's
+    storage between uses): the plan's activations."""
+    seen = {}
+
+    def pack(t):
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        if t.untyped_storage()._cdata not in params:
+            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=tokens, labels=tokens).loss
+    return loss, sum(seen.values())
+
+
+def _real_step_equals_plan(rank, world, level, how, report):
+    plan = report["moe"]
     torch.manual_seed(0)
     model = builtin_factory(EXPERTS, TOP_K)()
     _force_routing(model, how)
@@ -62,7 +80,7 @@ def _real_step_equals_plan(rank, world, level, how, plan):
         mine = tokens[step, rank : rank + 1]
         with patched_collectives(("all_to_all_single",), record):
             phase[0] = "forward"
-            loss = model(input_ids=mine, labels=mine).loss
+            loss, saved = _loss_and_saved_bytes(model, mine)
             phase[0] = "backward"
             loss.backward()
         held = measure(model, opt)
@@ -75,6 +93,16 @@ def _real_step_equals_plan(rank, world, level, how, plan):
     elif how == "skewed":  # the idle ep rank sends its tokens, receives none
         assert counted["dispatch_forward"] == plan["all_to_all"]["dispatch_forward"]
         assert counted.get("combine_forward", 0) == 0 < plan["all_to_all"]["combine_forward"]
+    # the header: the split model's units (experts on their own group), and its activations
+    # (within 2 %: rounding in the received rows' split aside, the same saved tensors)
+    state = zerokit.core.state_of(model)
+    assert len(state.groups) == report["units"], f"{len(state.groups)} units: {report['units']}"
+    assert sum(len(g.buckets) for g in state.groups) == report["buckets"]
+    planned_saved = report["ranks"][rank]["memory"]["activations"]
+    if groups.ep_rank == 0:  # the busiest rank, as the plan assumes every rank is
+        assert abs(saved - planned_saved) <= 0.02 * saved, f"saved {saved}: {planned_saved}"
+    else:  # the others receive fewer rows (none when skewed), so save less
+        assert saved <= planned_saved, f"rank {rank} saved {saved}, over {planned_saved}"
     planned = {int(r): m for ranks, m in plan["memory_by_ranks"] for r in ranks.split(",")}
     got = {k: split[k] for k in ("experts", "dense")}
     assert planned[rank] == got, f"rank {rank} at {level}: planned {planned[rank]}, held {got}"
@@ -100,13 +128,13 @@ def _counted(order) -> dict[str, int]:
     [("os_g", "uniform", 1.0), ("p_g_os", "skewed", 2.0)],
 )
 def test_plan_all_to_all_and_expert_bytes_match_a_real_run(level, how, imbalance):
-    plan = make_plan(
+    report = make_plan(
         PlanConfig(world=WORLD, level=level, ep=EP, moe_imbalance=imbalance, seq=SEQ,
                    experts=EXPERTS, top_k=TOP_K)
-    )["moe"]  # fmt: skip
-    memory = [m for _, m in plan["memory_by_ranks"]]
+    )  # fmt: skip
+    memory = [m for _, m in report["moe"]["memory_by_ranks"]]
     assert all(m["experts"]["optimizer"] > 0 and m["dense"]["grads"] > 0 for m in memory)
-    run_distributed(_real_step_equals_plan, WORLD, level, how, plan)
+    run_distributed(_real_step_equals_plan, WORLD, level, how, report)
 
 
 @pytest.mark.parametrize(
