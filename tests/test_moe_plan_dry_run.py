@@ -9,10 +9,12 @@ receives as many) is the plan's ``--moe-imbalance 1``; ``skewed`` (every token t
 2``, the busiest rank the plan describes. The plan plays its ranks on meta, routing assumed."""
 
 import collections
+import contextlib
 import re
 
 import pytest
 import torch
+import torch.distributed as dist
 from counting import patched_collectives
 from dist_helpers import run_distributed
 
@@ -166,3 +168,65 @@ def test_printout_names_the_assumption_and_each_all_to_all(capsys):
     assert re.search(r"dispatch  forward +4.0 KiB   backward +12.0 KiB", out)
     assert re.search(r"combine   forward +12.0 KiB   backward +4.0 KiB", out)
     assert "expert parallel: tokens' all-to-all (forward)" in out
+
+
+K = 2
+
+
+def _real_no_sync_micro_batch_equals_plan(rank, world, links, a2a):
+    """A real K-micro-batch step under ``no_sync()`` at 'os_g', routing uniform: the first
+    micro-batch sends its tokens' all-to-alls and the units' order agreement, no gradient
+    (ring bytes, as the plan counts), and every
+    micro-batch hands the all-to-alls the plan's bytes."""
+    torch.manual_seed(0)
+    model = builtin_factory(EXPERTS, TOP_K)()
+    _force_routing(model, "uniform")
+    groups = init_expert_groups(EP)
+    apply_expert_parallel(model, groups)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, _ = zerokit.group_sharded_parallel(
+        model, opt, "os_g", buffer_max_size=PlanConfig.buffer_max_size,
+        segment_size=PlanConfig.segment_size,
+    )  # fmt: skip
+    calls = []  # (op, group size, bytes handed) as issued
+    ops = ("all_to_all_single", "all_reduce", "all_gather", "all_gather_into_tensor",
+           "reduce_scatter_tensor", "broadcast", "isend", "irecv")  # fmt: skip
+
+    def record(op, tensor, args, kwargs):
+        group = kwargs.get("group") or dist.group.WORLD
+        sent = args[0] if op == "all_to_all_single" else tensor
+        calls.append((op, group.size(), sent.numel() * sent.element_size(), sent.dtype))
+
+    tokens = torch.randint(0, 256, (2, K, world, SEQ), generator=torch.Generator().manual_seed(1))
+    for step in range(2):  # the second is the steady step the plan describes
+        seen = []
+        for m in range(K):
+            calls.clear()
+            mine = tokens[step, m, rank : rank + 1]
+            with patched_collectives(ops, record):
+                with model.no_sync() if m < K - 1 else contextlib.nullcontext():
+                    model(input_ids=mine, labels=mine).loss.backward()
+            seen.append(list(calls))
+        opt.step()
+        opt.zero_grad()
+    first = seen[0]  # no gradient reduced: the tokens' exchange and the units' agreement
+    assert {op for op, *_ in first} <= {"all_to_all_single", "all_reduce"}, (rank, first)
+    ring = sum(
+        round(nbytes * (n - 1) / n * (2 if op == "all_reduce" else 1)) for op, n, nbytes, _ in first
+    )
+    assert ring == links["no_sync"]["inner_micro_batch"]["within"], (rank, ring, links)
+    for m, micro in enumerate(seen):
+        handed = sum(b for op, _, b, dtype in micro if op == "all_to_all_single"
+                     and dtype.is_floating_point)  # fmt: skip
+        assert handed == sum(v for key, v in a2a.items() if key != "counts"), (rank, m)
+
+
+def test_plan_with_accumulation_equals_a_real_no_sync_step():
+    report = make_plan(
+        PlanConfig(world=WORLD, level="os_g", ep=EP, seq=SEQ, experts=EXPERTS, top_k=TOP_K,
+                   accumulation=K)
+    )  # fmt: skip
+    assert report["moe"]["micro_batches"] == K
+    run_distributed(
+        _real_no_sync_micro_batch_equals_plan, WORLD, report["links"], report["moe"]["all_to_all"]
+    )
