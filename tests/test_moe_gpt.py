@@ -83,9 +83,12 @@ def test_world4_ep2_and_ep4():
 
 
 @pytest.mark.slow
-def test_world4_every_level_top1():
+def test_world4_every_level_8_experts():
+    """(Not top-1: its one weight, renormalised, is exactly 1, so the router's gradient is
+    analytically zero and its float noise, which Adam scales to full steps, differs with
+    summation order.)"""
     cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=16, n_experts=8,
-                    top_k=1)  # fmt: skip
+                    top_k=2)  # fmt: skip
     for ep in (2, 4):
         run_distributed(_equal, 4, ep, ("os", "os_g", "p_g_os"), cfg)
 

@@ -52,7 +52,8 @@ class GPTConfig:
     then ``top_k`` experts per token, stored as Hugging Face's 3-D ``gate_up_proj`` /
     ``down_proj`` so ``zerokit.moe.apply_expert_parallel`` splits them across ep ranks."""
     top_k: int = 2
-    """With ``n_experts``: the experts each token is sent to (weights renormalised over them)."""
+    """With ``n_experts``: the experts each token is sent to (weights renormalised over them,
+    as Mixtral's: at 1 the weight is always 1 and the router learns nothing)."""
     expert_dim: int = 0
     """With ``n_experts``: each expert's intermediate width; 0 means ``2 * n_embd``."""
     dropout: float = 0.0

@@ -31,9 +31,14 @@ class GPTExperts(nn.Module):
         E, H, intermediate = num_experts, hidden_dim, intermediate_dim
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * intermediate, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, intermediate))
-        # GPT's initialisation: the residual-stream projection scaled by 1/sqrt(2 n_layer)
+        self.n_layer = n_layer
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT's initialisation (also meta init's default ``init_fn``): the projection back
+        into the residual stream scaled by 1/sqrt(2 n_layer)."""
         nn.init.normal_(self.gate_up_proj, std=0.02)
-        nn.init.normal_(self.down_proj, std=0.02 / math.sqrt(2 * n_layer))
+        nn.init.normal_(self.down_proj, std=0.02 / math.sqrt(2 * self.n_layer))
 
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
