@@ -101,9 +101,9 @@ def _real_step_equals_plan(rank, world, level, how, report):
     assert len(state.groups) == report["units"], f"{len(state.groups)} units: {report['units']}"
     assert sum(len(g.buckets) for g in state.groups) == report["buckets"]
     planned_saved = report["ranks"][rank]["memory"]["activations"]
-    if groups.ep_rank == 0:  # the busiest rank, as the plan assumes every rank is
+    if groups.ep_rank == 0 or how == "uniform":  # the busiest, as the plan assumes each is
         assert abs(saved - planned_saved) <= 0.02 * saved, f"saved {saved}: {planned_saved}"
-    else:  # the others receive fewer rows (none when skewed), so save less
+    else:  # skewed: the idle ep rank receives no rows, so saves less
         assert saved <= planned_saved, f"rank {rank} saved {saved}, over {planned_saved}"
     planned = {int(r): m for ranks, m in plan["memory_by_ranks"] for r in ranks.split(",")}
     got = {k: split[k] for k in ("experts", "dense")}
