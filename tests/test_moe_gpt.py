@@ -111,3 +111,29 @@ def test_the_plan_knows_the_gpt_experts_layout():
 def test_bad_moe_config_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GPTConfig(**kwargs)
+
+
+def test_the_value_free_path_equals_the_routed_one():
+    """``zerokit plan``'s dry run (meta or fake tensors) takes the path with no
+    value-dependent shape: every expert on every token, weighted; the same output."""
+    torch.manual_seed(0)
+    experts = GPT(CFG).blocks[0].moe.experts
+    hidden = torch.randn(10, 16)
+    index = torch.stack([torch.randperm(4)[:2] for _ in range(10)])  # [T, k], distinct
+    weights = torch.softmax(torch.randn(10, 2), dim=-1)
+    routed = experts(hidden, index, weights)
+    torch.testing.assert_close(experts._every_expert(hidden, index, weights), routed)
+    assert experts(hidden.to("meta"), index.to("meta"), weights.to("meta")).shape == (10, 16)
+
+
+def gpt_moe():
+    """A factory for ``zerokit plan --model test_moe_gpt:gpt_moe``."""
+    return GPT(CFG)
+
+
+def test_plan_splits_the_gpt_experts():
+    from zerokit.tools.plan import PlanConfig, make_plan
+
+    report = make_plan(PlanConfig(world=4, level="os_g", ep=2, seq=7, model="test_moe_gpt:gpt_moe"))
+    assert report["moe"]["experts_per_rank"] == 2
+    assert report["units"] == 1 + 2 * CFG.n_layer  # root, each block, each block's experts

@@ -44,6 +44,8 @@ class GPTExperts(nn.Module):
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         # hidden [T, H], top_k_index / top_k_weights [T, k] -> [T, H]
+        if _without_values(hidden):
+            return self._every_expert(hidden, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden)
         for e in top_k_index.unique().tolist():  # only the experts some token chose
             token, choice = torch.where(top_k_index == e)
@@ -51,6 +53,23 @@ class GPTExperts(nn.Module):
             y = F.linear(self.act_fn(gate) * up, self.down_proj[e])  # [n, H]
             out = out.index_add(0, token, y * top_k_weights[token, choice, None])
         return out
+
+    def _every_expert(self, hidden, top_k_index, top_k_weights):
+        """The same output with no value-dependent shape (``zerokit plan``'s dry run runs
+        the model on meta or fake tensors): every expert over every token, weighted by that
+        token's weight for it (zero where unchosen). E / k times the work: never trained."""
+        out = torch.zeros_like(hidden)
+        for e in range(self.num_experts):
+            weight = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)  # [T, 1]
+            gate, up = F.linear(hidden, self.gate_up_proj[e]).chunk(2, dim=-1)
+            out = out + F.linear(self.act_fn(gate) * up, self.down_proj[e]) * weight
+        return out
+
+
+def _without_values(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake  # the dry run's tensors
+
+    return t.device.type == "meta" or is_fake(t)
 
 
 class MoEMLP(nn.Module):
