@@ -9,10 +9,12 @@ receives as many) is the plan's ``--moe-imbalance 1``; ``skewed`` (every token t
 2``, the busiest rank the plan describes. The plan plays its ranks on meta, routing assumed."""
 
 import collections
+import contextlib
 import re
 
 import pytest
 import torch
+import torch.distributed as dist
 from counting import patched_collectives
 from dist_helpers import run_distributed
 
@@ -37,7 +39,25 @@ def _force_routing(model, how):
         layer.mlp.gate.register_forward_hook(hook)
 
 
-def _real_step_equals_plan(rank, world, level, how, plan):
+def _loss_and_saved_bytes(model, tokens):
+    """The loss, and what autograd saves for it, each storage once, the parameters as they are
+    when saved left out (at 'p_g_os' a saved weight is a gathered unit's, not a parameter's
+    storage between uses): the plan's activations."""
+    seen = {}
+
+    def pack(t):
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        if t.untyped_storage()._cdata not in params:
+            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=tokens, labels=tokens).loss
+    return loss, sum(seen.values())
+
+
+def _real_step_equals_plan(rank, world, level, how, report):
+    plan = report["moe"]
     torch.manual_seed(0)
     model = builtin_factory(EXPERTS, TOP_K)()
     _force_routing(model, how)
@@ -62,7 +82,7 @@ def _real_step_equals_plan(rank, world, level, how, plan):
         mine = tokens[step, rank : rank + 1]
         with patched_collectives(("all_to_all_single",), record):
             phase[0] = "forward"
-            loss = model(input_ids=mine, labels=mine).loss
+            loss, saved = _loss_and_saved_bytes(model, mine)
             phase[0] = "backward"
             loss.backward()
         held = measure(model, opt)
@@ -75,6 +95,16 @@ def _real_step_equals_plan(rank, world, level, how, plan):
     elif how == "skewed":  # the idle ep rank sends its tokens, receives none
         assert counted["dispatch_forward"] == plan["all_to_all"]["dispatch_forward"]
         assert counted.get("combine_forward", 0) == 0 < plan["all_to_all"]["combine_forward"]
+    # the header: the split model's units (experts on their own group), and its activations
+    # (within 2 %: rounding in the received rows' split aside, the same saved tensors)
+    state = zerokit.core.state_of(model)
+    assert len(state.groups) == report["units"], f"{len(state.groups)} units: {report['units']}"
+    assert sum(len(g.buckets) for g in state.groups) == report["buckets"]
+    planned_saved = report["ranks"][rank]["memory"]["activations"]
+    if groups.ep_rank == 0 or how == "uniform":  # the busiest, as the plan assumes each is
+        assert abs(saved - planned_saved) <= 0.02 * saved, f"saved {saved}: {planned_saved}"
+    else:  # skewed: the idle ep rank receives no rows, so saves less
+        assert saved <= planned_saved, f"rank {rank} saved {saved}, over {planned_saved}"
     planned = {int(r): m for ranks, m in plan["memory_by_ranks"] for r in ranks.split(",")}
     got = {k: split[k] for k in ("experts", "dense")}
     assert planned[rank] == got, f"rank {rank} at {level}: planned {planned[rank]}, held {got}"
@@ -100,13 +130,13 @@ def _counted(order) -> dict[str, int]:
     [("os_g", "uniform", 1.0), ("p_g_os", "skewed", 2.0)],
 )
 def test_plan_all_to_all_and_expert_bytes_match_a_real_run(level, how, imbalance):
-    plan = make_plan(
+    report = make_plan(
         PlanConfig(world=WORLD, level=level, ep=EP, moe_imbalance=imbalance, seq=SEQ,
                    experts=EXPERTS, top_k=TOP_K)
-    )["moe"]  # fmt: skip
-    memory = [m for _, m in plan["memory_by_ranks"]]
+    )  # fmt: skip
+    memory = [m for _, m in report["moe"]["memory_by_ranks"]]
     assert all(m["experts"]["optimizer"] > 0 and m["dense"]["grads"] > 0 for m in memory)
-    run_distributed(_real_step_equals_plan, WORLD, level, how, plan)
+    run_distributed(_real_step_equals_plan, WORLD, level, how, report)
 
 
 @pytest.mark.parametrize(
@@ -138,3 +168,65 @@ def test_printout_names_the_assumption_and_each_all_to_all(capsys):
     assert re.search(r"dispatch  forward +4.0 KiB   backward +12.0 KiB", out)
     assert re.search(r"combine   forward +12.0 KiB   backward +4.0 KiB", out)
     assert "expert parallel: tokens' all-to-all (forward)" in out
+
+
+K = 2
+
+
+def _real_no_sync_micro_batch_equals_plan(rank, world, links, a2a):
+    """A real K-micro-batch step under ``no_sync()`` at 'os_g', routing uniform: the first
+    micro-batch sends its tokens' all-to-alls and the units' order agreement, no gradient
+    (ring bytes, as the plan counts), and every
+    micro-batch hands the all-to-alls the plan's bytes."""
+    torch.manual_seed(0)
+    model = builtin_factory(EXPERTS, TOP_K)()
+    _force_routing(model, "uniform")
+    groups = init_expert_groups(EP)
+    apply_expert_parallel(model, groups)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, _ = zerokit.group_sharded_parallel(
+        model, opt, "os_g", buffer_max_size=PlanConfig.buffer_max_size,
+        segment_size=PlanConfig.segment_size,
+    )  # fmt: skip
+    calls = []  # (op, group size, bytes handed) as issued
+    ops = ("all_to_all_single", "all_reduce", "all_gather", "all_gather_into_tensor",
+           "reduce_scatter_tensor", "broadcast", "isend", "irecv")  # fmt: skip
+
+    def record(op, tensor, args, kwargs):
+        group = kwargs.get("group") or dist.group.WORLD
+        sent = args[0] if op == "all_to_all_single" else tensor
+        calls.append((op, group.size(), sent.numel() * sent.element_size(), sent.dtype))
+
+    tokens = torch.randint(0, 256, (2, K, world, SEQ), generator=torch.Generator().manual_seed(1))
+    for step in range(2):  # the second is the steady step the plan describes
+        seen = []
+        for m in range(K):
+            calls.clear()
+            mine = tokens[step, m, rank : rank + 1]
+            with patched_collectives(ops, record):
+                with model.no_sync() if m < K - 1 else contextlib.nullcontext():
+                    model(input_ids=mine, labels=mine).loss.backward()
+            seen.append(list(calls))
+        opt.step()
+        opt.zero_grad()
+    first = seen[0]  # no gradient reduced: the tokens' exchange and the units' agreement
+    assert {op for op, *_ in first} <= {"all_to_all_single", "all_reduce"}, (rank, first)
+    ring = sum(
+        round(nbytes * (n - 1) / n * (2 if op == "all_reduce" else 1)) for op, n, nbytes, _ in first
+    )
+    assert ring == links["no_sync"]["inner_micro_batch"]["within"], (rank, ring, links)
+    for m, micro in enumerate(seen):
+        handed = sum(b for op, _, b, dtype in micro if op == "all_to_all_single"
+                     and dtype.is_floating_point)  # fmt: skip
+        assert handed == sum(v for key, v in a2a.items() if key != "counts"), (rank, m)
+
+
+def test_plan_with_accumulation_equals_a_real_no_sync_step():
+    report = make_plan(
+        PlanConfig(world=WORLD, level="os_g", ep=EP, seq=SEQ, experts=EXPERTS, top_k=TOP_K,
+                   accumulation=K)
+    )  # fmt: skip
+    assert report["moe"]["micro_batches"] == K
+    run_distributed(
+        _real_no_sync_micro_batch_equals_plan, WORLD, report["links"], report["moe"]["all_to_all"]
+    )

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import tensor_parallel as tp
 from ..layout import as_layout
+from .moe import MoEMLP
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +47,15 @@ class GPTConfig:
     explicit_attention: bool = False
     """The paper's layer (Korthikanti et al.): attention written out (the softmax stored, then
     dropout), so measured activations can be compared with ``memory.estimate_activations``."""
+    n_experts: int = 0
+    """With n > 0, each block's MLP is a mixture of n experts (``models/moe.py``): a router,
+    then ``top_k`` experts per token, stored as Hugging Face's 3-D ``gate_up_proj`` /
+    ``down_proj`` so ``zerokit.moe.apply_expert_parallel`` splits them across ep ranks."""
+    top_k: int = 2
+    """With ``n_experts``: the experts each token is sent to (weights renormalised over them,
+    as Mixtral's: at 1 the weight is always 1 and the router learns nothing)."""
+    expert_dim: int = 0
+    """With ``n_experts``: each expert's intermediate width; 0 means ``2 * n_embd``."""
     dropout: float = 0.0
     """The paper's three dropouts (attention probabilities, after the projection, after the
     MLP); only with ``explicit_attention``. Under tp, split activations draw from the tracker's
@@ -61,6 +71,15 @@ class GPTConfig:
         if self.dropout and not self.explicit_attention:
             raise ValueError(
                 "dropout > 0 needs explicit_attention=True (the default block has none)"
+            )
+        if self.n_experts and self.tensor_parallel:
+            raise ValueError(
+                "n_experts > 0 with tensor_parallel=True is not supported: "
+                "split the experts with zerokit.moe (ep) instead"
+            )
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(
+                f"top_k must be between 1 and n_experts ({self.n_experts}), not {self.top_k}"
             )
 
 
@@ -114,8 +133,17 @@ class Block(nn.Module):
         else:
             self.qkv = nn.Linear(C, 3 * C, bias=False)
             self.proj = nn.Linear(C, C, bias=False)
-            self.fc = nn.Linear(C, 4 * C, bias=False)
-            self.fc_out = nn.Linear(4 * C, C, bias=False)
+            if cfg.n_experts:
+                width = cfg.expert_dim or 2 * C
+                self.moe = MoEMLP(C, cfg.n_experts, cfg.top_k, width, cfg.n_layer)
+            else:
+                self.fc = nn.Linear(C, 4 * C, bias=False)
+                self.fc_out = nn.Linear(4 * C, C, bias=False)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.n_experts:
+            return self.moe(x)
+        return self.fc_out(F.gelu(self.fc(x)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.cfg.sequence_parallel or self.cfg.explicit_attention or self.cfg.recompute):
@@ -130,7 +158,7 @@ class Block(nn.Module):
             y = core(q, k, v)
         y = y.permute(2, 0, 1, 3) if self.cfg.sequence_parallel else y.transpose(1, 2)
         x = x + self._dropout(self.proj(y.reshape(*y.shape[:2], -1)), self._split_residual)
-        h = self.fc_out(F.gelu(self.fc(self.ln_2(x))))
+        h = self._mlp(self.ln_2(x))
         return x + self._dropout(h, self._split_residual)
 
     def _default_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -140,7 +168,7 @@ class Block(nn.Module):
         q, k, v = (t.view(B, T, heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, nh, T, hs]
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, -1))
-        return x + self.fc_out(F.gelu(self.fc(self.ln_2(x))))
+        return x + self._mlp(self.ln_2(x))
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         """[B, T, nh*hs] (or [T, B, nh*hs] sequence-first) -> [B, nh, T, hs], a view."""

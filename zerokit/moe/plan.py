@@ -22,6 +22,7 @@ EXPERTS_PLAN = {
     "Qwen3MoeExperts": "qwen3_moe",
     "OlmoeExperts": "olmoe",
     "DeepseekV3Experts": "deepseek_v3",
+    "GPTExperts": "zerokit_gpt",  # zerokit.models.GPT with n_experts > 0
 }
 
 

@@ -34,9 +34,10 @@ from ..core.stand_in import Call  # the dry run's records: the one deep import o
 from ..layout import Layout, init_hybrid_parallel
 from ..memory import STATE_PER_PARAM, paper_bytes_per_step
 from ..mixed_precision import PRECISIONS, MixedPrecision
+from ..moe import expert_groups_of
 from .dry_run import NO_VALUES, DryRunError, Job, RankRun, run_rank, stand_in_world
 from .plan_links import link_bytes
-from .plan_moe import BUILT_IN, builtin_factory, check_moe, moe_report
+from .plan_moe import BUILT_IN, builtin_factory, check_moe, moe_report, split_experts
 from .plan_moe import purpose as ep_purpose
 from .plan_optimizers import FLOPS_RULE, OPTIMIZERS, as_list
 from .workload import accepts_layout, as_workload, load_factory, tp_workload
@@ -215,7 +216,7 @@ def plan_with_calls(cfg: PlanConfig) -> tuple[dict, list[Collective]]:
         links["moe"] = moe_report(cfg, played)
     return {
         **links,
-        "params": psi_model if cfg.tp > 1 else psi,
+        "params": psi_model if cfg.tp > 1 or cfg.ep > 1 else psi,
         **report_head(cfg, degree, batch),
         "tp": cfg.tp,
         "buckets": sum(len(u.layouts) for u in units),
@@ -266,8 +267,13 @@ def _tp_splits(cfg: PlanConfig, degree: int, rows: int) -> tuple:
             )
         plain = _fake_workload(factory, cfg.seq, cfg.tp)
         psi_model = sum(p.numel() for p in plain.model.parameters())
-        if cfg.tp == 1:
+        if cfg.tp == 1 and cfg.ep == 1:
             return factory, psi_model, {0: _figures(plain, cfg, policy, degree, rows, mode)}
+    if cfg.ep > 1:  # the model a rank holds: its E / ep experts, units on the experts' group
+        with stand_in_world(0, cfg.world), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            work = _fake_workload(factory, cfg.seq, 1)
+            split_experts(work.model, cfg.ep, cfg.moe_imbalance)
+            return factory, psi_model, {0: _figures(work, cfg, policy, degree, rows, mode)}
     splits = {}
     for t in sorted({0, cfg.tp - 1}):
         # tp rank t of the stand-in world: the tp layers' groups record their collectives
@@ -416,6 +422,7 @@ def _units(model: nn.Module, cfg: PlanConfig, policy: MixedPrecision, degree: in
         segment_size=cfg.segment_size,
         wrap=ShardingConfig().wrap,
         full_precision=full_precision,
+        own_groups=expert_groups_of(model),  # split experts (plan --ep): their own group
     )
     units = []
     for plan, layouts in plan_groups(plans, degree, cfg.buffer_max_size, needs=needs):

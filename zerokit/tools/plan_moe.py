@@ -60,8 +60,6 @@ def check_moe(cfg) -> None:
             "--ep is planned with plain data parallelism only (no --tp, --pp or "
             "--sharding-degree), as zerokit.moe composes with it"
         )
-    if cfg.accumulation > 1:
-        raise ValueError("--ep with --accumulation is not planned yet: use --accumulation 1")
     if not 1.0 <= cfg.moe_imbalance <= cfg.ep:
         raise ValueError(
             f"--moe-imbalance {cfg.moe_imbalance} is max / mean tokens a rank receives: at "
@@ -84,6 +82,7 @@ def moe_report(cfg, played: dict) -> dict:
     experts = played[0].moe["num_experts"]
     return {
         "ep": cfg.ep,
+        "micro_batches": cfg.accumulation,  # the all-to-alls below run once in each
         "imbalance": cfg.moe_imbalance,
         "experts": experts,
         "experts_per_rank": experts // cfg.ep,
@@ -163,14 +162,16 @@ def purpose(c) -> str:
 
 def format_moe(moe: dict, world: int) -> list[str]:
     """The printout's MoE section."""
-    ep, a2a = moe["ep"], moe["all_to_all"]
+    ep, a2a, k = moe["ep"], moe["all_to_all"], moe.get("micro_batches", 1)
+    # with accumulation every micro-batch exchanges its tokens, no_sync or not
+    per = "step" if k == 1 else f"micro-batch ({k} a step, every way to accumulate)"
     lines = [
         "",
         f"expert parallelism: ep {ep} (each rank {moe['experts_per_rank']} of a layer's "
         f"{moe['experts']} experts, sharded over {world // ep} ranks; dense over {world}); "
         f"routing assumed: a rank receives {moe['imbalance']:g} x the mean tokens "
         "(--moe-imbalance, max / mean; 1 = uniform), sending its own evenly",
-        f"  all-to-all bytes per rank per step (handed to all_to_all_single; {ep - 1}/{ep} "
+        f"  all-to-all bytes per rank per {per} (handed to all_to_all_single; {ep - 1}/{ep} "
         "leave the rank under even splits):",
     ]
     for what in ("dispatch", "combine"):
