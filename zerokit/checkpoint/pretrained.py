@@ -14,7 +14,6 @@ model (a bf16 or fp16 file into fp32 masters: the cast is exact), full parameter
 from __future__ import annotations
 
 import json
-import mmap
 import os
 
 import torch
@@ -106,7 +105,7 @@ class _Sources:
         try:
             for name, expected in files.items():
                 where = os.path.join(self.dir, name)
-                shard = ShardFile(dir_fd, name, where)
+                shard = ShardFile(dir_fd, name, where, keep_fd=True)
                 self.files[name] = shard
                 shard.header, shard.data_start = shard._parse_header()
                 for key in shard.header:
@@ -124,6 +123,9 @@ class _Sources:
                 for key in expected or ():
                     if key not in shard.header:
                         raise CheckpointError(f"{where}: has no {key!r}, which {INDEX} lists there")
+        except BaseException:
+            self.close()  # the files opened so far: their fds and mappings
+            raise
         finally:
             os.close(dir_fd)
 
@@ -150,25 +152,15 @@ class _Sources:
         return self.where[name].header[name]["shape"]
 
     def read(self, name: str, lo: int, hi: int, into: torch.Tensor) -> None:
-        """Elements ``[lo, hi)`` of ``name`` copied into ``into`` (of the file's dtype), one
-        copy from the mapped file."""
-        shard = self.where[name]
-        values = shard.read_into(name, lo, hi, into)  # the mapped pages are not needed after it
-        nbytes = values.numel() * values.element_size()
-        self.bytes_read += nbytes
-        begin = (
-            shard.data_start + shard.header[name]["data_offsets"][0] + lo * values.element_size()
-        )
-        first = begin - begin % mmap.PAGESIZE
-        if hasattr(mmap, "MADV_DONTNEED") and begin + nbytes > first:
-            # drop the pages from this process (the page cache keeps them): else every byte
-            # read would count twice in the rank's memory until the load ends
-            shard.mm.madvise(mmap.MADV_DONTNEED, first, begin + nbytes - first)
+        """Elements ``[lo, hi)`` of ``name`` read into ``into`` (of the file's dtype) by
+        ``pread``: the mapping is only for the header, so no page of the file is mapped into
+        the rank's memory (it would count twice until the load ends) and none faults in."""
+        self.where[name].pread_into(name, lo, hi, into)
+        self.bytes_read += (hi - lo) * into.element_size()
 
     def close(self) -> None:
         for shard in self.files.values():
-            if shard.mm is not None:
-                shard.mm.close()
+            shard.close()
 
 
 def _names_of(h: Holdings) -> dict[str, list[str]]:
