@@ -8,8 +8,9 @@ Then ``async_save``: how long the call blocks training (state copied to host mem
 agreed) against a synchronous ``save`` of the same state, and when its checkpoint is in place.
 Then export: ``consolidate`` to a Hugging Face set of 8 files by one writer (rank 0) and by
 every rank (each writes whole files of its own), and ``load_pretrained`` from it (every rank,
-``'p_g_os'``), in bytes/s beside a plain write (64 MiB blocks, fsync) and a plain read
-(``pread``, each rank its share) of the same bytes on the same disk; and the files a
+``'p_g_os'``), in bytes/s beside a plain write (64 MiB blocks, fsync; by one writer, and by
+every rank writing its share at once) and a plain read (``pread``, each rank its share) of
+the same bytes on the same disk; and the files a
 ``save(format="dcp")`` writes (each rank its own ``__<rank>_0.distcp``).
 
     python benchmarks/checkpoint.py --sections export   # one section: save, async, export
@@ -231,7 +232,8 @@ def _export_rows(root: str, base, x, y, repeats: int) -> list[str]:
             times.setdefault(f"all {verify}", []).append(_timed(run))
         if rank == 0:
             times.setdefault("write", []).append(_plain_write(os.path.join(root, "plain"), nbytes))
-        dist.barrier()
+        plain = os.path.join(root, f"plain-{rank}")  # the same bytes, each rank its share
+        times.setdefault("write all", []).append(_timed(lambda: _plain_write(plain, part)))
         times.setdefault("in", []).append(
             _timed(lambda: zerokit.checkpoint.load_pretrained(target, hf))
         )
@@ -251,16 +253,21 @@ def _export_lines(t: dict, nbytes: int, world: int, dcp: str) -> list[str]:
         f"\nexport of {nbytes / 2**20:.1f} MiB (8 files){'':<11}{'MB/s':>8}{'plain MB/s':>12}"
         f"{'ratio':>7}{'vs 1 writer':>13}"
     ]
+    write, write_all = t["write"], t["write all"]
     for verify, label in ((True, "consolidate"), (False, "consolidate --no-verify")):
         one, every = t[f"one {verify}"], t[f"all {verify}"]
         lines.append(
-            f"{label + ', 1 writer':<46}{mb(one):>8.0f}{mb(t['write']):>12.0f}"
-            f"{t['write'] / one:>7.2f}{1:>13.2f}"
+            f"{label + ', 1 writer':<46}{mb(one):>8.0f}{mb(write):>12.0f}"
+            f"{write / one:>7.2f}{1:>13.2f}"
         )
         lines.append(
-            f"{label + f', {world} writers (ranks)':<46}{mb(every):>8.0f}{mb(t['write']):>12.0f}"
-            f"{t['write'] / every:>7.2f}{one / every:>13.2f}"
+            f"{label + f', {world} writers (ranks)':<46}{mb(every):>8.0f}{mb(write_all):>12.0f}"
+            f"{write_all / every:>7.2f}{one / every:>13.2f}"
         )
+    lines.append(
+        f"{f'plain write, {world} writers against 1':<46}{mb(write_all):>8.0f}{mb(write):>12.0f}"
+        f"{write / write_all:>7.2f}"
+    )
     share = nbytes / world
     lines.append(
         f"{'load_pretrained (per rank)':<46}{share / t['in'] / 1e6:>8.0f}"

@@ -4,11 +4,13 @@ wrapped at any level, each rank reading only the bytes of what it holds.
 The names are the unwrapped model's ``state_dict()`` names. A rank's holdings
 (``holdings.collect``: its shard pieces, its tp slices, whole frozen parameters and buffers)
 say which elements of which tensor it needs; those become byte ranges of the file, found from
-the safetensors header (``ShardFile``: the file is mapped, never read whole). Three steps,
-each closed by a gather so that every rank raises the same ``CheckpointError`` and nothing is
-changed unless every rank succeeded: (1) headers read and the names compared, (2) every range
-read into staging (the rank's shards plus its whole tensors), (3) staging copied into the
-model (a bf16 or fp16 file into fp32 masters: the cast is exact), full parameters refreshed.
+the safetensors header (``ShardFile``: the file is mapped for its header, the ranges read by
+``pread``, never the whole file). Two steps: (1) headers read, the names and shapes compared
+and, where this rank's shapes match, every range read into staging (the rank's shards plus
+its whole tensors), closed by one gather so that every rank raises the same
+``CheckpointError`` and nothing is changed unless every rank succeeded; (2) staging copied
+into the model (a bf16 or fp16 file into fp32 masters: the cast is exact), full parameters
+refreshed.
 """
 
 from __future__ import annotations
@@ -45,21 +47,12 @@ def load_pretrained(
     with the model unchanged.
     """
     group = world_group()
-    sources = None
-    try:
-        with alive(group):
-            sources, missing, unexpected = _open_and_compare(model, path, group, strict)
-            staged, error = [], None
-            try:
-                staged = _read(collect(model, None), sources)
-            except CheckpointError as e:
-                error = str(e)
-            except OSError as e:
-                error = f"{os.fspath(path)}: cannot read: {type(e).__name__}: {e}"
-            raise_any(gather_json("load_pretrained: read", [error, None], group, None))
-    finally:
-        if sources is not None:
-            sources.close()
+    with alive(group):
+        error, report, staged, in_files = _stage(model, os.fspath(path))
+        # one agreement for the names, the shapes and the reads: read before it, the staging
+        # is simply dropped unless every rank succeeded (a round trip fewer per load)
+        replies = raise_any(gather_json("load_pretrained", [error, report], group, None))
+        missing, unexpected = _verdict([r for _, r in replies], in_files, strict)
     with torch.no_grad():
         for chunk, values in staged:
             chunk.tensor.copy_(values)
@@ -69,23 +62,24 @@ def load_pretrained(
     return missing, unexpected
 
 
-def _open_and_compare(model, path, group, strict):
-    error, sources, report = None, None, {}
+def _stage(model, path: str) -> tuple[str | None, dict, list, list[str]]:
+    """This rank's side, before the agreement: ``(error, report, staged, names in the
+    files)``. The ranges are read only if this rank's shapes match (else the load fails)."""
+    error, report, staged, sources = None, {}, [], None
     try:
-        sources = _Sources(os.fspath(path))
-        report = _compare(collect(model, None), sources)
+        sources = _Sources(path)
+        holdings = collect(model, None)
+        report = _compare(holdings, sources)
+        if not report["mismatched"]:
+            staged = _read(holdings, sources)
     except CheckpointError as e:
         error = str(e)
     except OSError as e:
-        error = f"{os.fspath(path)}: cannot read: {type(e).__name__}: {e}"
-    try:
-        replies = raise_any(gather_json("load_pretrained", [error, report], group, None))
-        missing, unexpected = _verdict([r for _, r in replies], sources, strict)
-    except CheckpointError:
+        error = f"{path}: cannot read: {type(e).__name__}: {e}"
+    finally:
         if sources is not None:
             sources.close()
-        raise
-    return sources, missing, unexpected
+    return error, report, staged, list(sources.where) if sources is not None else []
 
 
 class _Sources:
@@ -192,12 +186,12 @@ def _listing(names: list[str]) -> str:
     return f"{len(names)} ({shown}{', ...' if len(names) > _SHOWN else ''})"
 
 
-def _verdict(reports: list[dict], sources: _Sources, strict: bool) -> tuple[list, list]:
+def _verdict(reports: list[dict], in_files: list[str], strict: bool) -> tuple[list, list]:
     """The same on every rank: every rank's report and the same files. Raises on a shape
     mismatch always, on missing or unexpected names with ``strict``."""
     known = {n for r in reports for n in r["names"]}
     missing = sorted({n for r in reports for n in r["missing"]})
-    unexpected = sorted(n for n in sources.where if n not in known)
+    unexpected = sorted(n for n in in_files if n not in known)
     mismatched = sorted({m for r in reports for m in r["mismatched"]})
     problems = []
     if mismatched:
