@@ -220,19 +220,21 @@ def _export_rows(root: str, base, x, y, repeats: int) -> list[str]:
     times: dict[str, list[float]] = {}
     part = nbytes // world  # each rank's share, read by load_pretrained and by the plain read
     shard = nbytes // 8 + 1  # 8 files for the writers to share
+    consolidate, one = zerokit.checkpoint.consolidate, os.path.join(root, "export-one")
+    plain = os.path.join(root, f"plain-{rank}")  # the same bytes, each rank its share
+
+    def by_all(verify: bool) -> None:
+        consolidate(path, hf, shard, verify=verify, group=dist.group.WORLD)
+
     for _ in range(repeats):
         for verify in (True, False):
-            one = os.path.join(root, "export-one")
-            consolidate = zerokit.checkpoint.consolidate
             if rank == 0:
                 start = time.perf_counter()
                 consolidate(path, one, max_shard_size=shard, verify=verify)
                 times.setdefault(f"one {verify}", []).append(time.perf_counter() - start)
-            run = lambda v=verify: consolidate(path, hf, shard, verify=v, group=dist.group.WORLD)  # noqa: E731
-            times.setdefault(f"all {verify}", []).append(_timed(run))
+            times.setdefault(f"all {verify}", []).append(_timed(lambda v=verify: by_all(v)))
         if rank == 0:
             times.setdefault("write", []).append(_plain_write(os.path.join(root, "plain"), nbytes))
-        plain = os.path.join(root, f"plain-{rank}")  # the same bytes, each rank its share
         times.setdefault("write all", []).append(_timed(lambda: _plain_write(plain, part)))
         times.setdefault("in", []).append(
             _timed(lambda: zerokit.checkpoint.load_pretrained(target, hf))
@@ -273,7 +275,7 @@ def _export_lines(t: dict, nbytes: int, world: int, dcp: str) -> list[str]:
         f"{'load_pretrained (per rank)':<46}{share / t['in'] / 1e6:>8.0f}"
         f"{share / t['read'] / 1e6:>12.0f}{t['read'] / t['in']:>7.2f}"
     )
-    return lines + [dcp]
+    return [*lines, dcp]
 
 
 def _dcp_files(root: str, model, opt) -> str:

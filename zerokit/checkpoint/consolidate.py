@@ -212,7 +212,9 @@ def _consolidate(reader, output, max_shard_size, optimizer_output, written: list
     else:
         files = plan_files(_model_sizes(index), max_shard_size)
         for file in files:
-            _write_safetensors(os.path.join(output, file.name), list(file.tensors), reader, metadata)
+            _write_safetensors(
+                os.path.join(output, file.name), list(file.tensors), reader, metadata
+            )
             written.append(os.path.join(output, file.name))
         hf = hf_index(files, sum(_model_sizes(index).values()), index["aliases"])
         with open(os.path.join(output, HF_INDEX), "w", encoding="utf-8") as f:

@@ -286,7 +286,9 @@ def _to_hf(full: _Full, output: str, max_shard_size: int | None, many: Writers) 
 def _to_hf_set(full: _Full, output: str, max_shard_size: int, many: Writers) -> list[str]:
     """A set of files of at most ``max_shard_size`` bytes, split across ``many`` writers."""
     described = {name: full.describe(name) for name in full.names}
-    sizes = {n: torch.Size(shape).numel() * dtype.itemsize for n, (shape, dtype) in described.items()}
+    sizes = {
+        n: torch.Size(shape).numel() * dtype.itemsize for n, (shape, dtype) in described.items()
+    }
     files = plan_files(sizes, max_shard_size)
     finish = {HF_INDEX: hf_index(files, sum(sizes.values()), full.aliases), **full.model_config}
     metadata = {"format": "pt", ALIASES_KEY: json.dumps(full.aliases)}

@@ -156,11 +156,11 @@ def _write_own(tmp, files, owner, writer, write_file, start_check) -> tuple | No
             continue
         try:
             write_file(os.path.join(tmp, file.name), file)
-        except Exception as e:  # noqa: BLE001 - every writer must hear of it, then it is raised
+        except Exception as e:  # every writer must hear of it: raised after the agreement
             return (writer, file.name, f"{type(e).__name__}: {e}")
     try:
         wait()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return (writer, None, str(e))
     return None
 
