@@ -6,9 +6,12 @@ and a rank-0 torch.save of DDP's full state, side by side in one run on gloo CPU
 
 Then ``async_save``: how long the call blocks training (state copied to host memory, ranks
 agreed) against a synchronous ``save`` of the same state, and when its checkpoint is in place.
-Then export: ``consolidate`` to a Hugging Face set (rank 0) and ``load_pretrained`` from it
-(every rank, ``'p_g_os'``), in bytes/s beside a plain write (64 MiB blocks, fsync) and a
-plain read (``pread``, each rank its share) of the same bytes on the same disk.
+Then export: ``consolidate`` to a Hugging Face set of 8 files by one writer (rank 0) and by
+every rank (each writes whole files of its own), and ``load_pretrained`` from it (every rank,
+``'p_g_os'``), in bytes/s beside a plain write (64 MiB blocks, fsync; by one writer, and by
+every rank writing its share at once) and a plain read (``pread``, each rank its share) of
+the same bytes on the same disk; and the files a
+``save(format="dcp")`` writes (each rank its own ``__<rank>_0.distcp``).
 
     python benchmarks/checkpoint.py --sections export   # one section: save, async, export
 
@@ -205,40 +208,84 @@ def _plain_read(paths: list[str], share: int, rank: int, world: int) -> float:
 
 
 def _export_rows(root: str, base, x, y, repeats: int) -> list[str]:
-    """Consolidate (rank 0) and load_pretrained (every rank) against plain writes and reads of
-    the same bytes, alternating, medians of ``repeats``; files in the page cache for both."""
+    """Consolidate to a set of 8 files by one writer (rank 0) and by every rank (each writes
+    whole files of its own), and load_pretrained (every rank), against plain writes and reads
+    of the same bytes, alternating, medians of ``repeats``; files in the page cache for all."""
     model, opt = _stepped("os", base, x, y)
     path, hf = os.path.join(root, "export"), os.path.join(root, "export-hf")
     zerokit.checkpoint.save(path, model, opt)
     nbytes = sum(p.numel() * p.element_size() for p in base.parameters())
     rank, world = dist.get_rank(), dist.get_world_size()
     target, _ = _stepped("p_g_os", base, x, y)
-    times: dict[str, list[float]] = {k: [] for k in ("out", "trusted", "write", "in", "read")}
+    times: dict[str, list[float]] = {}
     part = nbytes // world  # each rank's share, read by load_pretrained and by the plain read
+    shard = nbytes // 8 + 1  # 8 files for the writers to share
+    consolidate, one = zerokit.checkpoint.consolidate, os.path.join(root, "export-one")
+    plain = os.path.join(root, f"plain-{rank}")  # the same bytes, each rank its share
+
+    def by_all(verify: bool) -> None:
+        consolidate(path, hf, shard, verify=verify, group=dist.group.WORLD)
+
     for _ in range(repeats):
-        if rank == 0:
-            for key, verify in (("out", True), ("trusted", False)):
+        for verify in (True, False):
+            if rank == 0:
                 start = time.perf_counter()
-                zerokit.checkpoint.consolidate(path, hf, max_shard_size=1 << 30, verify=verify)
-                times[key].append(time.perf_counter() - start)
-            times["write"].append(_plain_write(os.path.join(root, "plain"), nbytes))
-        dist.barrier()
-        times["in"].append(_timed(lambda: zerokit.checkpoint.load_pretrained(target, hf)))
+                consolidate(path, one, max_shard_size=shard, verify=verify)
+                times.setdefault(f"one {verify}", []).append(time.perf_counter() - start)
+            times.setdefault(f"all {verify}", []).append(_timed(lambda v=verify: by_all(v)))
+        if rank == 0:
+            times.setdefault("write", []).append(_plain_write(os.path.join(root, "plain"), nbytes))
+        times.setdefault("write all", []).append(_timed(lambda: _plain_write(plain, part)))
+        times.setdefault("in", []).append(
+            _timed(lambda: zerokit.checkpoint.load_pretrained(target, hf))
+        )
         files = sorted(os.path.join(hf, f) for f in os.listdir(hf) if f.endswith(".safetensors"))
-        times["read"].append(_timed(lambda files=files: _plain_read(files, part, rank, world)))
+        times.setdefault("read", []).append(
+            _timed(lambda files=files: _plain_read(files, part, rank, world))
+        )
+    dcp = _dcp_files(root, model, opt)
     if rank != 0:
         return []
-    t = {k: statistics.median(v) for k, v in times.items()}
-    share = nbytes / world
-    return [
-        f"\nexport of {nbytes / 2**20:.1f} MiB{'':<8}{'MB/s':>8}{'plain MB/s':>12}{'ratio':>7}",
-        f"{'consolidate (rank 0)':<30}{nbytes / t['out'] / 1e6:>8.0f}"
-        f"{nbytes / t['write'] / 1e6:>12.0f}{t['write'] / t['out']:>7.2f}",
-        f"{'consolidate --no-verify':<30}{nbytes / t['trusted'] / 1e6:>8.0f}"
-        f"{nbytes / t['write'] / 1e6:>12.0f}{t['write'] / t['trusted']:>7.2f}",
-        f"{'load_pretrained (per rank)':<30}{share / t['in'] / 1e6:>8.0f}"
-        f"{share / t['read'] / 1e6:>12.0f}{t['read'] / t['in']:>7.2f}",
+    return _export_lines({k: statistics.median(v) for k, v in times.items()}, nbytes, world, dcp)
+
+
+def _export_lines(t: dict, nbytes: int, world: int, dcp: str) -> list[str]:
+    mb = lambda seconds: nbytes / seconds / 1e6  # noqa: E731
+    lines = [
+        f"\nexport of {nbytes / 2**20:.1f} MiB (8 files){'':<11}{'MB/s':>8}{'plain MB/s':>12}"
+        f"{'ratio':>7}{'vs 1 writer':>13}"
     ]
+    write, write_all = t["write"], t["write all"]
+    for verify, label in ((True, "consolidate"), (False, "consolidate --no-verify")):
+        one, every = t[f"one {verify}"], t[f"all {verify}"]
+        lines.append(
+            f"{label + ', 1 writer':<46}{mb(one):>8.0f}{mb(write):>12.0f}"
+            f"{write / one:>7.2f}{1:>13.2f}"
+        )
+        lines.append(
+            f"{label + f', {world} writers (ranks)':<46}{mb(every):>8.0f}{mb(write_all):>12.0f}"
+            f"{write_all / every:>7.2f}{one / every:>13.2f}"
+        )
+    lines.append(
+        f"{f'plain write, {world} writers against 1':<46}{mb(write_all):>8.0f}{mb(write):>12.0f}"
+        f"{write / write_all:>7.2f}"
+    )
+    share = nbytes / world
+    lines.append(
+        f"{'load_pretrained (per rank)':<46}{share / t['in'] / 1e6:>8.0f}"
+        f"{share / t['read'] / 1e6:>12.0f}{t['read'] / t['in']:>7.2f}"
+    )
+    return [*lines, dcp]
+
+
+def _dcp_files(root: str, model, opt) -> str:
+    """save(format="dcp"): who wrote which bytes (each rank its own ``__<rank>_0.distcp``)."""
+    path = os.path.join(root, "export-dcp")
+    zerokit.checkpoint.save(path, model, opt, format="dcp")
+    sizes = {n: os.path.getsize(os.path.join(path, n)) for n in sorted(os.listdir(path))}
+    return "save(format='dcp') files: " + ", ".join(
+        f"{n} {size / 2**20:.1f} MiB" for n, size in sizes.items()
+    )
 
 
 def _async_rows(root: str, base, x, y, repeats: int) -> list[tuple]:

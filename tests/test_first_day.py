@@ -324,10 +324,14 @@ def _positional_entries(help_text: str) -> list[str]:
         (["inspect"], {"--tensors"}, ["checkpoint"]),
         (
             ["consolidate"],
-            {"--max-shard-size", "--optimizer", "--lightning", "--no-verify"},
+            {"--max-shard-size", "--optimizer", "--lightning", "--no-verify", "--writers"},
             ["checkpoint", "output"],
         ),
-        (["convert"], {"--to", "--no-optimizer"}, ["source", "output"]),
+        (
+            ["convert"],
+            {"--to", "--no-optimizer", "--max-shard-size", "--writers"},
+            ["source", "output"],
+        ),
     ],
 )
 def test_ckpt_help_shows_every_default(command, flags, positionals):

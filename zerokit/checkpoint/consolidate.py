@@ -28,9 +28,7 @@ from .holdings import OPTIM_PREFIX
 from .index import INDEX_NAME, CheckpointError, dtype_from_name
 from .reading import CheckpointReader, kind_of
 from .streaming import write_safetensors
-
-HF_INDEX = "model.safetensors.index.json"
-ALIASES_KEY = "zerokit_aliases"
+from .writers import ALIASES_KEY, HF_INDEX, Writers, hf_index, plan_files, write_set
 
 
 def _nbytes(entry: dict) -> int:
@@ -110,6 +108,8 @@ def consolidate(
     max_shard_size: int | None = None,
     optimizer_output: str | None = None,
     verify: bool = True,
+    writers: int = 1,
+    group=None,
 ) -> list[str]:
     """Write the full model, with the plain model's names and shapes, as one safetensors file
     (``load_consolidated(path, plain_model)`` loads it, tied names included) or, with
@@ -118,9 +118,17 @@ def consolidate(
     model's ``config.json`` (and ``generation_config.json``) when the saved model had a Hugging
     Face ``config``, so ``from_pretrained(output)`` loads it. ``verify=False`` trusts the
     files' contents: sizes and headers are still checked, the sha256s are not (they read the
-    whole checkpoint, optimizer state included). Returns the files written.
+    whole checkpoint, optimizer state included). A set is written by ``writers`` local
+    processes, or by every rank of ``group`` (each calls this), each writing whole files of
+    its own: the same bytes as one writer's. Returns the files written.
     On an error, the files it wrote are removed.
     """
+    many = Writers(group, writers)
+    if many.size() > 1 and (max_shard_size is None or optimizer_output is not None):
+        raise CheckpointError(
+            "several writers split a set of files: give --max-shard-size, and write "
+            "--optimizer in a run of one writer"
+        )
     with CheckpointReader(checkpoint) as reader:
         directory = os.path.realpath(reader.directory)
         for out in (output, optimizer_output):
@@ -136,6 +144,8 @@ def consolidate(
             _check_file_output(optimizer_output, "--optimizer")
             if reader.index["optimizer"] is None:
                 raise CheckpointError(f"{reader.directory}: holds no optimizer state")
+        if max_shard_size is not None and optimizer_output is None:
+            return _write_set(reader, output, max_shard_size, verify, many)
         # sizes and headers before anything is allocated (tensors fit in the files' bytes);
         # the sha256s beside the writing, checked before returning: on a mismatch what was
         # written is removed
@@ -157,38 +167,59 @@ def consolidate(
     return written
 
 
+def _metadata(reader) -> dict[str, str]:
+    return {
+        "format": "pt",
+        "zerokit_source": os.path.basename(os.path.abspath(reader.directory)),
+        ALIASES_KEY: json.dumps(reader.index["aliases"]),
+    }
+
+
+def _model_sizes(index: dict) -> dict[str, int]:
+    return {
+        n: _nbytes(e) for n, e in index["tensors"].items() if not n.startswith(OPTIM_PREFIX + ".")
+    }
+
+
+def _write_set(reader, output: str, max_shard_size: int, verify: bool, many: Writers) -> list:
+    """The model as a set, split across ``many`` writers (``writers.py``); the sha256s of the
+    checkpoint's files are checked beside the writing (a group's ranks each take a share)."""
+    reader.verify_all(hash=False)  # sizes and headers on every writer, before any byte
+    index, metadata = reader.index, _metadata(reader)
+    sizes = _model_sizes(index)
+    files = plan_files(sizes, max_shard_size)
+    finish = {HF_INDEX: hf_index(files, sum(sizes.values()), index["aliases"])}
+    finish.update(index.get("model_config", {}))  # from_pretrained needs config.json
+
+    def start_check(writer: int):
+        listed = sorted(index["files"])
+        share = listed[writer :: many.size()] if many.group is not None else listed
+        return reader.verify_all(hash_in_background=True, hash=verify, hashed=set(share))
+
+    def write_file(path: str, file) -> None:
+        _write_safetensors(path, list(file.tensors), reader, metadata)
+
+    return write_set(output, files, write_file, finish, many, start_check)
+
+
 def _consolidate(reader, output, max_shard_size, optimizer_output, written: list) -> None:
     index = reader.index
     names = [n for n in index["tensors"] if not n.startswith(OPTIM_PREFIX + ".")]
-    metadata = {
-        "format": "pt",
-        "zerokit_source": os.path.basename(os.path.abspath(reader.directory)),
-        ALIASES_KEY: json.dumps(index["aliases"]),
-    }
+    metadata = _metadata(reader)
     if max_shard_size is None:
         _write_safetensors(output, names, reader, metadata)
         written.append(output)
     else:
-        shards, size = [[]], 0
-        for name in names:
-            nbytes = _nbytes(index["tensors"][name])
-            if shards[-1] and size + nbytes > max_shard_size:
-                shards.append([])
-                size = 0
-            shards[-1].append(name)
-            size += nbytes
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_safetensors(os.path.join(output, fname), shard, reader, metadata)
-            written.append(os.path.join(output, fname))
-            weight_map.update(dict.fromkeys(shard, fname))
-        total = sum(_nbytes(index["tensors"][n]) for n in names)
-        meta = {"total_size": total, ALIASES_KEY: index["aliases"]}
-        hf_index = json.dumps({"metadata": meta, "weight_map": weight_map}, indent=1)
+        files = plan_files(_model_sizes(index), max_shard_size)
+        for file in files:
+            _write_safetensors(
+                os.path.join(output, file.name), list(file.tensors), reader, metadata
+            )
+            written.append(os.path.join(output, file.name))
+        hf = hf_index(files, sum(_model_sizes(index).values()), index["aliases"])
         with open(os.path.join(output, HF_INDEX), "w", encoding="utf-8") as f:
             written.append(os.path.join(output, HF_INDEX))
-            f.write(hf_index)
+            f.write(hf)
         for name, text in index.get("model_config", {}).items():  # from_pretrained needs it
             with open(os.path.join(output, name), "w", encoding="utf-8") as f:
                 written.append(os.path.join(output, name))

@@ -32,6 +32,7 @@ from .places import make_temp, remove, why_not_replaceable
 from .protocol import swap_in
 from .reading import CheckpointReader, resolve
 from .streaming import write_safetensors
+from .writers import ALIASES_KEY, HF_INDEX, Writers, hf_index, plan_files, write_set
 
 TARGETS = ("dcp", "zerokit", "hf")
 
@@ -263,9 +264,9 @@ def _to_dcp(full: _Full, tmp: str) -> None:
         os.fsync(f.fileno())
 
 
-def _to_hf(full: _Full, output: str) -> list[str]:
-    from .consolidate import ALIASES_KEY
-
+def _to_hf(full: _Full, output: str, max_shard_size: int | None, many: Writers) -> list[str]:
+    if max_shard_size is not None:
+        return _to_hf_set(full, output, max_shard_size, many)
     os.makedirs(output, exist_ok=True)
     target = os.path.join(output, "model.safetensors")
     entries = []
@@ -282,11 +283,49 @@ def _to_hf(full: _Full, output: str) -> list[str]:
     return written
 
 
-def convert(source: str, output: str, to: str, optimizer: bool = True) -> list[str]:
+def _to_hf_set(full: _Full, output: str, max_shard_size: int, many: Writers) -> list[str]:
+    """A set of files of at most ``max_shard_size`` bytes, split across ``many`` writers."""
+    described = {name: full.describe(name) for name in full.names}
+    sizes = {
+        n: torch.Size(shape).numel() * dtype.itemsize for n, (shape, dtype) in described.items()
+    }
+    files = plan_files(sizes, max_shard_size)
+    finish = {HF_INDEX: hf_index(files, sum(sizes.values()), full.aliases), **full.model_config}
+    metadata = {"format": "pt", ALIASES_KEY: json.dumps(full.aliases)}
+
+    def write_file(path: str, file) -> None:
+        entries = [
+            (name, described[name][1], list(described[name][0]), lambda name=name: full.read(name))
+            for name in file.tensors
+        ]
+        write_safetensors(path, entries, metadata, digest=False)
+
+    if os.path.lexists(output) and not os.path.isdir(output):
+        raise CheckpointError(f"output {output} exists and is not a directory")
+    return write_set(output, files, write_file, finish, many)
+
+
+def convert(
+    source: str,
+    output: str,
+    to: str,
+    optimizer: bool = True,
+    max_shard_size: int | None = None,
+    writers: int = 1,
+    group=None,
+) -> list[str]:
     """Write the checkpoint ``source`` (zerokit's or DCP) as ``to`` (``"dcp"``, ``"zerokit"``
-    or ``"hf"``) at ``output``; returns what was written."""
+    or ``"hf"``) at ``output``; returns what was written. ``--to hf`` with ``max_shard_size``
+    writes a set of files, split across ``writers`` local processes or the ranks of
+    ``group`` (each calls this): the same bytes as one writer's."""
     if to not in TARGETS:
         raise ValueError(f"--to {to!r}: one of {', '.join(TARGETS)}")
+    many = Writers(group, writers)
+    if (many.size() > 1 or max_shard_size is not None) and (to != "hf" or max_shard_size is None):
+        raise CheckpointError(
+            "several writers and --max-shard-size write a set of files: use them together, "
+            "with --to hf"
+        )
     directory = resolve(source)
     if is_dcp(directory) and not os.path.exists(os.path.join(directory, INDEX_NAME)):
         full = _from_dcp(directory, optimizer)
@@ -296,13 +335,13 @@ def convert(source: str, output: str, to: str, optimizer: bool = True) -> list[s
             full = _from_zerokit(reader)
             if not optimizer:
                 full.optimizer_class, full.groups, full.state = None, [], {}
-            return _write(full, os.path.abspath(output), to)
-    return _write(full, os.path.abspath(output), to)
+            return _write(full, os.path.abspath(output), to, max_shard_size, many)
+    return _write(full, os.path.abspath(output), to, max_shard_size, many)
 
 
-def _write(full: _Full, output: str, to: str) -> list[str]:
+def _write(full: _Full, output: str, to: str, max_shard_size, many: Writers) -> list[str]:
     if to == "hf":
-        return _to_hf(full, output)
+        return _to_hf(full, output, max_shard_size, many)
     refused = why_not_replaceable(output)
     if refused:
         raise CheckpointError(f"{refused}; zerokit never replaces it")

@@ -4,17 +4,18 @@ wrapped at any level, each rank reading only the bytes of what it holds.
 The names are the unwrapped model's ``state_dict()`` names. A rank's holdings
 (``holdings.collect``: its shard pieces, its tp slices, whole frozen parameters and buffers)
 say which elements of which tensor it needs; those become byte ranges of the file, found from
-the safetensors header (``ShardFile``: the file is mapped, never read whole). Three steps,
-each closed by a gather so that every rank raises the same ``CheckpointError`` and nothing is
-changed unless every rank succeeded: (1) headers read and the names compared, (2) every range
-read into staging (the rank's shards plus its whole tensors), (3) staging copied into the
-model (a bf16 or fp16 file into fp32 masters: the cast is exact), full parameters refreshed.
+the safetensors header (``ShardFile``: the file is mapped for its header, the ranges read by
+``pread``, never the whole file). Two steps: (1) headers read, the names and shapes compared
+and, where this rank's shapes match, every range read into staging (the rank's shards plus
+its whole tensors), closed by one gather so that every rank raises the same
+``CheckpointError`` and nothing is changed unless every rank succeeded; (2) staging copied
+into the model (a bf16 or fp16 file into fp32 masters: the cast is exact), full parameters
+refreshed.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 
 import torch
@@ -46,21 +47,12 @@ def load_pretrained(
     with the model unchanged.
     """
     group = world_group()
-    sources = None
-    try:
-        with alive(group):
-            sources, missing, unexpected = _open_and_compare(model, path, group, strict)
-            staged, error = [], None
-            try:
-                staged = _read(collect(model, None), sources)
-            except CheckpointError as e:
-                error = str(e)
-            except OSError as e:
-                error = f"{os.fspath(path)}: cannot read: {type(e).__name__}: {e}"
-            raise_any(gather_json("load_pretrained: read", [error, None], group, None))
-    finally:
-        if sources is not None:
-            sources.close()
+    with alive(group):
+        error, report, staged, in_files = _stage(model, os.fspath(path))
+        # one agreement for the names, the shapes and the reads: read before it, the staging
+        # is simply dropped unless every rank succeeded (a round trip fewer per load)
+        replies = raise_any(gather_json("load_pretrained", [error, report], group, None))
+        missing, unexpected = _verdict([r for _, r in replies], in_files, strict)
     with torch.no_grad():
         for chunk, values in staged:
             chunk.tensor.copy_(values)
@@ -70,23 +62,24 @@ def load_pretrained(
     return missing, unexpected
 
 
-def _open_and_compare(model, path, group, strict):
-    error, sources, report = None, None, {}
+def _stage(model, path: str) -> tuple[str | None, dict, list, list[str]]:
+    """This rank's side, before the agreement: ``(error, report, staged, names in the
+    files)``. The ranges are read only if this rank's shapes match (else the load fails)."""
+    error, report, staged, sources = None, {}, [], None
     try:
-        sources = _Sources(os.fspath(path))
-        report = _compare(collect(model, None), sources)
+        sources = _Sources(path)
+        holdings = collect(model, None)
+        report = _compare(holdings, sources)
+        if not report["mismatched"]:
+            staged = _read(holdings, sources)
     except CheckpointError as e:
         error = str(e)
     except OSError as e:
-        error = f"{os.fspath(path)}: cannot read: {type(e).__name__}: {e}"
-    try:
-        replies = raise_any(gather_json("load_pretrained", [error, report], group, None))
-        missing, unexpected = _verdict([r for _, r in replies], sources, strict)
-    except CheckpointError:
+        error = f"{path}: cannot read: {type(e).__name__}: {e}"
+    finally:
         if sources is not None:
             sources.close()
-        raise
-    return sources, missing, unexpected
+    return error, report, staged, list(sources.where) if sources is not None else []
 
 
 class _Sources:
@@ -106,7 +99,7 @@ class _Sources:
         try:
             for name, expected in files.items():
                 where = os.path.join(self.dir, name)
-                shard = ShardFile(dir_fd, name, where)
+                shard = ShardFile(dir_fd, name, where, keep_fd=True)
                 self.files[name] = shard
                 shard.header, shard.data_start = shard._parse_header()
                 for key in shard.header:
@@ -124,6 +117,9 @@ class _Sources:
                 for key in expected or ():
                     if key not in shard.header:
                         raise CheckpointError(f"{where}: has no {key!r}, which {INDEX} lists there")
+        except BaseException:
+            self.close()  # the files opened so far: their fds and mappings
+            raise
         finally:
             os.close(dir_fd)
 
@@ -150,25 +146,15 @@ class _Sources:
         return self.where[name].header[name]["shape"]
 
     def read(self, name: str, lo: int, hi: int, into: torch.Tensor) -> None:
-        """Elements ``[lo, hi)`` of ``name`` copied into ``into`` (of the file's dtype), one
-        copy from the mapped file."""
-        shard = self.where[name]
-        values = shard.read_into(name, lo, hi, into)  # the mapped pages are not needed after it
-        nbytes = values.numel() * values.element_size()
-        self.bytes_read += nbytes
-        begin = (
-            shard.data_start + shard.header[name]["data_offsets"][0] + lo * values.element_size()
-        )
-        first = begin - begin % mmap.PAGESIZE
-        if hasattr(mmap, "MADV_DONTNEED") and begin + nbytes > first:
-            # drop the pages from this process (the page cache keeps them): else every byte
-            # read would count twice in the rank's memory until the load ends
-            shard.mm.madvise(mmap.MADV_DONTNEED, first, begin + nbytes - first)
+        """Elements ``[lo, hi)`` of ``name`` read into ``into`` (of the file's dtype) by
+        ``pread``: the mapping is only for the header, so no page of the file is mapped into
+        the rank's memory (it would count twice until the load ends) and none faults in."""
+        self.where[name].pread_into(name, lo, hi, into)
+        self.bytes_read += (hi - lo) * into.element_size()
 
     def close(self) -> None:
         for shard in self.files.values():
-            if shard.mm is not None:
-                shard.mm.close()
+            shard.close()
 
 
 def _names_of(h: Holdings) -> dict[str, list[str]]:
@@ -200,12 +186,12 @@ def _listing(names: list[str]) -> str:
     return f"{len(names)} ({shown}{', ...' if len(names) > _SHOWN else ''})"
 
 
-def _verdict(reports: list[dict], sources: _Sources, strict: bool) -> tuple[list, list]:
+def _verdict(reports: list[dict], in_files: list[str], strict: bool) -> tuple[list, list]:
     """The same on every rank: every rank's report and the same files. Raises on a shape
     mismatch always, on missing or unexpected names with ``strict``."""
     known = {n for r in reports for n in r["names"]}
     missing = sorted({n for r in reports for n in r["missing"]})
-    unexpected = sorted(n for n in sources.where if n not in known)
+    unexpected = sorted(n for n in in_files if n not in known)
     mismatched = sorted({m for r in reports for m in r["mismatched"]})
     problems = []
     if mismatched:

@@ -89,13 +89,17 @@ def open_regular(dir_fd: int, name: str, where: str) -> int:
 class ShardFile:
     """One safetensors file, mapped once: hashed, parsed and read through that mapping."""
 
-    def __init__(self, dir_fd: int, name: str, where: str):
+    def __init__(self, dir_fd: int, name: str, where: str, keep_fd: bool = False):
         self.where = where
         fd = open_regular(dir_fd, name, where)
+        self.fd = fd if keep_fd else None  # for ``pread_into``; closed by ``close``
         try:
             self.size = os.fstat(fd).st_size
             self.mm = mmap.mmap(fd, self.size, access=mmap.ACCESS_COPY) if self.size else None
-        finally:
+        except BaseException:
+            os.close(fd)
+            raise
+        if not keep_fd:
             os.close(fd)  # the mapping keeps the file
         self.header: dict = {}
         self.data_start = 0
@@ -183,6 +187,27 @@ class ShardFile:
             self.mm, dtype=torch.uint8, count=(hi - lo) * dtype.itemsize, offset=offset
         )
         return out.copy_(raw.view(dtype)) if hi > lo else out
+
+    def pread_into(self, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """As ``read_into``, but read by ``pread`` (kept fd) straight into ``out``: one copy
+        by the kernel from the page cache, no page faults on the mapping and nothing of the
+        file left mapped in this process."""
+        info = self.header[key]
+        itemsize = DTYPE_OF[info["dtype"]].itemsize
+        offset = self.data_start + info["data_offsets"][0] + lo * itemsize
+        view = memoryview(out.view(torch.uint8).numpy())[: (hi - lo) * itemsize]
+        while view.nbytes:
+            n = os.preadv(self.fd, [view], offset)
+            if n == 0:
+                raise CheckpointError(f"{self.where}: ended early (truncated while being read?)")
+            view, offset = view[n:], offset + n
+
+    def close(self) -> None:
+        if self.mm is not None:
+            self.mm.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def read(self, key: str, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the flattened tensor ``key``: a tensor of its own."""
@@ -291,12 +316,13 @@ class CheckpointReader:
         self._files[name] = shard
         return shard
 
-    def verify_all(self, hash_in_background: bool = False, hash: bool = True):
+    def verify_all(self, hash_in_background: bool = False, hash: bool = True, hashed=None):
         """Every file's size and header now (so no tensor can claim bytes its file lacks) and
         its sha256: now, or with ``hash_in_background`` in a thread beside the caller's work
         (hashlib lets go of the GIL); then it returns a function that waits for the hashes
         and raises ``CheckpointError`` if one does not match (call it before publishing).
-        ``hash=False``: sizes and headers only."""
+        ``hash=False``: sizes and headers only. ``hashed``: the files whose sha256 the
+        background hashes (default all; several writers each take a share)."""
         for name in self.index["files"]:
             self.verify_file(name, hash=hash and not hash_in_background)
         if not hash_in_background or not hash:
@@ -307,6 +333,7 @@ class CheckpointReader:
         sums = [
             pool.submit(self._files[n].check_sha256, listed["sha256"])
             for n, listed in self.index["files"].items()
+            if hashed is None or n in hashed
         ]
         pool.shutdown(wait=False)
         return lambda: [s.result() for s in sums] and None

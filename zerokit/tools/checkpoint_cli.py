@@ -82,6 +82,18 @@ def add_parser(commands) -> None:
         "--no-optimizer", action="store_true",
         help="leave the optimizer state out (default: converted too)",
     )  # fmt: skip
+    for command in (consolidate_cmd, convert_cmd):
+        command.add_argument(
+            "--writers", type=int, default=1, metavar="N",
+            help="with --max-shard-size: N local processes write the set, each whole files "
+            "of its own (the same bytes as one writer's). Under torchrun every rank is a "
+            "writer instead (default: 1)",
+        )  # fmt: skip
+    convert_cmd.add_argument(
+        "--max-shard-size", metavar="SIZE",
+        help="with --to hf: write model-0000i-of-0000n.safetensors + index into OUTPUT "
+        "(default: none, one model.safetensors)",
+    )  # fmt: skip
     consolidate_cmd.add_argument(
         "--optimizer",
         metavar="PATH",
@@ -96,8 +108,17 @@ def run(args: argparse.Namespace) -> int:
             report, ok = describe(args.checkpoint, tensors=args.tensors)
             _print(report)
             return 0 if ok else 1
+        group = _torchrun_group()
+        if args.writers < 1:
+            raise ValueError(f"--writers must be at least 1, got {args.writers}")
+        max_size = parse_size(args.max_shard_size) if args.max_shard_size else None
         if args.ckpt_command == "convert":
-            written = convert(args.source, args.output, args.to, not args.no_optimizer)
+            written = convert(
+                args.source, args.output, args.to, not args.no_optimizer, max_size,
+                args.writers, group,
+            )  # fmt: skip
+            if not _rank_zero(group):
+                return 0
             _print("\n".join(f"wrote {path}" for path in written))
             if args.to == "hf":
                 _note_without_config(args.output, written)
@@ -106,14 +127,16 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("give an output file (or --lightning PATH)")
         written = []
         if args.output is not None:
-            max_size = parse_size(args.max_shard_size) if args.max_shard_size else None
             written += consolidate(
-                args.checkpoint, args.output, max_size, args.optimizer, not args.no_verify
-            )
+                args.checkpoint, args.output, max_size, args.optimizer, not args.no_verify,
+                args.writers, group,
+            )  # fmt: skip
         elif args.max_shard_size or args.optimizer:
             raise ValueError("--max-shard-size and --optimizer need an output")
         if args.lightning is not None:
             written += consolidate_lightning(args.checkpoint, args.lightning)
+        if not _rank_zero(group):  # one report for the set, not one per rank
+            return 0
         _print("\n".join(f"wrote {path}" for path in written))
         if args.max_shard_size and args.output:
             _note_without_config(args.output, written)
@@ -125,6 +148,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"zerokit ckpt {args.ckpt_command}: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _torchrun_group():
+    """Under torchrun (``WORLD_SIZE`` > 1) every rank is a writer: the world's gloo group."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.group.WORLD
+
+
+def _rank_zero(group) -> bool:
+    import torch.distributed as dist
+
+    return group is None or dist.get_rank(group) == 0
 
 
 def _note_without_config(output: str, written: list[str]) -> None:
