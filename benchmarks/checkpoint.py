@@ -271,7 +271,9 @@ def _async_rows(root: str, base, x, y, repeats: int) -> list[tuple]:
         first = not rows and repeats > 1  # the process's first async_save, on its own row
         if first:
             blocks, totals, once = blocks[1:], totals[1:], (blocks[0], totals[0])
-        rows.append((name + (", later" if first else ""), *map(statistics.median, (syncs, blocks, totals))))
+        rows.append(
+            (name + (", later" if first else ""), *map(statistics.median, (syncs, blocks, totals)))
+        )
         if first:
             rows.append((name + ", first", rows[-1][1], *once))
     return rows

@@ -109,7 +109,7 @@ def _host_memory(report: dict) -> list[str]:
     ]
     for (save, load), ranks in rows.items():
         lines.append(f"{format_bytes(save):>13}{format_bytes(load):>13}    for {_span(ranks)}")
-    return lines + [
+    notes = [
         "  async save: the host copy of what the rank writes (its shards and their optimizer "
         "state), made by the first save, held between saves",
         "  load: every chunk the rank holds, read and checked before anything is applied, and "
@@ -118,6 +118,7 @@ def _host_memory(report: dict) -> list[str]:
         "(tensors without a tp split go from the mapped shards to the file without a copy; a "
         "tp-split one is assembled, 2x its bytes, one at a time; the same with --max-shard-size)",
     ]
+    return [*lines, *notes]
 
 
 def _collectives(report: dict, body: dict, who: str) -> list[str]:
