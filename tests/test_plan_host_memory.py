@@ -24,6 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import zerokit
 from zerokit import LEVELS, group_sharded_parallel
+from zerokit.layout import init_hybrid_parallel
+from zerokit.models.gpt import GPT, GPTConfig, synthetic_batch
 from zerokit.tools.plan import PlanConfig, make_plan
 
 WIDTH = 67  # odd: the shards are uneven at 2 and 3 ranks
@@ -54,6 +56,15 @@ def scaled_mlp():
     return model, make_batch
 
 
+def gpt_tp(layout=None):
+    """A small GPT for ``--tp`` (the plain one without a layout, its tp twin with one): its
+    embedding and MLP split over tp, so ``consolidate`` assembles them."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64,
+                    tensor_parallel=layout is not None)  # fmt: skip
+    return GPT(cfg, layout)
+
+
 def peak_allocated(fn) -> int:
     """The most bytes torch's CPU allocator held at once, of those it handed out on this
     thread while ``fn`` ran (see the module's docstring)."""
@@ -75,9 +86,9 @@ def peak_allocated(fn) -> int:
     return max(0, *(total - before for _, _, total in records))
 
 
-def _plan(world: int, level: str) -> dict:
+def _plan(world: int, level: str, model: str = "scaled_mlp", tp: int = 1) -> dict:
     return make_plan(
-        PlanConfig(world=world, level=level, model=f"{__name__}:scaled_mlp", batch=ROWS)
+        PlanConfig(world=world, level=level, model=f"{__name__}:{model}", batch=ROWS, tp=tp)
     )
 
 
@@ -102,9 +113,25 @@ def _within(measured: int, planned: int, what: str) -> None:
     )
 
 
-def _measured_against_plan(rank: int, world: int, level: str, plan: dict, root: str) -> None:
+def _trained_tp(level: str, rank: int, world: int):
+    """tp over the world: each rank its slices of ``gpt_tp``, ZeRO over nothing else."""
+    from zerokit.tensor_parallel import ParallelCrossEntropy
+
+    layout = init_hybrid_parallel(1, world)
+    model, loss_fn = gpt_tp(layout), ParallelCrossEntropy(layout=layout)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt, _ = group_sharded_parallel(model, opt, level, group=layout.dp_group)
+    for step in range(2):
+        x, y = synthetic_batch(256, ROWS, 16, seed=step)
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def _measured_against_plan(rank, world, level: str, plan: dict, root: str, tp=False) -> None:
     """In a fresh process (the async save is its first: the staging is allocated now)."""
-    model, opt = _trained(level, rank, world)
+    model, opt = (_trained_tp if tp else _trained)(level, rank, world)
     planned = plan["ranks"][rank]["host_memory"]
     what = f"level {level!r}, rank {rank} of {world}"
     path = os.path.join(root, level)
@@ -115,10 +142,8 @@ def _measured_against_plan(rank: int, world: int, level: str, plan: dict, root: 
     loaded = peak_allocated(lambda: zerokit.checkpoint.load(path, model, opt))
     _within(loaded, planned["load"], f"{what}: load")
     if rank == 0:  # consolidate runs in one process
-        out = os.path.join(root, f"{level}-hf")
-        done = peak_allocated(
-            lambda: zerokit.checkpoint.consolidate(path, out, max_shard_size=4096)
-        )
+        out = os.path.join(root, f"{level}.safetensors")
+        done = peak_allocated(lambda: zerokit.checkpoint.consolidate(path, out))  # one file
         assert done == planned["consolidate"], f"{what}: consolidate allocated {done}"
     dist.barrier()
 
@@ -128,3 +153,12 @@ def test_host_memory_rows_hold_the_measured_peaks(world, tmp_path):
     for level in LEVELS:
         plan = _plan(world, level)
         run_distributed(_measured_against_plan, world, level, plan, str(tmp_path))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_tensor_parallel_rows_hold_the_measured_peaks(level, tmp_path):
+    """tp 2: an unsplit tensor is written by tp rank 0 alone, and consolidate assembles the
+    split ones (its only allocation)."""
+    plan = _plan(2, level, "gpt_tp", tp=2)
+    assert plan["ranks"][0]["host_memory"]["consolidate"] > 0
+    run_distributed(_measured_against_plan, 2, level, plan, str(tmp_path), True)

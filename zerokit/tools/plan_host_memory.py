@@ -19,9 +19,12 @@ Note: what each figure is, following the code it plans.
   Optimizer scalars kept as tensors (Adam's ``step``) are made afresh too.
 - **consolidate** (one process): tensors without a tp split go from the mapped shards to the
   output file without a copy (nothing allocated; the page cache holds what was read, and the
-  kernel may drop it); a tp-split tensor is read part by part and assembled (``read_full``):
-  its parts and the whole at once, 2x its bytes, one tensor at a time. ``--max-shard-size``
-  changes only where the files end: they are streamed, never held.
+  kernel may drop it); a tp-split tensor is read part by part and assembled (``read_full``,
+  ``tensor_parallel.topology``'s ``assemble``: its parts, the blocks and their concatenation
+  at once, 3x its bytes), beside the tensor written before it if that one was assembled too
+  (``streaming.write_safetensors``'s loop holds its last buffer until the next is produced).
+  The figure is for one output file; ``--max-shard-size`` only ends files sooner (each new
+  file lets the previous tensor go), so it is at most that.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def host_memory_of(model, optimizer) -> dict | None:
     return {
         "async_save": sum(_nbytes(c) for c in h.chunks if c.primary),
         "load": _load_peak(h),
-        "consolidate": 2 * max(_split_bytes(h), default=0),
+        "consolidate": _consolidate_peak(h),
     }
 
 
@@ -65,9 +68,15 @@ def _itemsize(dtype_name: str | None) -> int:
     return getattr(torch, dtype_name).itemsize if dtype_name else 0
 
 
-def _split_bytes(h: Holdings):
-    """The full bytes of each tp-split tensor of the model (consolidate assembles these)."""
+def _consolidate_peak(h: Holdings) -> int:
+    """Tensors in the checkpoint's order (the index's, which consolidate writes in), into one
+    file: a tp-split one is 3x its bytes at once (its parts, then ``assemble``'s blocks and
+    their concatenation: two ``torch.cat``), beside the tensor written before it if that one
+    was assembled too (the writer's loop holds its last buffer until the next is produced);
+    an unsplit one is a view of the mapped file."""
+    peak = previous = 0
     for name in h.param_names:
         meta = h.metas[name]
-        if meta.split is not None:
-            yield math.prod(meta.shape) * meta.dtype.itemsize
+        nbytes = math.prod(meta.shape) * meta.dtype.itemsize if meta.split is not None else 0
+        peak, previous = max(peak, previous + 3 * nbytes), nbytes
+    return peak

@@ -99,24 +99,27 @@ def _host_memory(report: dict) -> list[str]:
     hosts = [e.get("host_memory") for e in report["ranks"]]
     if not all(hosts):  # not planned here (pipelines)
         return []
-    rows: dict[tuple, list[int]] = {}
+    rows: dict[str, list[int]] = {}  # ranks whose figures print alike share a row
     for r, host in enumerate(hosts):
-        rows.setdefault((host["async_save"], host["load"]), []).append(r)
+        figures = f"{format_bytes(host['async_save']):>13}{format_bytes(host['load']):>13}"
+        rows.setdefault(figures, []).append(r)
     lines = [
         "",
         "host memory of checkpoint I/O per rank, allocated (zerokit/tools/plan_host_memory.py)",
         f"{'async save':>13}{'load':>13}",
     ]
-    for (save, load), ranks in rows.items():
-        lines.append(f"{format_bytes(save):>13}{format_bytes(load):>13}    for {_span(ranks)}")
+    for figures, ranks in rows.items():
+        who = f"rank {_span(ranks)}" if len(ranks) == 1 else f"ranks {_span(ranks)}"
+        lines.append(f"{figures}    for {who}")
     notes = [
         "  async save: the host copy of what the rank writes (its shards and their optimizer "
         "state), made by the first save, held between saves",
         "  load: every chunk the rank holds, read and checked before anything is applied, and "
         "one chunk's read in flight",
         f"  consolidate (one process): {format_bytes(max(h['consolidate'] for h in hosts))} "
-        "(tensors without a tp split go from the mapped shards to the file without a copy; a "
-        "tp-split one is assembled, 2x its bytes, one at a time; the same with --max-shard-size)",
+        "into one file (tensors without a tp split go from the mapped shards to the file "
+        "without a copy; a tp-split one is assembled, 3x its bytes, beside the one before it; "
+        "--max-shard-size: at most this)",
     ]
     return [*lines, *notes]
 
