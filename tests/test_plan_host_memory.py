@@ -1,6 +1,9 @@
 """`zerokit plan`'s host-memory rows against the real operations: a first ``async_save``, a
 ``load`` and a ``consolidate`` run on 2 and 3 gloo ranks at every level, each one's peak host
-allocation measured, within 10% of the plan's row for that rank.
+allocation measured, within 10% of the plan's row for that rank (what the plan leaves out is
+the ranks' agreement, a few KiB of JSON sent as byte tensors: 4-7% of these models' staging),
+and the staging held after the save and ``consolidate``'s peak equal to it exactly. At tp 2,
+an unsplit tensor is written by tp rank 0 alone and ``consolidate`` assembles the split ones.
 
 The measure: the bytes torch's CPU allocator hands out on the calling thread during the
 operation, net of what it frees, at their most (the profiler's allocation records with
@@ -148,14 +151,17 @@ def _measured_against_plan(rank, world, level: str, plan: dict, root: str, tp=Fa
     dist.barrier()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_host_memory_rows_hold_the_measured_peaks(world, tmp_path):
     for level in LEVELS:
         plan = _plan(world, level)
         run_distributed(_measured_against_plan, world, level, plan, str(tmp_path))
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize(
+    "level",
+    [pytest.param(level, marks=[] if level == "p_g_os" else pytest.mark.slow) for level in LEVELS],
+)
 def test_tensor_parallel_rows_hold_the_measured_peaks(level, tmp_path):
     """tp 2: an unsplit tensor is written by tp rank 0 alone, and consolidate assembles the
     split ones (its only allocation)."""

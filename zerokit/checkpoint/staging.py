@@ -4,9 +4,10 @@ Note: why keep it, and why one block per dtype. A fresh host copy of every prima
 the first ``async_save`` the allocation and the page faults of all of that memory (on CUDA,
 pinning it too) while training waits; the next save of the same model copies into the same
 memory, a plain memcpy. The first save makes that memory as cheaply as it can: one block per
-dtype (the chunks are views of it), advised to the kernel as huge pages (Linux THP, where it
-is ``always`` or ``madvise``: a 2 MiB fault instead of 512 small ones), and faulted in by the
-copy itself (no zeroing pass first). ``prewarm`` pays all of it ahead of the first save, when
+dtype (the chunks are views of it), faulted in by the copy itself (no zeroing pass first).
+Transparent huge pages (``madvise(MADV_HUGEPAGE)`` on the blocks) were tried and measured
+slower: the kernel's zeroing of 2 MiB pages cost the first copy more CPU time than the small
+pages' faults (docs/BENCHMARKS.md). ``prewarm`` pays all of it ahead of the first save, when
 the caller asks. The blocks are reused only once the previous save has finished
 (``protocol.wait_in_flight`` runs first), and made anew when any chunk's shape or dtype
 changed (the old ones freed first).
@@ -14,15 +15,9 @@ changed (the old ones freed first).
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
 from .holdings import Chunk, collect
-
-_HUGE = 2 << 20  # bytes of an x86-64 / arm64 transparent huge page
-_MADV_HUGEPAGE = 14
 
 
 class StagingBuffers:
@@ -84,31 +79,4 @@ class StagingBuffers:
 
 
 def _block(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    block = torch.empty(numel, dtype=dtype, pin_memory=pinned)
-    if not pinned:
-        _advise_huge_pages(block)
-    return block
-
-
-def _advise_huge_pages(block: torch.Tensor) -> None:
-    """Ask for transparent huge pages over the whole 2 MiB pages inside ``block`` (not yet
-    touched: the kernel backs them with huge pages as they fault). Where that cannot be
-    asked (not Linux, THP off), the small pages it gets anyway."""
-    start = block.data_ptr()
-    lo = -(-start // _HUGE) * _HUGE
-    hi = (start + block.numel() * block.element_size()) // _HUGE * _HUGE
-    madvise = _madvise()
-    if madvise is not None and hi > lo:
-        madvise(lo, hi - lo, _MADV_HUGEPAGE)  # its failure only leaves small pages
-
-
-@functools.cache
-def _madvise():
-    """libc's ``madvise`` (the process's own symbols: no library search), or None where
-    there is none."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, TypeError, AttributeError):  # TypeError: Windows takes no None
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return fn
+    return torch.empty(numel, dtype=dtype, pin_memory=pinned)
