@@ -28,6 +28,7 @@ from ..layout import init_hybrid_parallel
 from ..memory import measure
 from ..mixed_precision import MixedPrecision
 from ..scaler import ShardedGradScaler, step_and_zero
+from .plan_host_memory import host_memory_of
 from .plan_moe import expert_dense_bytes, split_experts
 from .plan_optimizers import OPTIMIZERS, as_list, step_flops
 from .workload import Workload, as_workload, tp_workload
@@ -76,6 +77,8 @@ class RankRun:
     """The optimizer step's FLOPs on this rank (``zerokit.tools.plan_optimizers.FLOPS_RULE``)."""
     moe: dict | None = None
     """Under ``ep``: the experts' and the dense bytes (``plan_moe.expert_dense_bytes``)."""
+    host: dict | None = None
+    """The host memory of its checkpoint I/O (``plan_host_memory.host_memory_of``)."""
 
 
 NO_VALUES = (
@@ -162,7 +165,8 @@ def _play(job: Job, rank: int, factory: Callable) -> RankRun:
             step_and_zero(opt, scaler)
     calls = [(roles.get(id(g), "model"), c) for g in recording_groups() for c in g.calls]
     memory = {"params": held.params, "grads": held.grads, "optimizer": held.optimizer}
-    return RankRun(rank, memory, calls, step_flops(as_list(opt)), moe)
+    host = host_memory_of(model, opt) if job.ep == 1 else None  # split experts: not saved
+    return RankRun(rank, memory, calls, step_flops(as_list(opt)), moe, host)
 
 
 #: how the micro-batches of an accumulated step are reduced: each one in full ("every"), the

@@ -245,6 +245,7 @@ def _rank_entry(cfg: PlanConfig, rank: int, run: RankRun, per_tp_rank: dict, cal
         "collectives": aggregate(calls),
         "bytes_per_step": round(sum(c.sent for c in calls)),
         "optimizer_flops": run.flops,
+        "host_memory": run.host,
     }
 
 
@@ -333,7 +334,10 @@ def _play_alike_once(job: Job, cfg: PlanConfig, factory, per_tp_rank: dict) -> d
     for rank in range(cfg.world):
         t = _tp_class(rank, cfg.tp)
         units = per_tp_rank[t][0]
-        alike.setdefault((t, holding(units, (rank // cfg.tp) % job.degree)), []).append(rank)
+        g = (rank // cfg.tp) % job.degree
+        # what a rank writes (its async save's staging) depends on its place too
+        writes = (g == 0, rank // cfg.tp // job.degree == 0, rank % cfg.tp == 0)
+        alike.setdefault((t, holding(units, g), writes), []).append(rank)
     played = {}
     for ranks in alike.values():
         played.update(dict.fromkeys(ranks, run_rank(job, ranks[0], factory)))

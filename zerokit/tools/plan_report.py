@@ -24,6 +24,7 @@ def format_plan(report: dict) -> str:
         if "stage" in body:
             who += f", stage {body['stage']}"
         lines += _collectives(report, body, who)
+    lines += _host_memory(report)
     if "links" in report:  # --accumulation: bytes by link, each way to accumulate
         lines += format_links(report["links"], report["accumulation"])
     if "moe" in report:  # --ep: the all-to-alls and the experts' bytes beside the dense
@@ -90,6 +91,37 @@ def _memory_rows(report: dict, groups: list) -> list[str]:
             )
         )
     return lines
+
+
+def _host_memory(report: dict) -> list[str]:
+    """The host memory of checkpoint I/O (``zerokit.tools.plan_host_memory``); alike ranks
+    share a row."""
+    hosts = [e.get("host_memory") for e in report["ranks"]]
+    if not all(hosts):  # not planned here (pipelines)
+        return []
+    rows: dict[str, list[int]] = {}  # ranks whose figures print alike share a row
+    for r, host in enumerate(hosts):
+        figures = f"{format_bytes(host['async_save']):>13}{format_bytes(host['load']):>13}"
+        rows.setdefault(figures, []).append(r)
+    lines = [
+        "",
+        "host memory of checkpoint I/O per rank, allocated (zerokit/tools/plan_host_memory.py)",
+        f"{'async save':>13}{'load':>13}",
+    ]
+    for figures, ranks in rows.items():
+        who = f"rank {_span(ranks)}" if len(ranks) == 1 else f"ranks {_span(ranks)}"
+        lines.append(f"{figures}    for {who}")
+    notes = [
+        "  async save: the host copy of what the rank writes (its shards and their optimizer "
+        "state), made by the first save, held between saves",
+        "  load: every chunk the rank holds, read and checked before anything is applied, and "
+        "one chunk's read in flight",
+        f"  consolidate (one process): {format_bytes(max(h['consolidate'] for h in hosts))} "
+        "into one file (tensors without a tp split go from the mapped shards to the file "
+        "without a copy; a tp-split one is assembled, 3x its bytes, beside the one before it; "
+        "--max-shard-size: at most this)",
+    ]
+    return [*lines, *notes]
 
 
 def _collectives(report: dict, body: dict, who: str) -> list[str]:
