@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from ..core import alive, whole_shards
-from ..moe.state_dict import refuse_split_experts
 from . import extra as extra_state
 from .agreement import rank as this_rank
 from .agreement import world_group
@@ -224,7 +223,6 @@ def save(
     directory instead (FSDP2 loads it with ``dcp.load`` and ``set_state_dict`` at any world
     size), as atomically; it may replace a DCP directory as well.
     """
-    refuse_split_experts(model, "zerokit.checkpoint.save()")  # before anything is written
     wait_in_flight()  # this process's async_save first: one save at a time
     path = os.path.abspath(os.fspath(path))
     group = world_group()

@@ -3,15 +3,20 @@
 at one ep (level, world) loads at another, and into ``from_pretrained``.
 
 Collective: every rank calls them (the model's own ``state_dict`` gathers at 'p_g_os').
-Optimizer state is not carried across ep (yet): a resumed run starts its optimizer afresh.
+They carry no optimizer state: ``zerokit.checkpoint`` (``save``, ``load``, DCP) does, through
+``expert_splits``, which tells it what part of each whole [E, ...] tensor a rank holds.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
+from ..tensor_parallel.topology import TPSplit
 from .experts import ExpertParallelExperts
 
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -58,13 +63,28 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     model.load_state_dict(state)
 
 
-def refuse_split_experts(model: nn.Module, call: str) -> None:
-    """A sharded checkpoint of split experts is not written yet: say what to use instead
-    (every rank raises it alike: the model's structure is the same on every rank)."""
-    if any(isinstance(m, ExpertParallelExperts) for m in model.modules()):
-        raise NotImplementedError(
-            f"{call} does not save experts split across ep ranks yet (each rank holds E / ep "
-            "of a layer's experts under the same names); save "
-            "zerokit.moe.full_state_dict(model) (the whole model, every rank) and load it with "
-            "zerokit.moe.load_full_state_dict at any ep"
-        )
+@dataclass(frozen=True)
+class ExpertSplit:
+    """What a rank holds of one expert parameter of the unsplit model ([E, ...]): part
+    ``part`` of ``split`` (dim 0, one part of E / ep experts per ep rank), the same part as
+    every rank of ``holders`` (its expert-data-parallel group, which shards it)."""
+
+    split: TPSplit
+    part: int
+    holders: ProcessGroup
+
+
+def expert_splits(model: nn.Module) -> dict[int, ExpertSplit]:
+    """id(parameter) -> its ``ExpertSplit``, for every split experts module of ``model``:
+    how a checkpoint names a rank's experts as slices of the unsplit model's tensors."""
+    out = {}
+    for module in model.modules():
+        if not isinstance(module, ExpertParallelExperts):
+            continue
+        split = TPSplit.of(0, module.num_experts, module.groups.ep, what="experts")
+        # ep ranks hold consecutive experts: the part is where this rank's first one falls
+        part = module.first_expert // module.num_local_experts
+        for param in _EXPERT_PARAMS:
+            held = ExpertSplit(split, part, module.groups.expert_dp_group)
+            out[id(getattr(module, param))] = held
+    return out
