@@ -9,12 +9,15 @@ state) are checked with SGD, which has no state to carry."""
 import functools
 import json
 import os
+import re
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_helpers import run_distributed
 from moe_models import batches, tiny_moe, train_ranks, train_reference
+from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import zerokit
@@ -143,9 +146,20 @@ def test_dcp_saved_by_torch_loads_into_split_experts(tmp_path):
     run_distributed(_leg, 2, 2, "p_g_os", 2, 2, path)
 
 
+def _experts_read(name: str, lo: int, hi: int, per_expert: int) -> set[int] | None:
+    """The experts whose values a read of ``[lo, hi)`` of ``name`` holds (None: no expert's):
+    a 3-D tensor's rows, or the expert a per-expert tensor's name says."""
+    per_file = re.fullmatch(r".*experts\.(\d+)\..*", name)
+    if per_file:
+        return {int(per_file.group(1))}
+    if name in EXPERT_KEYS:
+        return set(range(lo // per_expert, (hi - 1) // per_expert + 1))
+    return None
+
+
 def _reads_its_experts(rank, world, path, ep):
-    """load_pretrained into split experts: the values exact, and each rank's reads of an
-    expert tensor inside its own experts' rows, every element read by one rank."""
+    """load_pretrained into split experts: the values exact, each rank's reads of experts
+    inside its own experts, every expert element read by one rank."""
     reads = []  # (name, lo, hi): elements of the file's tensor read here
     read_into = ShardFile.read_into
 
@@ -159,22 +173,30 @@ def _reads_its_experts(rank, world, path, ep):
     want = tiny_moe("mixtral", EXPERTS, seed=3).state_dict()
     _same(full_state_dict(model), want, "load_pretrained", atol=0)
     part = dist.get_rank() % ep  # the ep rank: neighbouring ranks split the experts
-    counts = []
-    for key in EXPERT_KEYS:
-        per_expert = want[key][0].numel()
-        first, last = part * EXPERTS // ep, (part + 1) * EXPERTS // ep
-        mine = [(lo, hi) for name, lo, hi in reads if name == key]
-        for lo, hi in mine:
-            assert first * per_expert <= lo < hi <= last * per_expert, (key, part, lo, hi)
-        counts.append(sum(hi - lo for lo, hi in mine))
-    total = torch.tensor(counts)
-    dist.all_reduce(total)
-    assert total.tolist() == [want[k].numel() for k in EXPERT_KEYS]  # each element once
+    mine = set(range(part * EXPERTS // ep, (part + 1) * EXPERTS // ep))
+    per_expert = {k: want[k][0].numel() for k in EXPERT_KEYS}
+    read = torch.zeros((), dtype=torch.int64)
+    for name, lo, hi in reads:
+        experts = _experts_read(name, lo, hi, per_expert.get(name, 0))
+        if experts is not None:
+            assert experts <= mine, f"rank {rank} (ep part {part}) read {name} [{lo}, {hi})"
+            read += hi - lo
+    dist.all_reduce(read)
+    assert read.item() == sum(want[k].numel() for k in EXPERT_KEYS)  # each element once
 
 
-def test_load_pretrained_reads_only_a_ranks_experts(tmp_path):
-    tiny_moe("mixtral", EXPERTS, seed=3).save_pretrained(tmp_path, save_original_format=False)
-    run_distributed(_reads_its_experts, 4, str(tmp_path), 2)
+@pytest.mark.parametrize(
+    "files, ep", [("per_expert", 2), ("merged", 4)], ids=["hf-per-expert-ep2", "3d-ep4"]
+)
+def test_load_pretrained_reads_only_a_ranks_experts(tmp_path, files, ep):
+    """``files``: what save_pretrained writes (one tensor per expert, the layout of the
+    models' published files), or the 3-D parameters as the model names them."""
+    plain = tiny_moe("mixtral", EXPERTS, seed=3)
+    plain.save_pretrained(tmp_path, save_original_format=files == "per_expert")
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        per_expert = any(".experts.0.w1." in n for n in f.keys())
+    assert per_expert == (files == "per_expert"), "the layout this case is about"
+    run_distributed(_reads_its_experts, 4, str(tmp_path), ep)
 
 
 def _save_split(rank, world, path, level, whole_file):
