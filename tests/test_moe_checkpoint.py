@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import zerokit
 import zerokit.checkpoint
+from zerokit.checkpoint.holdings import collect
 from zerokit.checkpoint.reading import ShardFile
 from zerokit.moe import (
     apply_expert_parallel,
@@ -72,13 +73,43 @@ def _same(got, want, what, atol=ATOL):
         )
 
 
+class _recording(list):
+    """(name, lo, hi) of every call of ``cls.method`` in this process, until put back."""
+
+    def __init__(self, cls, method: str):
+        super().__init__()
+        self.cls, self.original = cls, getattr(cls, method)
+
+        def recording(shard, name, lo, hi, *rest):
+            self.append((name, lo, hi))
+            return self.original(shard, name, lo, hi, *rest)
+
+        setattr(cls, method, recording)
+
+
+def _expert_name(name: str) -> bool:
+    """An expert parameter or its optimizer state (``optim.<key>.<parameter>``)."""
+    return any(name == k or name.endswith("." + k) for k in EXPERT_KEYS)
+
+
+def _expert_elements_held(model, opt) -> int:
+    """The expert elements (parameters and optimizer state) this rank holds and loads."""
+    return sum(c.tensor.numel() for c in collect(model, opt).chunks if _expert_name(c.name))
+
+
 def _leg(rank, world, ep, level, done, steps, load_from=None, save_to=None, how="save"):
     """Load (optimizer state too) what ``done`` steps left, train ``steps`` more, save; the
     model then equals one process after ``done + steps`` steps."""
     what = f"world {world} ep {ep} {level}, after step {done + steps}"
     model, opt = _model(ep, level, seed=7 if load_from else 0)
     if load_from is not None:
+        reads = _recording(ShardFile, "read")
         zerokit.checkpoint.load(load_from, model, opt)
+        ShardFile.read = reads.original
+        held = _expert_elements_held(model, opt)  # the optimizer's state exists once loaded
+        if os.path.exists(os.path.join(load_from, "index.json")):  # zerokit's format
+            got = sum(hi - lo for key, lo, hi in reads if _expert_name(key.rpartition("@")[0]))
+            assert got == held, f"{what}: read {got} expert elements, holds {held}"
     train_ranks(model, opt, TOKENS[done : done + steps], rank, world)
     if how == "async":
         zerokit.checkpoint.async_save(save_to, model, opt).result()
@@ -166,14 +197,7 @@ def _experts_read(name: str, lo: int, hi: int, per_expert: int) -> set[int] | No
 def _reads_its_experts(rank, world, path, ep):
     """load_pretrained into split experts: the values exact, each rank's reads of experts
     inside its own experts, every expert element read by one rank."""
-    reads = []  # (name, lo, hi): elements of the file's tensor read here
-    read_into = ShardFile.read_into
-
-    def recording(self, name, lo, hi, into):
-        reads.append((name, lo, hi))
-        return read_into(self, name, lo, hi, into)
-
-    ShardFile.read_into = recording
+    reads = _recording(ShardFile, "read_into")  # (name, lo, hi) of the file's tensors
     model, _ = _model(ep, "p_g_os", seed=7)
     zerokit.checkpoint.load_pretrained(model, path)
     want = tiny_moe("mixtral", EXPERTS, seed=3).state_dict()

@@ -491,3 +491,27 @@ def full_runs(meta: TensorMeta, start: int, numel: int) -> Iterator[tuple[int, i
         row += 1
     if pending:
         yield pending
+
+
+def row_part_runs(
+    meta: TensorMeta, saved: TPSplit | None, start: int, numel: int
+) -> list[tuple[int, int, int, int]] | None:
+    """Where elements ``[start, start + numel)`` of this rank's tensor lie in a checkpoint
+    whose parts are split by ``saved``, when both splits (or no split) cut whole rows of dim 0
+    (split experts at any ep; a tp colwise weight): ``(saved part, start in it, numel, offset
+    in the request)`` runs, so a load at another ep reads only this rank's rows. None for any
+    other pair of splits (the caller reads the tensor whole)."""
+    if not all(s is None or (s.dim == 0 and s.stride == 1) for s in (meta.split, saved)):
+        return None
+    inner = math.prod(meta.shape[1:])
+    sizes = saved.block_sizes if saved is not None else (meta.shape[0] if meta.shape else 1,)
+    bounds = [0]
+    for rows in sizes:  # each saved part's first and last flat element in the full tensor
+        bounds.append(bounds[-1] + rows * inner)
+    runs = []
+    for lo, hi, at in full_runs(meta, start, numel):
+        for part in range(len(sizes)):
+            a, b = max(lo, bounds[part]), min(hi, bounds[part + 1])
+            if a < b:
+                runs.append((part, a - bounds[part], b - a, at + a - lo))
+    return runs
