@@ -231,6 +231,25 @@ def test_load_pretrained_reads_only_a_ranks_experts(tmp_path, files, ep):
     run_distributed(_reads_its_experts, 4, str(tmp_path), ep)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3"])
+def test_per_expert_files_read_as_the_3d_experts(tmp_path, family):
+    """No process group: what save_pretrained writes for each family the plan knows, seen
+    through ``per_expert_sources``, is the model's own state dict, every file tensor used."""
+    from safetensors.torch import load_file
+
+    from zerokit.moe.state_dict import per_expert_sources
+
+    model = tiny_moe(family, EXPERTS)
+    model.save_pretrained(tmp_path)
+    files = load_file(str(tmp_path / "model.safetensors"))
+    merged = per_expert_sources({k: list(v.shape) for k, v in files.items()})
+    used = {n for parts, _ in merged.values() for n in parts}
+    seen = {k: v for k, v in files.items() if k not in used}
+    for name, (parts, shape) in merged.items():
+        seen[name] = torch.cat([files[n].reshape(-1) for n in parts]).view(shape)
+    _same(seen, model.state_dict(), family, atol=0)
+
+
 def _save_split(rank, world, path, level, whole_file):
     model, opt = _model(2, level)
     if level is not None:
