@@ -272,6 +272,7 @@ def test_consolidate_to_a_directory_from_pretrained_loads(tmp_path):
         path, out = str(tmp_path / f"ckpt-{level}"), str(tmp_path / f"hf-{level}")
         whole_file = str(tmp_path / f"whole-{level}.pt")
         run_distributed(_save_split, 4, path, level, whole_file)
+        assert cli(["ckpt", "inspect", path]) == 0
         assert cli(["ckpt", "consolidate", path, out, "--max-shard-size", "20KB"]) == 0
         loaded = transformers.MixtralForCausalLM.from_pretrained(out).state_dict()
         _same(loaded, torch.load(whole_file), f"consolidated, level {level}", atol=0)
