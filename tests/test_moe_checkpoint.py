@@ -262,8 +262,8 @@ def _save_split(rank, world, path, level, whole_file):
 
 def test_consolidate_to_a_directory_from_pretrained_loads(tmp_path):
     """Saved at world 4 ep 2 'p_g_os' (expert pieces) and bare (each ep part held whole by
-    2 ranks: one writes it), consolidated by ``zerokit ckpt consolidate``: from_pretrained
-    holds exactly what the ranks held."""
+    2 ranks: one writes it), consolidated by ``zerokit ckpt consolidate`` (and the bare one
+    converted to HF): from_pretrained holds exactly what the ranks held."""
     import transformers
 
     from zerokit.tools.cli import main as cli
@@ -276,6 +276,10 @@ def test_consolidate_to_a_directory_from_pretrained_loads(tmp_path):
         assert cli(["ckpt", "consolidate", path, out, "--max-shard-size", "20KB"]) == 0
         loaded = transformers.MixtralForCausalLM.from_pretrained(out).state_dict()
         _same(loaded, torch.load(whole_file), f"consolidated, level {level}", atol=0)
+    as_hf = str(tmp_path / "as-hf")  # and converted
+    assert cli(["ckpt", "convert", path, as_hf, "--to", "hf"]) == 0
+    loaded = transformers.MixtralForCausalLM.from_pretrained(as_hf).state_dict()
+    _same(loaded, torch.load(whole_file), "converted to a HF directory", atol=0)
 
 
 def _train_sgd(model, opt, tokens_list, rank, world):
