@@ -35,7 +35,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import alive, whole_shards
-from ..moe.state_dict import refuse_split_experts
 from ..runtime.timeouts import collective_timeout
 from .agreement import rank, world_group
 from .index import CheckpointError
@@ -69,7 +68,6 @@ def async_save(
     (or a ``save``) waits for this one first, and raises its failure if no one asked the
     future for it.
     """
-    refuse_split_experts(model, "zerokit.checkpoint.async_save()")  # before anything is staged
     wait_in_flight()
     path = os.path.abspath(os.fspath(path))
     group = world_group()

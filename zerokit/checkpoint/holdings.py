@@ -11,6 +11,11 @@ whole in a shape of its own, or block-quantized (``_collect_state``).
 A ``PipelineModule`` is seen through its stage, under the names of the whole model
 (``PipelineModule.checkpoint_names``: ``layers.<i>.*``, ``shared.<key>.*``): different stages
 hold different tensors, and a shared layer held by several stages is written by the first.
+
+Experts split across ep ranks (``zerokit.moe``) are described as a tensor-parallel part is:
+the unsplit model's [E, ...] tensor, split along E in ep parts (``moe.state_dict.ExpertSplit``),
+this rank's part its ep rank's; the ranks holding the same part (its expert-data-parallel
+group, the experts' shard group) hold disjoint pieces of it, or, held whole, the first writes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core import as_optimizer_list, optimizer_params_of, plain_name, state_of
+from ..moe.state_dict import expert_splits
 from ..tensor_parallel.gather_batch import distributed_params
 from ..tensor_parallel.layers import tensor_parallel_params
 from ..tensor_parallel.topology import TPSplit
@@ -175,6 +181,7 @@ class _Place:
     group_rank: int
     group_size: int
     replica_rank: int
+    experts: dict = field(default_factory=dict)  # id(expert parameter) -> its ExpertSplit
 
     def global_name(self, name: str) -> str:  # a compiled module's "_orig_mod." never shows
         return self.checkpoint_names[name][0] if self.pipe is not None else plain_name(name)
@@ -183,6 +190,10 @@ class _Place:
         return self.written[name] if self.pipe is not None else True
 
     def meta_of(self, p: torch.Tensor, local_shape, dtype=None) -> TensorMeta:
+        if id(p) in self.experts:  # this rank's experts: its part of the [E, ...] tensor
+            held, shape = self.experts[id(p)], list(local_shape)
+            shape[held.split.dim] = held.split.full_size
+            return TensorMeta(tuple(shape), dtype or p.dtype, held.split, held.part)
         if id(p) in self.local:  # rank-local: this rank's part of its layer's split
             d, shape = self.local[id(p)], list(local_shape)
             shape[d.split.dim] = d.split.full_size
@@ -197,6 +208,12 @@ class _Place:
     def is_primary(self, name: str, meta: TensorMeta, whole: bool) -> bool:
         replicated_copy = (meta.split is None and self.tp_rank != 0) or self.replica_rank != 0
         return self.writes(name) and not replicated_copy and (self.group_rank == 0 or not whole)
+
+    def writes_whole(self, p: torch.Tensor, name: str, meta: TensorMeta) -> bool:
+        """Does this rank write ``p``, held whole? Experts: the first rank holding its part."""
+        if id(p) in self.experts:
+            return self.writes(name) and self.experts[id(p)].holders.rank() == 0
+        return self.is_primary(name, meta, whole=True)
 
 
 def _place(model: nn.Module, pipe) -> _Place:
@@ -221,12 +238,13 @@ def _place(model: nn.Module, pipe) -> _Place:
     return _Place(
         pipe, names, dict(names.values()), state, split_of, local,
         tp_layout, tp_layout.tp_rank if tp_layout else 0, group_rank, group_size, replica_rank,
+        expert_splits(model),
     )  # fmt: skip
 
 
 def _layout_record(place: _Place) -> dict:
     state, tp_layout = place.state, place.tp_layout
-    return {
+    record = {
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "level": state.level if state else None,
         "dp_degree": tp_layout.dp_degree if tp_layout else None,
@@ -234,6 +252,9 @@ def _layout_record(place: _Place) -> dict:
         "zero_group_size": place.group_size,
         "replicas": state.replica_group.size() if state and state.replica_group else 1,
     }
+    if place.experts:  # split experts: E / ep of each layer's experts per rank
+        record["ep_degree"] = len(next(iter(place.experts.values())).split.block_sizes)
+    return record
 
 
 def _collect_pieces(h: Holdings, place: _Place, names: dict, owner: dict) -> set[int]:
@@ -273,7 +294,7 @@ def _collect_whole(h: Holdings, place: _Place, names, params, sharded, owner) ->
             if p_id in place.local:
                 primary = place.writes(name)
             else:
-                primary = place.is_primary(name, meta, whole=True)
+                primary = place.writes_whole(p, name, meta)
             chunk = Chunk(name, 0, p.detach().view(-1), primary)
             h.chunks.append(chunk)
             owner[id(p)] = chunk
@@ -470,3 +491,27 @@ def full_runs(meta: TensorMeta, start: int, numel: int) -> Iterator[tuple[int, i
         row += 1
     if pending:
         yield pending
+
+
+def row_part_runs(
+    meta: TensorMeta, saved: TPSplit | None, start: int, numel: int
+) -> list[tuple[int, int, int, int]] | None:
+    """Where elements ``[start, start + numel)`` of this rank's tensor lie in a checkpoint
+    whose parts are split by ``saved``, when both splits (or no split) cut whole rows of dim 0
+    (split experts at any ep; a tp colwise weight): ``(saved part, start in it, numel, offset
+    in the request)`` runs, so a load at another ep reads only this rank's rows. None for any
+    other pair of splits (the caller reads the tensor whole)."""
+    if not all(s is None or (s.dim == 0 and s.stride == 1) for s in (meta.split, saved)):
+        return None
+    inner = math.prod(meta.shape[1:])
+    sizes = saved.block_sizes if saved is not None else (meta.shape[0] if meta.shape else 1,)
+    bounds = [0]
+    for rows in sizes:  # each saved part's first and last flat element in the full tensor
+        bounds.append(bounds[-1] + rows * inner)
+    runs = []
+    for lo, hi, at in full_runs(meta, start, numel):
+        for part in range(len(sizes)):
+            a, b = max(lo, bounds[part]), min(hi, bounds[part + 1])
+            if a < b:
+                runs.append((part, a - bounds[part], b - a, at + a - lo))
+    return runs

@@ -17,7 +17,7 @@ from . import extra as extra_state
 from .agreement import mark_call, world_group
 from .dcp_format import is_dcp
 from .fields import scalar_value
-from .holdings import Chunk, Holdings, TensorMeta, holds_all_of, optimizers_of
+from .holdings import Chunk, Holdings, TensorMeta, holds_all_of, optimizers_of, row_part_runs
 from .index import INDEX_NAME, CheckpointError, dtype_from_name, split_from_json
 from .protocol import Staged, load_with, staged_hyperparameters
 from .reading import CheckpointReader, resolve
@@ -158,6 +158,12 @@ def _read(reader: CheckpointReader, name: str, meta: TensorMeta, chunk: Chunk) -
     numel = chunk.tensor.numel()
     if split_from_json(entry["tp"]) == meta.split:  # same tp split: read just this range
         return reader.read_part(name, meta.tp_rank if meta.split else 0, chunk.start, numel)
+    runs = row_part_runs(meta, split_from_json(entry["tp"]), chunk.start, numel)
+    if runs is not None:  # split along rows (experts at another ep): read just these rows
+        out = torch.empty(numel, dtype=saved)
+        for part, start, n, at in runs:
+            out[at : at + n] = reader.read_part(name, part, start, n)
+        return out
     full = reader.read_full(name)  # another tp degree: assemble, then take this rank's slice
     local = full if meta.split is None else meta.split.local(full, meta.tp_rank)
     return local.reshape(-1)[chunk.start : chunk.start + numel]

@@ -16,12 +16,14 @@ refreshed.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
 from torch import nn
 
 from ..core import alive, state_of
+from ..moe.state_dict import per_expert_sources
 from .agreement import gather_json, raise_any, world_group
 from .holdings import Chunk, Holdings, TensorMeta, collect, full_runs, holder_of
 from .index import CheckpointError
@@ -69,6 +71,7 @@ def _stage(model, path: str) -> tuple[str | None, dict, list, list[str]]:
     try:
         sources = _Sources(path)
         holdings = collect(model, None)
+        sources.merge_experts(holdings.metas)
         report = _compare(holdings, sources)
         if not report["mismatched"]:
             staged = _read(holdings, sources)
@@ -79,7 +82,7 @@ def _stage(model, path: str) -> tuple[str | None, dict, list, list[str]]:
     finally:
         if sources is not None:
             sources.close()
-    return error, report, staged, list(sources.where) if sources is not None else []
+    return error, report, staged, sorted(sources.names()) if sources is not None else []
 
 
 class _Sources:
@@ -94,6 +97,7 @@ class _Sources:
             raise CheckpointError(f"{path}: no such file or directory")
         self.files: dict[str, ShardFile] = {}
         self.where: dict[str, ShardFile] = {}  # tensor name -> the file holding it
+        self.merged: dict[str, tuple[list[str], list[int]]] = {}  # per_expert_sources'
         self.bytes_read = 0
         dir_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -142,13 +146,45 @@ class _Sources:
             raise CheckpointError(f"{index}: not a valid index: {type(e).__name__}: {e}") from None
         return files
 
+    def merge_experts(self, wanted) -> None:
+        """The files' per-expert tensors seen as the model's 3-D experts, where ``wanted``
+        (the model's names) has those and the files do not."""
+        shapes = {name: shard.header[name]["shape"] for name, shard in self.where.items()}
+        for target, (parts, shape) in per_expert_sources(shapes).items():
+            dtypes = {self.dtype(n) for n in parts}
+            if target in wanted and target not in self.where and len(dtypes) == 1:
+                self.merged[target] = (parts, shape)
+
+    def names(self) -> set[str]:
+        merged = {n for parts, _ in self.merged.values() for n in parts}
+        return (set(self.where) - merged) | set(self.merged)
+
+    def holds(self, name: str) -> bool:
+        return name in self.where or name in self.merged
+
     def shape(self, name: str) -> list[int]:
+        if name in self.merged:
+            return self.merged[name][1]
         return self.where[name].header[name]["shape"]
+
+    def dtype(self, name: str) -> torch.dtype:
+        name = self.merged[name][0][0] if name in self.merged else name
+        return DTYPE_OF[self.where[name].header[name]["dtype"]]
 
     def read(self, name: str, lo: int, hi: int, into: torch.Tensor) -> None:
         """Elements ``[lo, hi)`` of ``name`` read into ``into`` (of the file's dtype) by
-        ``pread``: the mapping is only for the header, so no page of the file is mapped into
-        the rank's memory (it would count twice until the load ends) and none faults in."""
+        ``pread`` (a merged expert tensor: from each of its parts): the mapping is only for
+        the header, so no page of the file is mapped into the rank's memory (it would count
+        twice until the load ends) and none faults in."""
+        if name in self.merged:
+            at = 0  # where the part read next begins in the merged tensor
+            for part in self.merged[name][0]:
+                n = math.prod(self.where[part].header[part]["shape"])
+                if at < hi and lo < at + n:
+                    a, b = max(lo, at), min(hi, at + n)
+                    self.read(part, a - at, b - at, into[a - lo : b - lo])
+                at += n
+            return
         self.where[name].pread_into(name, lo, hi, into)
         self.bytes_read += (hi - lo) * into.element_size()
 
@@ -169,7 +205,7 @@ def _compare(h: Holdings, sources: _Sources) -> dict:
     """This rank's view: its names, those the files lack, and shape mismatches."""
     missing, mismatched = [], []
     for name, names in _names_of(h).items():
-        found = next((n for n in names if n in sources.where), None)
+        found = next((n for n in names if sources.holds(n)), None)
         if found is None:
             missing += names
         elif list(h.metas[name].shape) != sources.shape(found):
@@ -211,7 +247,7 @@ def _read(h: Holdings, sources: _Sources) -> list[tuple[Chunk, torch.Tensor]]:
     tied parameter whose names the files all hold is read under each: they must agree."""
     found: dict[str, list[str]] = {}  # tensor -> its names the files hold
     for name, names in _names_of(h).items():
-        present = [n for n in names if n in sources.where]
+        present = [n for n in names if sources.holds(n)]
         if present:
             found[name] = present
     staged = []
@@ -228,7 +264,7 @@ def _read(h: Holdings, sources: _Sources) -> list[tuple[Chunk, torch.Tensor]]:
 
 
 def _read_chunk(meta: TensorMeta, chunk: Chunk, source: str, sources: _Sources) -> torch.Tensor:
-    dtype = DTYPE_OF[sources.where[source].header[source]["dtype"]]
+    dtype = sources.dtype(source)
     values = torch.empty(chunk.tensor.numel(), dtype=dtype)
     for full_lo, full_hi, at in full_runs(meta, chunk.start, chunk.tensor.numel()):
         sources.read(source, full_lo, full_hi, values[at : at + full_hi - full_lo])

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from ..core import alive, whole_shards
-from ..moe.state_dict import refuse_split_experts
 from . import extra as extra_state
 from .agreement import rank as this_rank
 from .agreement import world_group
@@ -238,7 +237,6 @@ def save(
 def begun(call: str, path, model, optimizer, extra, timeout, format: str, stage):
     """Every save's prologue (``save``, ``async_save``), then ``begin_save``: yields the
     ``SaveJob`` and the world group, the ranks kept alive and the shards whole meanwhile."""
-    refuse_split_experts(model, f"zerokit.checkpoint.{call}()")  # before anything is written
     wait_in_flight()  # this process's async_save first: one save at a time
     path = os.path.abspath(os.fspath(path))
     group = world_group()

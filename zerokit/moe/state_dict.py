@@ -3,15 +3,24 @@
 at one ep (level, world) loads at another, and into ``from_pretrained``.
 
 Collective: every rank calls them (the model's own ``state_dict`` gathers at 'p_g_os').
-Optimizer state is not carried across ep (yet): a resumed run starts its optimizer afresh.
+They carry no optimizer state: ``zerokit.checkpoint`` (``save``, ``load``, DCP) does, through
+``expert_splits``, which tells it what part of each whole [E, ...] tensor a rank holds.
+``per_expert_sources`` reads Hugging Face's files of these models, which keep one tensor per
+expert, as the 3-D parameters (for ``load_pretrained``).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
+from ..tensor_parallel.topology import TPSplit
 from .experts import ExpertParallelExperts
 
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -58,13 +67,74 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     model.load_state_dict(state)
 
 
-def refuse_split_experts(model: nn.Module, call: str) -> None:
-    """A sharded checkpoint of split experts is not written yet: say what to use instead
-    (every rank raises it alike: the model's structure is the same on every rank)."""
-    if any(isinstance(m, ExpertParallelExperts) for m in model.modules()):
-        raise NotImplementedError(
-            f"{call} does not save experts split across ep ranks yet (each rank holds E / ep "
-            "of a layer's experts under the same names); save "
-            "zerokit.moe.full_state_dict(model) (the whole model, every rank) and load it with "
-            "zerokit.moe.load_full_state_dict at any ep"
-        )
+@dataclass(frozen=True)
+class ExpertSplit:
+    """What a rank holds of one expert parameter of the unsplit model ([E, ...]): part
+    ``part`` of ``split`` (dim 0, one part of E / ep experts per ep rank), the same part as
+    every rank of ``holders`` (its expert-data-parallel group, which shards it)."""
+
+    split: TPSplit
+    part: int
+    holders: ProcessGroup
+
+
+def expert_splits(model: nn.Module) -> dict[int, ExpertSplit]:
+    """id(parameter) -> its ``ExpertSplit``, for every split experts module of ``model``:
+    how a checkpoint names a rank's experts as slices of the unsplit model's tensors."""
+    out = {}
+    for module in model.modules():
+        if not isinstance(module, ExpertParallelExperts):
+            continue
+        split = TPSplit.of(0, module.num_experts, module.groups.ep, what="experts")
+        # ep ranks hold consecutive experts: the part is where this rank's first one falls
+        part = module.first_expert // module.num_local_experts
+        for param in _EXPERT_PARAMS:
+            held = ExpertSplit(split, part, module.groups.expert_dp_group)
+            out[id(getattr(module, param))] = held
+    return out
+
+
+# Hugging Face's files of these models keep the layout from before transformers 5, one 2-D
+# tensor per expert (save_pretrained writes it still), which from_pretrained merges into the
+# 3-D parameters: gate_up_proj[e] = cat(gate_e, up_e) [2I, H], down_proj[e] = down_e [H, I].
+# Each pattern: a per-expert name -> (its layer's experts module, 3-D parameter, place in an
+# expert's run of that parameter's rows).
+_PER_EXPERT = (
+    (re.compile(r"(.+)\.block_sparse_moe\.experts\.(\d+)\.w([123])\.weight"), "mlp.experts",
+     {"1": ("gate_up_proj", 0), "3": ("gate_up_proj", 1), "2": ("down_proj", 0)}),
+    (re.compile(r"(.+)\.experts\.(\d+)\.(gate|up|down)_proj\.weight"), "experts",
+     {"gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", 0)}),
+)  # fmt: skip
+_RENAMED = re.compile(r"(.+)\.block_sparse_moe\.gate\.weight")  # Mixtral's router
+
+
+def per_expert_sources(
+    shapes: Mapping[str, list[int]],
+) -> dict[str, tuple[list[str], list[int]]]:
+    """The files' tensors (name -> shape) seen as the 3-D experts: each merged name -> (the
+    files' tensors whose flat values, one after another, are its flat values; its shape).
+    A layer's per-expert tensors are merged only when every expert 0..E-1 has every part,
+    all of one shape; Mixtral's ``block_sparse_moe.gate`` is its ``mlp.gate``."""
+    found: dict[str, dict[tuple[int, int], str]] = {}
+    for name in shapes:
+        for pattern, module, parts in _PER_EXPERT:
+            m = pattern.fullmatch(name)
+            if m:
+                param, place = parts[m.group(3)]
+                target = f"{m.group(1)}.{module}.{param}"
+                found.setdefault(target, {})[(int(m.group(2)), place)] = name
+                break
+    out = {}
+    for target, pieces in found.items():
+        experts = 1 + max(e for e, _ in pieces)
+        places = 1 + max(p for _, p in pieces)
+        order = [pieces.get((e, p)) for e in range(experts) for p in range(places)]
+        if None in order or len({tuple(shapes[n]) for n in order}) != 1:
+            continue  # not the layout this reads: left as the files name it
+        rows, *rest = shapes[order[0]]
+        out[target] = (order, [experts, places * rows, *rest])
+    for name in shapes:
+        m = _RENAMED.fullmatch(name)
+        if m:
+            out[f"{m.group(1)}.mlp.gate.weight"] = ([name], list(shapes[name]))
+    return out
