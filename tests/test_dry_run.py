@@ -112,3 +112,23 @@ def test_a_model_that_reads_values_is_refused_saying_why(capsys):
     assert code == 2, err
     assert "failed: DataDependentOutputException" in err and "must not read tensor values" in err
     assert not dist.is_initialized()  # the stand-in world is gone
+
+
+def test_a_linspace_buffer_stays_on_meta_after_transformers_swapped_linspace(monkeypatch):
+    """transformers 5 swaps ``torch.linspace`` for a stand-in inside ``from_pretrained``; torch's
+    cached list of the factory functions ``torch.device("meta")`` redirects, first built then,
+    held the stand-in, and every later plan of a model with a linspace buffer failed."""
+    from torch.utils._device import _device_constructors
+
+    from zerokit.tools.workload import on_meta
+
+    real = torch.linspace
+    _device_constructors.cache_clear()
+    monkeypatch.setattr(torch, "linspace", lambda *a, **k: real(*a, **k))
+    _device_constructors()  # built while swapped, as inside from_pretrained
+    monkeypatch.undo()
+    try:
+        with on_meta():
+            assert torch.linspace(0.5, 1.5, 4).is_meta
+    finally:
+        _device_constructors.cache_clear()

@@ -197,7 +197,7 @@ def _experts_read(name: str, lo: int, hi: int, per_expert: int) -> set[int] | No
 def _reads_its_experts(rank, world, path, ep):
     """load_pretrained into split experts: the values exact, each rank's reads of experts
     inside its own experts, every expert element read by one rank."""
-    reads = _recording(ShardFile, "read_into")  # (name, lo, hi) of the file's tensors
+    reads = _recording(ShardFile, "pread_into")  # (name, lo, hi) of the file's tensors
     model, _ = _model(ep, "p_g_os", seed=7)
     zerokit.checkpoint.load_pretrained(model, path)
     want = tiny_moe("mixtral", EXPERTS, seed=3).state_dict()

@@ -31,7 +31,7 @@ from ..scaler import ShardedGradScaler, step_and_zero
 from .plan_host_memory import host_memory_of
 from .plan_moe import expert_dense_bytes, split_experts
 from .plan_optimizers import OPTIMIZERS, as_list, step_flops
-from .workload import Workload, as_workload, tp_workload
+from .workload import Workload, as_workload, on_meta, tp_workload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,7 +260,7 @@ def job_groups(job: Job, rank: int) -> tuple[dict[int, str], dict, object]:
 def _meta_workload(factory: Callable, job: Job, layout) -> Workload:
     """The model on ``meta`` (the tp rank's, with a layout), as its factory builds it."""
     torch.manual_seed(0)
-    with torch.device("meta"):
+    with on_meta():
         plain = as_workload(factory() if job.tp == 1 else factory(layout=None), job.seq)
         if job.tp == 1:
             return plain

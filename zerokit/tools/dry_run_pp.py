@@ -38,7 +38,7 @@ from .dry_run import (
     stand_in_world,
 )
 from .plan_optimizers import OPTIMIZERS, as_list, step_flops
-from .workload import as_workload
+from .workload import as_workload, on_meta
 
 BACKEND = "zerokit-plan-pipeline"
 _ISSUED = itertools.count()  # the order of calls across groups
@@ -144,7 +144,7 @@ def run_stage_rank(
 def _play(job: Job, rank: int, factory: Callable, schedule: str, micro_batches: int) -> RankRun:
     roles, kwargs, layout = job_groups(job, rank)
     torch.manual_seed(0)
-    with torch.device("meta"):
+    with on_meta():
         work = as_workload(factory(), job.seq)
         pipe = PipelineModule(gpt_layers(work.model.cfg), work.loss_fn, layout=layout)
     for group, _ in pipe.shared_groups.values():

@@ -35,14 +35,29 @@ import importlib
 import inspect
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils._device
 from torch import nn
 
 from ..models.gpt import GPT, synthetic_batch
+
+
+@contextmanager
+def on_meta() -> Iterator[None]:
+    """``torch.device("meta")`` for a job's factory, with torch's cached list of the factory
+    functions it redirects made current first: transformers 5 swaps ``torch.linspace`` for a
+    stand-in while ``from_pretrained`` runs, and a list first built then holds the stand-in,
+    so the real ``linspace`` (a buffer's) would land on the CPU for the rest of the process."""
+    constructors = getattr(torch.utils._device, "_device_constructors", None)
+    if constructors is not None and torch.linspace not in constructors():
+        constructors.cache_clear()
+    with torch.device("meta"):
+        yield
 
 
 @dataclass(frozen=True)
