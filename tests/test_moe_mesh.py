@@ -84,11 +84,11 @@ def test_parallelize_ep_world4(way, tmp_path):
 def test_bad_ep_refused_by_name_before_communication():
     """No process group here: each refusal comes before any collective."""
     cases = [
-        (dict(dp=4, ep=3), "ep = 3 must divide dp = 4"),
-        (dict(dp=2, tp=2, ep=2), "ep = 2 with tp = 2 is not supported yet"),
-        (dict(dp=2, pp=2, ep=2), "ep = 2 with pp = 2 is not supported yet"),
-        (dict(dp=2, shard=2, ep=2), "ep = 2 with shard = 2 is not supported yet"),
-        (dict(dp=2, ep=0), "ep must be an integer >= 1"),
+        ({"dp": 4, "ep": 3}, "ep = 3 must divide dp = 4"),
+        ({"dp": 2, "tp": 2, "ep": 2}, "ep = 2 with tp = 2 is not supported yet"),
+        ({"dp": 2, "pp": 2, "ep": 2}, "ep = 2 with pp = 2 is not supported yet"),
+        ({"dp": 2, "shard": 2, "ep": 2}, "ep = 2 with shard = 2 is not supported yet"),
+        ({"dp": 2, "ep": 0}, "ep must be an integer >= 1"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

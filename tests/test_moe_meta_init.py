@@ -8,11 +8,11 @@ import pytest
 import torch
 from dist_helpers import run_distributed
 from moe_models import assert_same_as_reference, batches, tiny_moe, train_ranks, train_reference
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import zerokit
 from zerokit.moe import ExpertParallelExperts, apply_expert_parallel, init_expert_groups
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 SEED = 7
 LEVELS = ("os", "os_g", "p_g_os")

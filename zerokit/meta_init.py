@@ -383,7 +383,8 @@ class _Walk:
         if unit is not None:
             self._check_in_place(unit[0])
             if unit[0].group is None:  # a unit on a group of its own: see _rank
-                self.digests += [(n, _digest(p)) for n, p in unit[0].params if not is_distributed(p)]
+                params = [(n, p) for n, p in unit[0].params if not is_distributed(p)]
+                self.digests += [(n, _digest(p)) for n, p in params]
             self._shard(*unit)
             self.arena.pop(mark)
 

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-
 _RANDOM = {"normal_", "uniform_", "bernoulli_", "exponential_", "random_", "cauchy_",
            "log_normal_", "geometric_"}  # fmt: skip
 _BLOCK = 16  # values torch's CPU generator fills as one block (normal_'s Box-Muller pairs)

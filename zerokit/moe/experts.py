@@ -20,7 +20,6 @@ from .dispatch import assumed_route, exchange, route
 from .expert_init import initialize_experts
 from .groups import ExpertGroups
 
-
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # the 3-D parameters split along experts
 
 
