@@ -57,7 +57,7 @@ def test_world2_ep2_every_level():
 
 
 @pytest.mark.slow
-def test_world4_ep2_and_world3_ep3():
+def test_world4_ep2():
     run_distributed(_equal, 4, 2, ("os_g", "p_g_os"))
 
 
@@ -102,3 +102,32 @@ def test_a_rank_allocates_its_experts_not_the_layer(level):
     the largest is a rank's experts of one layer, 3/4 of it (with the dense params of their
     layer at 'p_g_os')."""
     run_distributed(_largest, 2, level)
+
+
+def test_draws_that_chunking_would_change_are_refused_by_name():
+    """Experts of 21 values (not a multiple of torch's 16-value blocks): drawn one expert at a
+    time they would not be the whole tensor's draw, so the init is refused, naming why; an
+    op that reads the experts (not an in-place fill) is refused too. No process group."""
+    from zerokit.moe.expert_init import initialize_experts
+
+    template, mine = torch.nn.Module(), torch.nn.Module()
+    template.gate_up_proj = torch.nn.Parameter(torch.empty(4, 3, 7, device="meta"))
+    mine.gate_up_proj = torch.nn.Parameter(torch.zeros(2, 3, 7))
+    mine.num_experts, mine.first_expert, mine.num_local_experts = 4, 2, 2
+    names = ("gate_up_proj",)
+
+    def draws(m):
+        torch.nn.init.normal_(m.gate_up_proj)
+
+    with pytest.raises(ValueError, match="multiple of 16 values .here cpu, 21."):
+        initialize_experts(mine, template, names, draws)
+
+    def reads(m):
+        torch.nn.init.zeros_(m.gate_up_proj)
+        m.gate_up_proj.sum()
+
+    with pytest.raises(ValueError, match="may only fill them in place"):
+        initialize_experts(mine, template, names, reads)
+
+    initialize_experts(mine, template, names, lambda m: torch.nn.init.ones_(m.gate_up_proj))
+    assert torch.equal(mine.gate_up_proj.detach(), torch.ones(2, 3, 7))  # no draw: any size
