@@ -105,8 +105,8 @@ def _lowbit(rank, world, ep, level, name):
     apply_expert_parallel(model, init_expert_groups(ep))
     model, opt, _ = zerokit.group_sharded_parallel(model, make(model), level, segment_size=10)
     _train_one(model, [opt], tokens, rank, world)
-    experts = {n for n, _ in model.named_parameters() if ".experts." in n}
-    assert _quantized_experts(model, opt) == experts, f"{name}: expert states not quantized"
+    held, quantized = _expert_pieces(model, opt)
+    assert held and quantized == held, f"{name}: {sorted(held - quantized)} not quantized"
     (ours, ours_rms), (theirs, theirs_rms) = _rms_distance(model, ref), _rms_distance(ddp, ref)
     what = f"{name} world {world} ep {ep} {level}: {ours:.2e} (rms {ours_rms:.2e}), DDP "
     what += f"{theirs:.2e} (rms {theirs_rms:.2e})"
@@ -114,17 +114,19 @@ def _lowbit(rank, world, ep, level, name):
     assert ours <= 2e-5 or ours_rms <= 4 * theirs_rms, what
 
 
-def _quantized_experts(model, opt) -> set[str]:
-    """The expert parameters of which some piece this rank steps has low-bit state (torchao's
-    tensors carry ``codes``)."""
+def _expert_pieces(model, opt) -> tuple[set[str], set[str]]:
+    """(the expert parameters this rank steps a piece of, those of them whose pieces all
+    have low-bit state: torchao's tensors carry ``codes``)."""
     names = {id(p): n for n, p in model.named_parameters()}
-    found = set()
+    held, plain = set(), set()
     for bucket in state_of(model).buckets:
         for piece, view in zip(bucket.pieces, bucket.param_pieces):
             name = names.get(id(bucket.params[piece.slot]), "")
-            if ".experts." in name and hasattr(opt.state.get(view, {}).get("exp_avg"), "codes"):
-                found.add(name)
-    return found
+            if ".experts." in name and view.numel():
+                held.add(name)
+                if not hasattr(opt.state.get(view, {}).get("exp_avg"), "codes"):
+                    plain.add(name)
+    return held, held - plain
 
 
 def _train_one(model, opts, tokens_list, rank, world):
