@@ -9,8 +9,11 @@ import torch.distributed as dist
 VOCAB = 64
 
 
-def tiny_moe(family: str = "mixtral", experts: int = 4, aux: bool = False, seed: int = 0):
-    """A 2-layer MoE causal LM, hidden 16, ``experts`` experts, top-2, fp32, eager."""
+def tiny_moe(
+    family: str = "mixtral", experts: int = 4, aux: bool = False, seed: int = 0, inner: int = 24
+):
+    """A 2-layer MoE causal LM, hidden 16, ``experts`` experts, top-2, fp32, eager; ``inner``:
+    Mixtral's expert width."""
     import transformers as tf
 
     common = {
@@ -20,7 +23,7 @@ def tiny_moe(family: str = "mixtral", experts: int = 4, aux: bool = False, seed:
         "max_position_embeddings": 32, "tie_word_embeddings": False,
     }  # fmt: skip
     if family == "mixtral":
-        config = tf.MixtralConfig(num_local_experts=experts, intermediate_size=24, **common)
+        config = tf.MixtralConfig(num_local_experts=experts, intermediate_size=inner, **common)
         cls = tf.MixtralForCausalLM
     elif family == "qwen3_moe":
         config = tf.Qwen3MoeConfig(

@@ -284,18 +284,21 @@ def _check_experts(call: _Call, experts: dict, needs: dict) -> None:
     optimizer steps elementwise."""
     dense = {m.groups.dense_group for m in experts}
     whole = [
-        type(call.optimizers[needs[id(p)].optimizer]).__name__
-        for m in experts
-        for p in m.parameters()
+        (f"{name}.{pname}", type(call.optimizers[needs[id(p)].optimizer]).__name__)
+        for name, m in call.model.named_modules()
+        if m in experts
+        for pname, p in m.named_parameters()
         if id(p) in needs and needs[id(p)].whole
     ]
     if whole:
+        (param, optimizer), *_ = whole
         raise ValueError(
-            f"{whole[0]} reads each parameter whole (Adafactor scales its step by the "
-            "parameter's RMS, Muon orthogonalises it), but with ep each rank holds only E / ep "
-            "experts of a layer's 3-D expert parameters, so its step would not be one "
-            "process's: step the experts with an elementwise optimizer (AdamW) beside it for "
-            "the rest, or use ep = 1"
+            f"{optimizer} reads each parameter whole, and {param!r} is a rank's E / ep experts "
+            "of a 3-D expert parameter: Adafactor scales its step by the whole parameter's "
+            "RMS, Muon orthogonalises 2-D matrices (torch's refuses 3-D parameters; an "
+            "expert-wise one needs each expert's matrix whole on one rank, not yet placed so), "
+            "so its step would not be one process's. Step the experts with an elementwise "
+            "optimizer (AdamW, torchao's low-bit AdamW) beside it for the rest, or use ep = 1"
         )
     problem = None
     if len(dense) != 1 or dist.get_process_group_ranks(next(iter(dense))) != (
@@ -304,8 +307,6 @@ def _check_experts(call: _Call, experts: dict, needs: dict) -> None:
         problem = "the shard group is not the data-parallel group the ep groups were made from"
     elif call.replica_group is not None and call.replica_group.size() > 1:
         problem = "hybrid sharding (a replica group) with split experts is not supported yet"
-    elif call.meta and not is_stand_in(call.shard_group):  # zerokit plan: no values at all
-        problem = "a model built on meta with split experts is not supported yet"
     if problem:
         raise ValueError(
             f"{problem}: shard the model with split experts over the ranks given to "

@@ -21,7 +21,7 @@ which of them plays which role depends on ``sharding_degree``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -53,6 +53,13 @@ class Layout:
     """This rank's pipeline stage."""
     pp_group: ProcessGroup | None = None
     """The stages of this rank's pipeline, in stage order (None when ``pp_degree == 1``)."""
+    ep_degree: int = 1
+    """Expert parallelism, within the shard group: each MoE layer's experts split over this
+    many neighbouring ranks (``zerokit.moe``); 1: experts sharded like dense parameters."""
+    ep_group: ProcessGroup | None = None
+    """The ranks that together hold every expert once (None when ``ep_degree == 1``)."""
+    expert_dp_group: ProcessGroup | None = None
+    """The ranks holding this rank's experts: the experts' shard group (shard / ep ranks)."""
     rng: RNGStatesTracker = field(default_factory=RNGStatesTracker, compare=False)
     """Named random streams of this layout (``LOCAL_SEED`` differs across tp ranks,
     ``GLOBAL_SEED`` does not); seeded by ``tensor_parallel.model_parallel_random_seed``."""
@@ -221,16 +228,28 @@ def as_layout(layout, what: str = "this layer") -> Layout:
     raise TypeError(f"{what}: layout must be a zerokit Layout or a DeviceMesh, got {layout!r}")
 
 
-def from_device_mesh(mesh) -> Layout:
-    """The layout of a torch ``DeviceMesh`` whose dims are named among "pp", "dp", "shard" and
-    "tp" (any order; a missing dim has degree 1). Its groups are the mesh's own."""
-    names = mesh.mesh_dim_names or ()
+def mesh_dim_names(mesh) -> tuple[str, ...]:
+    """A ``DeviceMesh``'s dim names, refused unless named among "pp", "dp", "shard", "tp"
+    (no communication)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if "ep" in names:
+        raise ValueError(
+            "a DeviceMesh with an 'ep' dim is not read as a layout: build the layout with "
+            "zerokit.init_mesh(dp=, ep=) (or Strategy(dp=, ep=)), whose ep groups lie inside dp"
+        )
     unknown = set(names) - {"pp", "dp", "shard", "tp"}
     if not names or unknown:
         raise ValueError(
             f"a DeviceMesh used as a layout needs dims named among 'pp', 'dp', 'shard', 'tp'; "
             f"got {names}"
         )
+    return names
+
+
+def from_device_mesh(mesh) -> Layout:
+    """The layout of a torch ``DeviceMesh`` whose dims are named among "pp", "dp", "shard" and
+    "tp" (any order; a missing dim has degree 1). Its groups are the mesh's own."""
+    names = mesh_dim_names(mesh)
 
     def dim(name: str):
         if name not in names:
@@ -249,6 +268,29 @@ def from_device_mesh(mesh) -> Layout:
     )  # fmt: skip
 
 
+def expert_groups(ranks: list[int], ep: int) -> tuple[ProcessGroup, ProcessGroup]:
+    """This rank's (ep group, expert-data-parallel group) within ``ranks`` (the data-parallel
+    ranks): ep groups of ``ep`` neighbouring ranks, ``ranks[edp_rank * ep + ep_rank]``, and the
+    ranks holding the same experts across them. Collective over the world: every rank makes
+    every group, in one order."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or len(ranks) % ep:
+        raise ValueError(
+            f"ep must be a positive integer dividing the {len(ranks)} data-parallel ranks "
+            f"(each group of ep ranks holds every expert once), got {ep!r}"
+        )
+    me = dist.get_rank()
+    ep_group = edp_group = None
+    for start in range(0, len(ranks), ep):
+        members = ranks[start : start + ep]
+        made = dist.new_group(members)
+        ep_group = made if me in members else ep_group
+    for first in range(ep):
+        members = ranks[first::ep]
+        made = dist.new_group(members)
+        edp_group = made if me in members else edp_group
+    return ep_group, edp_group
+
+
 def _singleton_group() -> ProcessGroup:
     """A group of this rank alone. ``new_group`` is collective over the world, so every rank
     creates every rank's group, in the same order, and keeps its own."""
@@ -257,14 +299,17 @@ def _singleton_group() -> ProcessGroup:
     return groups[me]
 
 
-def init_mesh(dp: int = 1, tp: int = 1, pp: int = 1, shard: int = 1) -> Layout:
+def init_mesh(dp: int = 1, tp: int = 1, pp: int = 1, shard: int = 1, ep: int = 1) -> Layout:
     """The named mesh pp x dp x tp, as the run's ``Layout`` (collective: every rank calls it,
     after ``torch.distributed.init_process_group``). tp varies fastest: global rank =
     ``(pp_index * dp + dp_index) * tp + tp_index`` (Megatron's order). ``shard > 1``: hybrid
     sharding, a "shard" dim between dp and tp (ZeRO shards over ``shard``, replicates over
     ``dp``; ``rank = (pp_index * dp + dp_index) * shard * tp + shard_index * tp + tp_index``).
-    A torch ``DeviceMesh`` with dims named "pp", "dp", "shard", "tp" is accepted wherever this
-    is. Degrees whose product is not the world size are refused before any communication."""
+    ``ep > 1``: expert parallelism inside dp (``Strategy(ep=)``'s): neighbouring dp ranks split
+    each MoE layer's experts (``layout.ep_group``), the experts sharded over dp / ep ranks
+    (``layout.expert_dp_group``); it divides dp, with tp = pp = shard = 1. A torch
+    ``DeviceMesh`` with dims named "pp", "dp", "shard", "tp" is accepted wherever this is.
+    Degrees whose product is not the world size are refused before any communication."""
     world = dist.get_world_size() if dist.is_initialized() else None
     if world is not None and Grid(pp=pp, dp=dp, shard=shard, tp=tp).size != world:
         product = f"{dp} * {tp} * {pp}" + (f" * {shard}" if shard != 1 else "")
@@ -272,4 +317,29 @@ def init_mesh(dp: int = 1, tp: int = 1, pp: int = 1, shard: int = 1) -> Layout:
             f"init_mesh: dp * tp * pp{' * shard' if shard != 1 else ''} = {product} = "
             f"{dp * tp * pp * shard}, but the world size is {world}"
         )
-    return init_hybrid_parallel(dp, tp, sharding_degree=shard, pp_degree=pp)
+    check_ep(ep, dp, tp=tp, pp=pp, shard=shard)
+    layout = init_hybrid_parallel(dp, tp, sharding_degree=shard, pp_degree=pp)
+    if ep == 1:
+        return layout
+    ep_group, edp_group = expert_groups(dist.get_process_group_ranks(layout.shard_group), ep)
+    return replace(layout, ep_degree=ep, ep_group=ep_group, expert_dp_group=edp_group)
+
+
+def check_ep(ep: int, dp: int, *, tp: int = 1, pp: int = 1, shard: int = 1) -> None:
+    """Refuse an ep degree the mesh cannot hold, naming the degrees (no communication)."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"ep must be an integer >= 1, got {ep!r}")
+    if ep == 1:
+        return
+    others = {"tp": tp, "pp": pp, "shard": shard}
+    beside = {k: v for k, v in others.items() if v != 1}
+    if beside:
+        raise ValueError(
+            f"ep = {ep} with {', '.join(f'{k} = {v}' for k, v in beside.items())} is not "
+            "supported yet: expert parallelism composes with dp (every ZeRO level); use "
+            "tp = pp = shard = 1"
+        )
+    if dp % ep:
+        raise ValueError(
+            f"ep = {ep} must divide dp = {dp}: each group of ep dp ranks holds every expert once"
+        )

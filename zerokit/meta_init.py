@@ -335,7 +335,7 @@ class _Walk:
         # heap pages (glibc's default malloc gives back only the top of its heap).
         self.shards: dict[ShardKey, torch.Tensor] = {
             _shard_key(plan, layout): torch.zeros(
-                _shard_size(layout, self.rank), dtype=layout.dtype, device=device
+                _shard_size(layout, self._rank(plan)), dtype=layout.dtype, device=device
             )
             for plan, layouts in [*self.units.values(), *([self.root] if self.root else [])]
             for layout in layouts
@@ -374,11 +374,17 @@ class _Walk:
             mark = self.arena.take([p for _, p in unit[0].params])
         for child_name, child in module.named_children():
             self._visit(child, init_fn, f"{name}.{child_name}" if name else child_name)
-        with _NoMetaUse(name or "<root>"):
-            init_fn(module)
+        own = getattr(module, "zerokit_init", None)  # a module initialised through another
+        if callable(own):  # (split experts: zerokit.moe.expert_init), its meta use its own
+            own(init_fn)
+        else:
+            with _NoMetaUse(name or "<root>"):
+                init_fn(module)
         if unit is not None:
             self._check_in_place(unit[0])
-            self.digests += [(n, _digest(p)) for n, p in unit[0].params if not is_distributed(p)]
+            if unit[0].group is None:  # a unit on a group of its own: see _rank
+                params = [(n, p) for n, p in unit[0].params if not is_distributed(p)]
+                self.digests += [(n, _digest(p)) for n, p in params]
             self._shard(*unit)
             self.arena.pop(mark)
 
@@ -396,14 +402,23 @@ class _Walk:
                     "and tied names keep holding them"
                 )
 
+    def _rank(self, plan: UnitPlan) -> int:
+        """This rank's place among the ranks ``plan`` is sharded over.
+
+        Note: a unit on a group of its own (split experts: each ep rank holds other experts
+        under the same names) is laid out over that group; its digests are not compared over
+        the shard group, where ranks hold different tensors by design."""
+        return plan.group.rank() if plan.group is not None else self.rank
+
     def _shard(self, plan: UnitPlan, layouts) -> None:
         """Keep this rank's shard of each of ``plan``'s buckets; the full values go back to
         meta (so a later use is caught by ``_NoMetaUse``)."""
         params = [p for _, p in plan.params]
+        rank = self._rank(plan)
         for layout in layouts:
-            start, _ = layout.shard_range(self.rank)
+            start, _ = layout.shard_range(rank)
             shard = self.shards[_shard_key(plan, layout)]
-            for piece in layout.pieces(self.rank):
+            for piece in layout.pieces(rank):
                 slot = layout.slots[piece.slot]
                 at = slot.offset + piece.start - start
                 flat = params[slot.param_index].detach().reshape(-1)

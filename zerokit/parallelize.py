@@ -24,7 +24,7 @@ from .config import (
     parse_level,
 )
 from .core import as_optimizer_list, needs_of, refuse_whole_on_slices
-from .layout import Layout, as_layout, init_mesh
+from .layout import Layout, as_layout, check_ep, init_mesh, mesh_dim_names
 from .plans import BUILT_IN
 from .runtime.world import ensure_process_group
 from .strategy import Strategy
@@ -83,7 +83,7 @@ def parallelize(
     ensure_process_group("parallelize")  # the world size below is the launched one
     optimizers = as_optimizer_list(optimizer)
     degrees = _degrees(mesh, strategy)
-    _check_expert_parallel(model, strategy, degrees)
+    _check_expert_parallel(model, degrees)
     plan = _plan_of(plan, degrees["tp"])
     if plan:  # the whole model: every name must exist; nothing is changed before the checks
         planned = resolve_plan(model, plan, degrees["tp"])
@@ -119,30 +119,27 @@ def _check_sequence_with_pp(plan, pp: int) -> None:
         )
 
 
-def _check_expert_parallel(model: nn.Module, strategy, degrees: dict[str, int]) -> None:
-    """The strategy's ep, checked before anything changes: ep > 1 runs on a dp-only mesh, over
-    experts the plan knows."""
-    ep = strategy.ep if strategy is not None else 1
+def _check_expert_parallel(model: nn.Module, degrees: dict[str, int]) -> None:
+    """The run's ep (the strategy's or the mesh's), checked before anything changes: ep > 1
+    runs on a dp-only mesh, over experts the plan knows."""
+    ep = degrees["ep"]
     if ep == 1:
         return
-    if degrees["tp"] > 1 or degrees["pp"] > 1:
-        raise ValueError(
-            f"ep = {ep} with tp = {degrees['tp']}, pp = {degrees['pp']} is not supported yet: "
-            "expert parallelism composes with dp (every ZeRO level); use tp = pp = 1"
-        )
+    check_ep(ep, degrees["dp"], tp=degrees["tp"], pp=degrees["pp"])
     from .moe.plan import check_plan
 
     check_plan(model, ep)
 
 
 def _expert_parallel(model: nn.Module, layout: Layout, strategy) -> None:
-    """The strategy's ep > 1: the experts split over ep ranks of the shard group (dp)."""
-    if strategy is None or strategy.ep == 1:
+    """ep > 1 (the layout's): the experts split over its ep groups inside the shard group."""
+    if layout.ep_degree == 1:
         return
-    from .moe import apply_expert_parallel, init_expert_groups
+    from .moe import apply_expert_parallel
+    from .moe.groups import expert_groups_of_layout
 
-    groups = init_expert_groups(strategy.ep, layout.shard_group)
-    apply_expert_parallel(model, groups, aux_loss=strategy.aux_loss)
+    aux_loss = strategy.aux_loss if strategy is not None else "global"
+    apply_expert_parallel(model, expert_groups_of_layout(layout), aux_loss=aux_loss)
 
 
 def _one_value(name: str, argument, strategy: Strategy | None):
@@ -194,15 +191,16 @@ def _degrees(mesh, strategy: Strategy | None) -> dict[str, int]:
     world = dist.get_world_size()
     if strategy is not None:
         strategy.check_world(world)
-        return {"dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp}
+        return {"dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp, "ep": strategy.ep}
     if mesh is None:
-        return {"dp": world, "tp": 1, "pp": 1}
+        return {"dp": world, "tp": 1, "pp": 1, "ep": 1}
     if isinstance(mesh, Layout):
-        return {"dp": mesh.data_parallel[0], "tp": mesh.tp_degree, "pp": mesh.pp_degree}
-    names = list(getattr(mesh, "mesh_dim_names", None) or ())
+        return {"dp": mesh.data_parallel[0], "tp": mesh.tp_degree, "pp": mesh.pp_degree,
+                "ep": mesh.ep_degree}  # fmt: skip
+    names = mesh_dim_names(mesh)
     size = {n: mesh.size(i) for i, n in enumerate(names)}
     return {"dp": size.get("dp", 1) * size.get("shard", 1), "tp": size.get("tp", 1),
-            "pp": size.get("pp", 1)}  # fmt: skip
+            "pp": size.get("pp", 1), "ep": 1}  # fmt: skip
 
 
 def _plan_of(plan, tp: int) -> dict[str, str] | None:

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, fields
 
 from .config import DEFAULT_LEVEL, ShardingConfig, knobs_of, parse_level, read_table
+from .layout import check_ep
 
 ENV = "ZEROKIT_STRATEGY"
 
@@ -35,7 +36,7 @@ class Strategy(ShardingConfig):
     """Expert-parallel degree, within dp: neighbouring dp ranks splitting each MoE layer's
     experts (tokens exchanged by all-to-all); the experts are sharded over dp / ep ranks, the
     dense parameters over dp. Divides dp and the number of experts; 1: experts are sharded
-    like any dense parameter. ``zerokit.moe``."""
+    like any dense parameter. The mesh built is ``init_mesh(dp=, ep=)``'s. ``zerokit.moe``."""
     aux_loss: str = "global"
     """With ep > 1 and ``output_router_logits=True``: the router's load-balancing loss from
     the routing statistics of every dp rank ("global": one process's on the whole batch) or
@@ -65,11 +66,7 @@ class Strategy(ShardingConfig):
                 f"Strategy.level must be one of 'os', 'os_g', 'p_g_os' or a stage number 1, 2, "
                 f"3; got {self.level!r}"
             ) from None
-        if self.dp % self.ep:
-            raise ValueError(
-                f"Strategy.ep = {self.ep} must divide dp = {self.dp}: each group of ep dp ranks "
-                "holds every expert once"
-            )
+        check_ep(self.ep, self.dp, tp=self.tp, pp=self.pp)  # init_mesh's own check
         if self.aux_loss not in ("global", "per_rank"):
             raise ValueError(
                 f"Strategy.aux_loss must be 'global' or 'per_rank', got {self.aux_loss!r}"

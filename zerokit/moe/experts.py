@@ -17,7 +17,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from .dispatch import assumed_route, exchange, route
+from .expert_init import initialize_experts
 from .groups import ExpertGroups
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")  # the 3-D parameters split along experts
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -46,10 +49,22 @@ class ExpertParallelExperts(nn.Module):
         # ``zerokit plan``'s dry run (no values): the routing it assumes (``assumed_route``)
         self.assumed_imbalance: float | None = None
         mine = slice(self.first_expert, self.first_expert + self.num_local_experts)
-        for name in ("gate_up_proj", "down_proj"):
+        # built on meta: the original, storage-less, is kept (unregistered) to run init_fn on
+        # (``zerokit_init``); a real original is dropped, its experts copied out
+        template = original if original.gate_up_proj.is_meta else None
+        object.__setattr__(self, "_template", template)  # not a submodule: not a parameter
+        for name in EXPERT_PARAMS:
             whole = getattr(original, name)
             part = nn.Parameter(whole.detach()[mine].clone(), requires_grad=whole.requires_grad)
             setattr(self, name, part)  # [E / ep, ...]
+
+    def zerokit_init(self, init_fn) -> None:
+        """``zerokit.meta_init``'s walk: ``init_fn`` on the original experts module, its
+        fills landing in this rank's experts (``expert_init``)."""
+        if self._template is None:
+            init_fn(self)
+        else:
+            initialize_experts(self, self._template, EXPERT_PARAMS, init_fn)
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         group = self.groups.ep_group

@@ -2,7 +2,8 @@
 neighbouring ranks (the **ep group**), and the ranks holding the same experts (the
 **expert-data-parallel group**, world / ep ranks), the shard group of the experts' units.
 
-Rank arithmetic, within the data-parallel ranks ``ranks`` (the whole world without tp/pp):
+The rank arithmetic is the layout's (``zerokit.layout.expert_groups``, which
+``init_mesh(ep=)`` uses too): within the data-parallel ranks ``ranks``,
 ``ranks[edp_rank * ep + ep_rank]``. Every rank builds every group (``new_group`` is
 collective), once; the object is passed in, never held globally.
 """
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from ..layout import Layout, expert_groups
 
 
 @dataclass(frozen=True)
@@ -33,20 +36,13 @@ def init_expert_groups(ep: int, group: ProcessGroup | None = None) -> ExpertGrou
     """Split ``group`` (default: the world; the data-parallel ranks) into ep groups of ``ep``
     neighbouring ranks and expert-data-parallel groups across them. Collective."""
     group = group if group is not None else dist.group.WORLD
-    ranks = dist.get_process_group_ranks(group)
-    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or len(ranks) % ep:
-        raise ValueError(
-            f"ep must be a positive integer dividing the {len(ranks)} data-parallel ranks "
-            f"(each group of ep ranks holds every expert once), got {ep!r}"
-        )
-    me = dist.get_rank()
-    ep_group = edp_group = None
-    for start in range(0, len(ranks), ep):  # every rank makes every group, in one order
-        members = ranks[start : start + ep]
-        made = dist.new_group(members)
-        ep_group = made if me in members else ep_group
-    for first in range(ep):
-        members = ranks[first::ep]
-        made = dist.new_group(members)
-        edp_group = made if me in members else edp_group
+    ep_group, edp_group = expert_groups(dist.get_process_group_ranks(group), ep)
     return ExpertGroups(ep, ep_group, edp_group, group)
+
+
+def expert_groups_of_layout(layout: Layout) -> ExpertGroups:
+    """The expert groups ``zerokit.init_mesh(ep=)`` built into ``layout`` (no communication)."""
+    if layout.ep_degree == 1:
+        raise ValueError("the layout has ep = 1: build it with zerokit.init_mesh(dp=, ep=)")
+    return ExpertGroups(layout.ep_degree, layout.ep_group, layout.expert_dp_group,
+                        layout.shard_group)  # fmt: skip
