@@ -34,14 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core import alive, whole_shards
 from ..runtime.timeouts import collective_timeout
-from .agreement import rank, world_group
+from .agreement import rank
 from .index import CheckpointError
 from .inflight import run_in_background, wait_in_flight
 from .places import LOCK_SUFFIX, remove
-from .protocol import Prepared, SaveJob, begin_save
-from .saving import writer_for
+from .protocol import Prepared, SaveJob
+from .saving import begun
 from .staging import StagingBuffers
 
 _POLL = 0.02  # seconds between looks at the temp directory
@@ -68,14 +67,10 @@ def async_save(
     (or a ``save``) waits for this one first, and raises its failure if no one asked the
     future for it.
     """
-    wait_in_flight()
-    path = os.path.abspath(os.fspath(path))
-    group = world_group()
-    writer = writer_for(format)
-    with alive(group), whole_shards(model, optimizer):  # state sharded over replicas
-        job = begin_save("async_save", path, model, optimizer, extra, writer, group, timeout,
-                         _snapshot)  # fmt: skip
-    return run_in_background(_writer(), _Job(job).run, path)
+    prologue = begun("async_save", path, model, optimizer, extra, timeout, format, _snapshot)
+    with prologue as (job, _):
+        pass  # agreed and staged: the rest is the writer thread's
+    return run_in_background(_writer(), _Job(job).run, job.path)
 
 
 def _writer() -> ThreadPoolExecutor:

@@ -286,7 +286,7 @@ def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
     tied = ", ".join(f"{a} -> {b}" for a, b in index["aliases"].items()) or "none"
     lines.append(
         f"model: {len(model)} tensors, {format_bytes(sum(map(_nbytes, model.values())))}"
-        + (f" ({split} split across tp ranks)" if split else "")
+        + (f" ({split} {_split_kind(layout)})" if split else "")
         + f"; tied: {tied}"
     )
     optim = index["optimizer"]
@@ -329,6 +329,14 @@ def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
     if not tensors:
         lines.append("(--tensors lists every tensor)")
     return "\n".join(lines), ok
+
+
+def _split_kind(layout: dict) -> str:
+    """What splits the index's split tensors: experts over ep ranks run on a mesh of dp alone
+    (``layout.check_ep``: tp degree 1), so where ep > 1 every split is an expert split."""
+    if layout.get("ep_degree", 1) > 1 and layout["tp_degree"] == 1:
+        return f"split in {layout['ep_degree']} ep parts"
+    return "split across tp ranks"
 
 
 def _tensor_table(tensors: dict) -> list[str]:

@@ -18,6 +18,7 @@ import torch
 
 from . import extra as extra_state
 from .dcp_format import OPTIMIZER, is_dcp
+from .fields import scalar_value
 from .index import (
     FORMAT,
     FORMAT_VERSION,
@@ -28,7 +29,7 @@ from .index import (
     piece_key,
     seal,
 )
-from .places import make_temp, remove, why_not_replaceable
+from .places import make_temp, remove, why_not_replaceable, write_whole
 from .protocol import swap_in
 from .reading import CheckpointReader, resolve
 from .streaming import write_safetensors
@@ -71,16 +72,10 @@ def _from_zerokit(reader: CheckpointReader) -> _Full:
             )
         for param, scalars in optim["scalar_state"].items():
             for key, s in scalars.items():
-                value = (
-                    s["value"]
-                    if s["tensor_dtype"] is None
-                    else torch.tensor(s["value"], dtype=dtype_from_name(s["tensor_dtype"], key))
-                )
-                full.state.setdefault(param, {})[key] = value
+                full.state.setdefault(param, {})[key] = scalar_value(s, key)
     for key, entry in index.get("extra", {}).items():
         saved = entry["values"][0]  # per rank: rank 0's
-        tensors = [reader.read_tensor(r["file"], r["key"]) for r in saved["tensors"]]
-        full.extra[key] = extra_state.decode(saved["json"], tensors, f"extra {key!r}")
+        full.extra[key] = extra_state.read_saved(saved, reader.read_tensor, key)
     return full
 
 
@@ -127,9 +122,7 @@ def _from_dcp(directory: str, optimizer: bool) -> _Full:
     extras = {name: ask_extra(src, reads, name) for name in src.other if name != OPTIMIZER}
     reads.read(directory)
     for param, keys in asked.items():
-        full.state[param] = {
-            k: reads.values[r] if isinstance(r, str) else r for k, r in keys.items()
-        }
+        full.state[param] = {k: reads.got(r) for k, r in keys.items()}
     if asked:
         for i in sorted(groups):
             values = {hk: reads.values[k] for hk, k in groups[i].items()}
@@ -222,34 +215,23 @@ def _to_zerokit(full: _Full, tmp: str) -> None:
             "class": full.optimizer_class, "param_groups": full.groups,
             "scalar_state": scalars, "state_tensors": state_names},
     }  # fmt: skip
-    with open(os.path.join(tmp, INDEX_NAME), "wb") as f:
-        f.write(seal(index))
-        f.flush()
-        os.fsync(f.fileno())
+    write_whole(os.path.join(tmp, INDEX_NAME), seal(index))
 
 
 def _to_dcp(full: _Full, tmp: str) -> None:
     import pickle
 
     from .dcp_format import METADATA, MODEL
-    from .dcp_save import DcpFile, dcp_metadata, hyperparameter_value
+    from .dcp_save import DcpFile, dcp_metadata
 
     out = DcpFile(os.path.join(tmp, "__0_0.distcp"))
     try:
         for name in full.names:
-            value = full.read(name)
-            out.tensor([MODEL, name], value, (0,) * value.dim(), value.shape)
+            out.whole([MODEL, name], full.read(name))
         for param, keys in full.state.items():
             for key, value in keys.items():
-                path = [OPTIMIZER, "state", param, key]
-                if isinstance(value, torch.Tensor):
-                    out.tensor(path, value, (0,) * value.dim(), value.shape)
-                else:
-                    out.value(path, value)
-        for i, group in enumerate(full.groups):
-            for key, value in group["hyperparameters"].items():
-                out.value([OPTIMIZER, "param_groups", i, key], hyperparameter_value(value))
-            out.value([OPTIMIZER, "param_groups", i, "params"], list(group["params"]))
+                out.whole([OPTIMIZER, "state", param, key], value)
+        out.param_groups(full.groups)
         for key, value in full.extra.items():
             out.value([key], value)
     finally:
@@ -258,10 +240,8 @@ def _to_dcp(full: _Full, tmp: str) -> None:
     class _Aliases:  # what dcp_metadata reads of a rank's holdings
         aliases = full.aliases
 
-    with open(os.path.join(tmp, METADATA), "wb") as f:
-        pickle.dump(dcp_metadata(_Aliases, [{"file": out.name, "items": out.items}]), f)
-        f.flush()
-        os.fsync(f.fileno())
+    metadata = dcp_metadata(_Aliases, [{"file": out.name, "items": out.items}])
+    write_whole(os.path.join(tmp, METADATA), pickle.dumps(metadata))
 
 
 def _to_hf(full: _Full, output: str, max_shard_size: int | None, many: Writers) -> list[str]:
