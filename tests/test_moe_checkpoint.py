@@ -350,3 +350,19 @@ def _unwrap(rank, world):
 
 def test_unwrap_gives_back_this_ranks_experts():
     run_distributed(_unwrap, 2)
+
+
+def _save_bare_ep2(rank, world, path):
+    model, _ = _model(2, None)
+    zerokit.checkpoint.save(path, model)
+
+
+def test_inspect_names_expert_splits_as_ep_parts(tmp_path):
+    """``zerokit ckpt inspect`` of a checkpoint saved at ep 2 counts the split experts as ep
+    parts, not as tensors split across tp ranks (there are none: ep runs with tp 1)."""
+    path = str(tmp_path / "ep2")
+    run_distributed(_save_bare_ep2, 2, path)
+    report, ok = zerokit.checkpoint.describe(path)
+    assert ok, report
+    assert f"({len(EXPERT_KEYS)} split in 2 ep parts)" in report, report
+    assert "tp ranks" not in report, report
