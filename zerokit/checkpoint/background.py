@@ -1,7 +1,7 @@
 """``async_save`` (``checkpoint.background``): a checkpoint written while training goes on, as atomic as ``save``.
 
-Note: what runs where. ``async_save`` is ``save``'s protocol (``protocol.begin_save``, then
-the same ``SaveJob``) with the write, seal and publish on a writer thread. On the calling
+Note: what runs where. ``async_save`` is ``save``'s protocol (its prologue, ``saving.begun``,
+then the same ``SaveJob``) with the write, seal and publish on a writer thread. On the calling
 thread, before ``async_save`` returns: every rank copies what it will write (its primary
 chunks, its extra state) into host memory of its own (pinned on CUDA), and the ranks do every
 collective part of ``save`` (errors told to all, the path, model, optimizer, extra keys and
