@@ -8,6 +8,7 @@ state) are checked with SGD, which has no state to carry."""
 
 import functools
 import json
+import math
 import os
 import re
 
@@ -280,6 +281,75 @@ def test_consolidate_to_a_directory_from_pretrained_loads(tmp_path):
     assert cli(["ckpt", "convert", path, as_hf, "--to", "hf"]) == 0
     loaded = transformers.MixtralForCausalLM.from_pretrained(as_hf).state_dict()
     _same(loaded, torch.load(whole_file), "converted to a HF directory", atol=0)
+
+
+# -- torchao's low-bit states on split experts ---------------------------------------------------
+def _lowbit(ep: int, seed: int = 0):
+    """The tiny Mixtral, experts 64 wide (``down_proj`` 4 x 16 x 64: 4096 values, quantized as
+    one process does, ``gate_up_proj`` 8192), AdamW8bit over the whole model, 'os_g'."""
+    import torchao.optim
+
+    model = tiny_moe("mixtral", EXPERTS, seed=seed, inner=64)
+    if ep > 1:
+        apply_expert_parallel(model, init_expert_groups(ep))
+    opt = torchao.optim.AdamW8bit(model.parameters(), lr=1e-2, eps=1e-6)
+    model, opt, _ = zerokit.group_sharded_parallel(model, opt, "os_g", segment_size=10)
+    return model, opt
+
+
+def _quantized_experts(model, opt) -> tuple[set[str], set[str]]:
+    """(the expert parameters this rank holds a piece of, those whose pieces all have
+    quantized state: torchao's ``codes``)."""
+    from zerokit.core.state import state_of
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    held, plain = set(), set()
+    for bucket in state_of(model).buckets:
+        for piece, view in zip(bucket.pieces, bucket.param_pieces):
+            name = names[id(bucket.params[piece.slot])]
+            if ".experts." in name and view.numel():
+                held.add(name)
+                if not hasattr(opt.state.get(view, {}).get("exp_avg"), "codes"):
+                    plain.add(name)
+    return held, held - plain
+
+
+def _lowbit_leg(rank, world, ep, path, want_path):
+    """ep given with ``want_path`` None: 2 steps, save (codes and scales, at their place in
+    the unsplit tensors), a third step, its whole model written to ``path``.pt. Else: load
+    at ``ep``, the third step, equal to the uninterrupted run's."""
+    model, opt = _lowbit(ep, seed=7 if want_path else 0)
+    if want_path is None:
+        train_ranks(model, opt, TOKENS[:2], rank, world)
+        zerokit.checkpoint.save(path, model, opt)
+    else:
+        zerokit.checkpoint.load(path, model, opt)
+    held, quantized = _quantized_experts(model, opt)
+    assert held and quantized == held, f"ep {ep}: {sorted(held - quantized)} not quantized"
+    train_ranks(model, opt, TOKENS[2:3], rank, world)
+    got = _whole(model, ep)
+    if want_path is None:
+        if rank == 0:
+            torch.save(got, path + ".pt")
+        return
+    _same(got, torch.load(want_path), f"AdamW8bit saved at ep 2, loaded at ep {ep}", atol=1e-6)
+
+
+def test_lowbit_states_of_split_experts_round_trip(tmp_path):
+    """AdamW8bit's quantized states of split experts, saved at world 2 ep 2 and loaded at
+    world 2 ep 2 and ep 1 (each rank's part starts and ends on a block): the step after the
+    load is the uninterrupted run's."""
+    pytest.importorskip("torchao")
+    path = str(tmp_path / "ckpt")
+    run_distributed(_lowbit_leg, 2, 2, path, None)
+    with open(os.path.join(path, "index.json")) as f:
+        tensors = json.load(f)["tensors"]
+    for key in EXPERT_KEYS:  # the unsplit tensors' codes (a byte a value) and scales
+        numel = math.prod(tensors[key]["shape"])
+        assert tensors[f"optim.exp_avg:codes.{key}"]["shape"] == [numel], key
+        assert tensors[f"optim.exp_avg:scale.{key}"]["shape"] == [numel // 256], key
+    for ep in (2, 1):
+        run_distributed(_lowbit_leg, 2, ep, path, path + ".pt")
 
 
 def _train_sgd(model, opt, tokens_list, rank, world):

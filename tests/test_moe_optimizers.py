@@ -78,19 +78,17 @@ def test_whole_parameter_optimizer_on_experts_refused():
 
 
 # -- torchao's low-bit states on expert shards ---------------------------------------------------
-def _lowbit(rank, world, ep, level, name):
-    """torchao's ``name`` over the whole model, experts 128 wide so each layer's 3-D experts
-    (``gate_up_proj`` 4 x 256 x 16, ``down_proj`` 4 x 16 x 128; a rank's slice at ep 2 8192
-    and 4096 values) are quantized, in blocks, on the rank as in one process. A last-bit
-    difference of a reduced gradient can flip a low-bit code, as under DDP: as close to one
-    process as DDP (the whole model on every rank) is, ``test_optimizers``' rule: max within
-    2e-5, else RMS within 4x DDP's. Measured (world 2, AdamW8bit, 'os_g'): RMS 2.0e-6, DDP
-    1.5e-6.
-
-    Not equal: a slice under torchao's 4096 values whose whole parameter is over it (64-wide
-    experts: ``down_proj`` 4096 whole, 2048 a rank's). torchao asks the tensor it is given,
-    and the core asks the slice, so the rank keeps that state in fp32 where one process
-    quantizes it (measured: RMS 9e-5 from one process, DDP 1.6e-6)."""
+def _lowbit(rank, world, ep, level, name, inner=128):
+    """torchao's ``name`` over the whole model, experts ``inner`` wide, so each layer's 3-D
+    experts are quantized, in blocks, on the rank as in one process. 128 wide: ``gate_up_proj``
+    4 x 256 x 16, ``down_proj`` 4 x 16 x 128, a rank's slice at ep 2 8192 and 4096 values. 64
+    wide: ``down_proj`` 4096 values whole but 2048 a rank's, under torchao's 4096: torchao
+    asks the tensor it is given, and one process quantizes the whole, so the core tells it the
+    unsplit size (``Need.whole_numel``; before, the rank kept that state in fp32: RMS 9e-5
+    from one process, DDP 1.6e-6). A last-bit difference of a reduced gradient can flip a
+    low-bit code, as under DDP: as close to one process as DDP (the whole model on every
+    rank) is, ``test_optimizers``' rule: max within 2e-5, else RMS within 4x DDP's. Measured
+    (world 2, AdamW8bit, 'os_g'): RMS 2.0e-6, DDP 1.5e-6."""
     import torchao.optim
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -98,7 +96,7 @@ def _lowbit(rank, world, ep, level, name):
         return getattr(torchao.optim, name)(list(m.parameters()), lr=1e-2, eps=1e-6)
 
     tokens = batches(3, 2 * world, constant_rows=1)
-    model = tiny_moe("mixtral", inner=128)
+    model = tiny_moe("mixtral", inner=inner)
     ref, ddp = reference_copy(model), DDP(reference_copy(model))
     _train_one(ref, [make(ref)], tokens, 0, 1)
     _train_one(ddp, [make(ddp)], tokens, rank, world)
@@ -108,8 +106,8 @@ def _lowbit(rank, world, ep, level, name):
     held, quantized = _expert_pieces(model, opt)
     assert held and quantized == held, f"{name}: {sorted(held - quantized)} not quantized"
     (ours, ours_rms), (theirs, theirs_rms) = _rms_distance(model, ref), _rms_distance(ddp, ref)
-    what = f"{name} world {world} ep {ep} {level}: {ours:.2e} (rms {ours_rms:.2e}), DDP "
-    what += f"{theirs:.2e} (rms {theirs_rms:.2e})"
+    what = f"{name} {inner} wide, world {world} ep {ep} {level}: {ours:.2e} (rms {ours_rms:.2e})"
+    what += f", DDP {theirs:.2e} (rms {theirs_rms:.2e})"
     print(what, flush=True)
     assert ours <= 2e-5 or ours_rms <= 4 * theirs_rms, what
 
@@ -156,9 +154,23 @@ def _rms_distance(model, ref) -> tuple[float, float]:
     return d.abs().max().item(), d.square().mean().sqrt().item()
 
 
-def test_adamw8bit_on_expert_shards():
+@pytest.mark.parametrize("inner", [128, 64])  # 64: a rank's down_proj under 4096, its whole not
+def test_adamw8bit_on_expert_shards(inner):
     pytest.importorskip("torchao")
-    run_distributed(_lowbit, 2, 2, "os_g", "AdamW8bit")
+    run_distributed(_lowbit, 2, 2, "os_g", "AdamW8bit", inner)
+
+
+def test_lowbit_part_off_the_blocks_refused():
+    """A rank's part of a quantized parameter that does not end on a block of the unsplit one
+    cannot be quantized as one process does: refused by name, before anything changes."""
+    from zerokit.core.optimizer_needs import Need, with_whole_numel
+
+    needs = {1: Need(block=256), 2: Need(block=256), 3: Need()}
+    fine = with_whole_numel(needs, {1: ("a", 2048, 4096), 3: ("c", 100, 200)})
+    assert fine[1].whole_numel == 4096 and fine[3].whole_numel is None
+    with pytest.raises(ValueError, match=r"'b' \(2176 values on this rank, 4352 unsplit\)"):
+        with_whole_numel(needs, {1: ("a", 2048, 4096), 2: ("b", 2176, 4352)})
+    assert needs[1].whole_numel is None, "the needs given are not changed"
 
 
 @pytest.mark.slow  # torchao compiles a step per piece shape: minutes on 2 CPU cores

@@ -49,11 +49,12 @@ from .core import (
     refuse_whole_on_slices,
     state_of,
     unwrap_compiled,
+    with_whole_numel,
 )
 from .memory import format_bytes, measure
 from .meta_init import materialize, on_meta
 from .mixed_precision import MixedPrecision
-from .moe.plan import expert_groups_of
+from .moe.plan import expert_groups_of, expert_parts
 from .pipeline.module import PipelineModule
 from .runtime.world import ensure_process_group
 from .scaler import ShardedGradScaler
@@ -269,6 +270,7 @@ def _validate(call: _Call) -> _Checked:
     experts = expert_groups_of(model)  # split experts: units on their own shard group
     if experts:
         _check_experts(call, experts, needs)
+        needs = with_whole_numel(needs, expert_parts(model))  # torchao's rule: the unsplit
     plans = plan_units(
         model, named, segment_size=config.segment_size, wrap=config.wrap,
         exclude=config.exclude_layer,

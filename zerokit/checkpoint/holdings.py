@@ -437,22 +437,24 @@ def _collect_quantized(h: Holdings, chunk: Chunk, key_tensor, key: str, value) -
     meta = h.metas[chunk.name]
     block = value.block_size
     codes = value.codes.detach().reshape(-1)
-    if meta.split is not None or codes.element_size() != 1 or chunk.start % block:
+    at = flat_part_start(meta)  # split experts: their codes and scales are a run of the whole's
+    if at is None or codes.element_size() != 1 or (at + chunk.start) % block:
         raise CheckpointError(
             f"optimizer state {key!r} of {chunk.name} is block-quantized "
-            f"({type(value).__name__}) on a tensor-parallel split or off its blocks: "
-            "zerokit.checkpoint cannot save it"
+            f"({type(value).__name__}) on a tensor-parallel split other than whole rows, or "
+            "off its blocks: zerokit.checkpoint cannot save it"
         )
+    start = at + chunk.start  # in the whole parameter, flattened
     per_code = key_tensor.numel() // codes.numel()  # elements per code: 1, or 2 (4-bit)
     numel = math.prod(meta.shape)
     names = quantized_names(key, chunk.name)
     h.metas[names["codes"]] = TensorMeta((numel // per_code,), torch.uint8, None, 0)
     h.chunks.append(
-        Chunk(names["codes"], chunk.start // per_code, codes.view(torch.uint8), chunk.primary)
+        Chunk(names["codes"], start // per_code, codes.view(torch.uint8), chunk.primary)
     )
     scale = value.scale.detach().reshape(-1)
     h.metas[names["scale"]] = TensorMeta((numel // block,), scale.dtype, None, 0)
-    h.chunks.append(Chunk(names["scale"], chunk.start // block, scale, chunk.primary))
+    h.chunks.append(Chunk(names["scale"], start // block, scale, chunk.primary))
     signed = getattr(value, "signed", None)
     h.quantized.setdefault(chunk.name, {})[key] = {
         "class": type(value).__name__,
@@ -491,6 +493,17 @@ def full_runs(meta: TensorMeta, start: int, numel: int) -> Iterator[tuple[int, i
         row += 1
     if pending:
         yield pending
+
+
+def flat_part_start(meta: TensorMeta) -> int | None:
+    """Where this rank's part starts in the whole tensor, flattened, when the part is one run
+    of it: 0 unsplit; split along dim 0 in one block (split experts' E / ep, a colwise weight),
+    its first row's first element. None for any other split."""
+    if meta.split is None:
+        return 0
+    if meta.split.dim != 0 or meta.split.stride != 1:
+        return None
+    return meta.split.start(meta.tp_rank) * math.prod(meta.shape[1:])
 
 
 def row_part_runs(

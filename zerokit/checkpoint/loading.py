@@ -17,7 +17,15 @@ from . import extra as extra_state
 from .agreement import mark_call, world_group
 from .dcp_format import is_dcp
 from .fields import scalar_value
-from .holdings import Chunk, Holdings, TensorMeta, holds_all_of, optimizers_of, row_part_runs
+from .holdings import (
+    Chunk,
+    Holdings,
+    TensorMeta,
+    flat_part_start,
+    holds_all_of,
+    optimizers_of,
+    row_part_runs,
+)
 from .index import INDEX_NAME, CheckpointError, dtype_from_name, split_from_json
 from .protocol import Staged, load_with, staged_hyperparameters
 from .reading import CheckpointReader, resolve
@@ -252,7 +260,14 @@ def _read_quantized(
     signed = True if described["signed"] is None else described["signed"]
     made = opt._new_buffer(key_tensor, signed) if hasattr(opt, "_new_buffer") else None
     same = made is not None and type(made).__name__ == described["class"]
-    if not same or made.block_size != block or chunk.start % block or meta.split is not None:
+    at = flat_part_start(meta)  # split experts: this rank's part is a run of the whole's
+    if at is None or (at + chunk.start) % block:
+        raise CheckpointError(
+            f"{what}: this rank's part (a tensor-parallel split other than whole rows, or "
+            f"off the blocks of {block}) cannot hold the saved blocks; load at a layout whose "
+            "parts end on a block, or save and resume with AdamW"
+        )
+    if not same or made.block_size != block:
         raise CheckpointError(
             f"{what} was saved as {described['class']} in blocks of {block}; the optimizer "
             f"makes {type(made).__name__} here (block_size {getattr(made, 'block_size', '-')}): "
@@ -262,8 +277,8 @@ def _read_quantized(
     tensors = reader.index["tensors"]
     parts = {}
     for part, start, target in (
-        ("codes", chunk.start // per_code, made.codes),
-        ("scale", chunk.start // block, made.scale),
+        ("codes", (at + chunk.start) // per_code, made.codes),
+        ("scale", (at + chunk.start) // block, made.scale),
     ):
         name = described[part]
         size = tensors[name]["shape"][0]

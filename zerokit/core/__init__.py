@@ -22,7 +22,13 @@ from .grad_placeholder import ShardedGradError, is_placeholder
 from .group import NotGatheredError
 from .module import ShardedModule, broadcast_module_state
 from .optimizer import as_optimizer_list, optimizer_params_of
-from .optimizer_needs import check_optimizer, muon_cost, needs_of, refuse_whole_on_slices
+from .optimizer_needs import (
+    check_optimizer,
+    muon_cost,
+    needs_of,
+    refuse_whole_on_slices,
+    with_whole_numel,
+)
 from .release import release
 from .stand_in import is_stand_in
 from .state import ShardState, state_of
@@ -33,8 +39,8 @@ __all__ = [  # each one's use: docs/ARCHITECTURE.md, 'The core's face'
     "BucketLayout",
     "CoreOptions",
     "LevelRules",
-    "ShardState",
     "NotGatheredError",
+    "ShardState",
     "ShardedGradError",
     "ShardedModule",
     "UnitPlan",
@@ -67,4 +73,5 @@ __all__ = [  # each one's use: docs/ARCHITECTURE.md, 'The core's face'
     "state_of",
     "unwrap_compiled",
     "whole_shards",
+    "with_whole_numel",
 ]

@@ -240,7 +240,7 @@ def build(
     )
     state.params.after_wrap(state)  # stage 3: gathers the units kept whole
     for optimizer in optimizers:
-        shard_optimizer_(optimizer, state)
+        shard_optimizer_(optimizer, state, opts.needs)
     return state
 
 

@@ -25,7 +25,7 @@ import torch
 
 from .checks import is_distributed
 from .gradients import clear_own_grads
-from .optimizer_needs import is_low_bit
+from .optimizer_needs import LOW_BIT_MIN_NUMEL, Need, is_low_bit
 from .state import ShardState
 
 
@@ -111,7 +111,7 @@ class LowBitPieces:
 
     def _new_buffer(self, p: torch.Tensor, signed: bool):
         numel = self._zerokit.whole_numel.get(id(p), p.numel())
-        if numel >= 4096 and numel % self.block_size == 0:
+        if numel >= LOW_BIT_MIN_NUMEL and numel % self.block_size == 0:
             assert p.numel() % self.block_size == 0, "a piece does not start on a block"
             return self._subclass_zeros(p, signed, self.block_size)
         return torch.zeros_like(p)
@@ -142,7 +142,12 @@ class OptimizerShardState:
     import during the first optimizer's ``__init__``), and a strong reference would keep the
     process group alive until interpreter shutdown, where gloo aborts the process."""
 
-    def __init__(self, shard_state: ShardState, group_params: list[list[torch.Tensor]]):
+    def __init__(
+        self,
+        shard_state: ShardState,
+        group_params: list[list[torch.Tensor]],
+        needs: dict[int, Need] | None = None,
+    ):
         self._shard_state = weakref.ref(shard_state)
         self.group_params = group_params  # each param group's whole parameters, as given
         self.param_ids = {id(p) for params in group_params for p in params}
@@ -151,9 +156,12 @@ class OptimizerShardState:
             b for b in shard_state.buckets if any(id(p) in self.param_ids for p in b.params)
         ]
         mine = {id(b) for b in self.buckets}
-        # id(piece) -> its whole parameter's element count (LowBitPieces' choice)
+        # id(piece) -> its whole parameter's element count (LowBitPieces' choice): the
+        # unsplit one's for a rank's part of a larger parameter (split experts), else its own
+        needs = needs or {}
         self.whole_numel = {
-            id(view): bucket.layout.slots[piece.slot].numel
+            id(view): getattr(needs.get(id(bucket.params[piece.slot])), "whole_numel", None)
+            or bucket.layout.slots[piece.slot].numel
             for bucket in self.buckets
             for piece, view in zip(bucket.pieces, bucket.param_pieces)
         }
@@ -211,8 +219,12 @@ def optimizer_params_of(optimizer: torch.optim.Optimizer) -> list[list[torch.Ten
     return [list(group["params"]) for group in optimizer.param_groups]
 
 
-def shard_optimizer_(optimizer: torch.optim.Optimizer, shard_state: ShardState):
-    """Point ``optimizer`` at this rank's pieces, in place. Validation happens before this."""
+def shard_optimizer_(
+    optimizer: torch.optim.Optimizer, shard_state: ShardState, needs: dict[int, Need] | None = None
+):
+    """Point ``optimizer`` at this rank's pieces, in place. Validation happens before this.
+    ``needs``: what the layout was planned from (``core/optimizer_needs.py``); its
+    ``whole_numel`` tells a low-bit optimizer the unsplit size of a rank's part."""
     piece_of = {}  # id(original param) -> its pieces on this rank
     for bucket in shard_state.buckets:
         for piece, piece_param in zip(bucket.pieces, bucket.param_pieces):
@@ -242,7 +254,7 @@ def shard_optimizer_(optimizer: torch.optim.Optimizer, shard_state: ShardState):
     cls = type(optimizer)
     mixins = (ShardedOptimizer, LowBitPieces) if is_low_bit(optimizer) else (ShardedOptimizer,)
     optimizer.__class__ = type(f"Sharded{cls.__name__}", (*mixins, cls), {})
-    optimizer._zerokit = OptimizerShardState(shard_state, group_params)
+    optimizer._zerokit = OptimizerShardState(shard_state, group_params, needs)
     shard_state.add_optimizer(optimizer)
     _repoint_scheduler_patch(optimizer)
     return optimizer

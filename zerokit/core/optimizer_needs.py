@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -55,6 +55,13 @@ class Need:
     block: int = 1  # a boundary inside it falls on a multiple of this
     cost: float = 0.0  # the work of stepping it whole, for balancing owners
     optimizer: int = 0  # which of the model's optimizers steps it (buckets never mix two)
+    # a rank's part of a larger parameter (split experts): the unsplit one's element count,
+    # which torchao's quantize-or-not rule reads (``core/optimizer.py``'s ``LowBitPieces``)
+    whole_numel: int | None = None
+
+
+# torchao quantizes a state only when its tensor has at least this many elements
+LOW_BIT_MIN_NUMEL = 4096
 
 
 def is_low_bit(optimizer: torch.optim.Optimizer) -> bool:
@@ -143,3 +150,28 @@ def needs_of(
                 elif block > 1 or k > 0:
                     needs[id(p)] = Need(block=block, optimizer=k)
     return needs
+
+
+def with_whole_numel(
+    needs: dict[int, Need], parts: dict[int, tuple[str, int, int]]
+) -> dict[int, Need]:
+    """``needs`` with each low-bit part's unsplit size. ``parts``: ``id(parameter)`` -> (its
+    name, its element count, the unsplit parameter's), for parameters a rank holds a part of
+    (split experts: the part's E / ep experts start where the unsplit one's do). One process
+    quantizes the unsplit parameter in blocks from its start: the part is quantized as it is
+    only if it starts and ends on one of those blocks, else it is refused by name."""
+    out = dict(needs)
+    for key, (name, numel, whole) in parts.items():
+        need = needs.get(key)
+        if need is None or need.block == 1:
+            continue
+        if whole >= LOW_BIT_MIN_NUMEL and whole % need.block == 0 and numel % need.block:
+            raise ValueError(
+                f"{name!r} ({numel} values on this rank, {whole} unsplit) is quantized in "
+                f"blocks of {need.block} over the whole parameter, and this rank's part does "
+                "not end on a block, so its low-bit state could not be one process's: use an "
+                "ep that leaves each rank a multiple of the block, a block_size dividing the "
+                "part, or AdamW for these parameters"
+            )
+        out[key] = replace(need, whole_numel=whole)
+    return out

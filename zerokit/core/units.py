@@ -237,5 +237,8 @@ def plan_groups(
 
 
 def _need(need: Need | None) -> dict:
-    """A ``Need``'s fields, which ``ParamSpec`` takes by the same names."""
-    return {} if need is None else dataclasses.asdict(need)
+    """A ``Need``'s layout fields, which ``ParamSpec`` takes by the same names (its
+    ``whole_numel`` is for the optimizer alone: the layout plans the part a rank holds)."""
+    fields = {} if need is None else dataclasses.asdict(need)
+    fields.pop("whole_numel", None)
+    return fields

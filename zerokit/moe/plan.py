@@ -95,6 +95,18 @@ def apply_expert_parallel(
     return made
 
 
+def expert_parts(model: nn.Module) -> dict[int, tuple[str, int, int]]:
+    """``id(parameter)`` -> (its name, its element count, the unsplit [E, ...] parameter's),
+    for each parameter of ``model``'s split experts: what a low-bit optimizer of one process
+    is asked of (``core.with_whole_numel``)."""
+    return {
+        id(p): (f"{mname}.{pname}", p.numel(), p.numel() // m.num_local_experts * m.num_experts)
+        for mname, m in model.named_modules()
+        if isinstance(m, ExpertParallelExperts)
+        for pname, p in m.named_parameters()
+    }
+
+
 def expert_groups_of(model: nn.Module) -> dict[nn.Module, object]:
     """Each split experts module of ``model`` -> its shard group (the expert-data-parallel
     ranks): the units ``group_sharded_parallel`` gives a group of their own."""
