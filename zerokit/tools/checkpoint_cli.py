@@ -27,6 +27,11 @@ def add_parser(commands) -> None:
     inspect.add_argument(
         "--tensors", action="store_true", help="also list every tensor (default: off)"
     )
+    _add_consolidate(ckpt_commands)
+    _add_convert(ckpt_commands)
+
+
+def _add_consolidate(ckpt_commands) -> None:
     consolidate_cmd = ckpt_commands.add_parser(
         "consolidate",
         help="write the full model as one safetensors file (or a Hugging Face style set), "
@@ -62,6 +67,15 @@ def add_parser(commands) -> None:
         help="trust the checkpoint's bytes: check sizes and headers but not the sha256s, which "
         "read the whole checkpoint (default: verified)",
     )  # fmt: skip
+    _add_writers(consolidate_cmd)
+    consolidate_cmd.add_argument(
+        "--optimizer",
+        metavar="PATH",
+        help="also write the optimizer state (a .safetensors file) (default: none, the model only)",
+    )
+
+
+def _add_convert(ckpt_commands) -> None:
     convert_cmd = ckpt_commands.add_parser(
         "convert",
         help="a zerokit or DCP (torch.distributed.checkpoint) checkpoint in another format",
@@ -82,23 +96,21 @@ def add_parser(commands) -> None:
         "--no-optimizer", action="store_true",
         help="leave the optimizer state out (default: converted too)",
     )  # fmt: skip
-    for command in (consolidate_cmd, convert_cmd):
-        command.add_argument(
-            "--writers", type=int, default=1, metavar="N",
-            help="with --max-shard-size: N local processes write the set, each whole files "
-            "of its own (the same bytes as one writer's). Under torchrun every rank is a "
-            "writer instead (default: 1)",
-        )  # fmt: skip
+    _add_writers(convert_cmd)
     convert_cmd.add_argument(
         "--max-shard-size", metavar="SIZE",
         help="with --to hf: write model-0000i-of-0000n.safetensors + index into OUTPUT "
         "(default: none, one model.safetensors)",
     )  # fmt: skip
-    consolidate_cmd.add_argument(
-        "--optimizer",
-        metavar="PATH",
-        help="also write the optimizer state (a .safetensors file) (default: none, the model only)",
-    )
+
+
+def _add_writers(command) -> None:
+    command.add_argument(
+        "--writers", type=int, default=1, metavar="N",
+        help="with --max-shard-size: N local processes write the set, each whole files "
+        "of its own (the same bytes as one writer's). Under torchrun every rank is a "
+        "writer instead (default: 1)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
