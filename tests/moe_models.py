@@ -128,3 +128,20 @@ def assert_same_as_reference(model, ref, atol, what):
         torch.testing.assert_close(
             got[name], value, atol=atol, rtol=0, msg=lambda m, n=name: f"{what}: {n}: {m}"
         )
+
+
+def low_bit_expert_pieces(model, opt) -> tuple[set[str], set[str]]:
+    """(the expert parameters this rank steps a piece of, those of them whose pieces all
+    have low-bit state: torchao's tensors carry ``codes``)."""
+    from zerokit.core.state import state_of
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    held, plain = set(), set()
+    for bucket in state_of(model).buckets:
+        for piece, view in zip(bucket.pieces, bucket.param_pieces):
+            name = names.get(id(bucket.params[piece.slot]), "")
+            if ".experts." in name and view.numel():
+                held.add(name)
+                if not hasattr(opt.state.get(view, {}).get("exp_avg"), "codes"):
+                    plain.add(name)
+    return held, held - plain

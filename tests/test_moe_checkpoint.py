@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from dist_helpers import run_distributed
-from moe_models import batches, tiny_moe, train_ranks, train_reference
+from moe_models import batches, low_bit_expert_pieces, tiny_moe, train_ranks, train_reference
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -297,23 +297,6 @@ def _lowbit(ep: int, seed: int = 0):
     return model, opt
 
 
-def _quantized_experts(model, opt) -> tuple[set[str], set[str]]:
-    """(the expert parameters this rank holds a piece of, those whose pieces all have
-    quantized state: torchao's ``codes``)."""
-    from zerokit.core.state import state_of
-
-    names = {id(p): n for n, p in model.named_parameters()}
-    held, plain = set(), set()
-    for bucket in state_of(model).buckets:
-        for piece, view in zip(bucket.pieces, bucket.param_pieces):
-            name = names[id(bucket.params[piece.slot])]
-            if ".experts." in name and view.numel():
-                held.add(name)
-                if not hasattr(opt.state.get(view, {}).get("exp_avg"), "codes"):
-                    plain.add(name)
-    return held, held - plain
-
-
 def _lowbit_leg(rank, world, ep, path, want_path):
     """ep given with ``want_path`` None: 2 steps, save (codes and scales, at their place in
     the unsplit tensors), a third step, its whole model written to ``path``.pt. Else: load
@@ -324,7 +307,7 @@ def _lowbit_leg(rank, world, ep, path, want_path):
         zerokit.checkpoint.save(path, model, opt)
     else:
         zerokit.checkpoint.load(path, model, opt)
-    held, quantized = _quantized_experts(model, opt)
+    held, quantized = low_bit_expert_pieces(model, opt)
     assert held and quantized == held, f"ep {ep}: {sorted(held - quantized)} not quantized"
     train_ranks(model, opt, TOKENS[2:3], rank, world)
     got = _whole(model, ep)

@@ -11,10 +11,15 @@ dense parameters beside AdamW on the experts trains as one process does."""
 import pytest
 import torch
 from dist_helpers import run_distributed
-from moe_models import assert_same_as_reference, batches, reference_copy, tiny_moe
+from moe_models import (
+    assert_same_as_reference,
+    batches,
+    low_bit_expert_pieces,
+    reference_copy,
+    tiny_moe,
+)
 
 import zerokit
-from zerokit.core.state import state_of
 from zerokit.moe import apply_expert_parallel, init_expert_groups
 
 
@@ -103,28 +108,13 @@ def _lowbit(rank, world, ep, level, name, inner=128):
     apply_expert_parallel(model, init_expert_groups(ep))
     model, opt, _ = zerokit.group_sharded_parallel(model, make(model), level, segment_size=10)
     _train_one(model, [opt], tokens, rank, world)
-    held, quantized = _expert_pieces(model, opt)
+    held, quantized = low_bit_expert_pieces(model, opt)
     assert held and quantized == held, f"{name}: {sorted(held - quantized)} not quantized"
     (ours, ours_rms), (theirs, theirs_rms) = _rms_distance(model, ref), _rms_distance(ddp, ref)
     what = f"{name} {inner} wide, world {world} ep {ep} {level}: {ours:.2e} (rms {ours_rms:.2e})"
     what += f", DDP {theirs:.2e} (rms {theirs_rms:.2e})"
     print(what, flush=True)
     assert ours <= 2e-5 or ours_rms <= 4 * theirs_rms, what
-
-
-def _expert_pieces(model, opt) -> tuple[set[str], set[str]]:
-    """(the expert parameters this rank steps a piece of, those of them whose pieces all
-    have low-bit state: torchao's tensors carry ``codes``)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    held, plain = set(), set()
-    for bucket in state_of(model).buckets:
-        for piece, view in zip(bucket.pieces, bucket.param_pieces):
-            name = names.get(id(bucket.params[piece.slot]), "")
-            if ".experts." in name and view.numel():
-                held.add(name)
-                if not hasattr(opt.state.get(view, {}).get("exp_avg"), "codes"):
-                    plain.add(name)
-    return held, held - plain
 
 
 def _train_one(model, opts, tokens_list, rank, world):
