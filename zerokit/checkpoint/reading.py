@@ -177,20 +177,10 @@ class ShardFile:
                 f"{str(dtype).removeprefix('torch.')} {list(shape)} ({what})"
             )
 
-    def read_into(self, key: str, lo: int, hi: int, out: torch.Tensor) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of the flattened tensor ``key`` copied into ``out`` (1-D, of
-        the file's dtype): one copy, straight from the mapping. Returns ``out``."""
-        info = self.header[key]
-        dtype = DTYPE_OF[info["dtype"]]
-        offset = self.data_start + info["data_offsets"][0] + lo * dtype.itemsize
-        raw = torch.frombuffer(
-            self.mm, dtype=torch.uint8, count=(hi - lo) * dtype.itemsize, offset=offset
-        )
-        return out.copy_(raw.view(dtype)) if hi > lo else out
-
     def pread_into(self, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
-        """As ``read_into``, but read by ``pread`` (kept fd) straight into ``out``: one copy
-        by the kernel from the page cache, no page faults on the mapping and nothing of the
+        """Elements ``[lo, hi)`` of the flattened tensor ``key`` read by ``pread`` (kept fd)
+        straight into ``out`` (1-D, of the file's dtype): one copy by the kernel from the page
+        cache, no page faults on the mapping and nothing of the
         file left mapped in this process."""
         info = self.header[key]
         itemsize = DTYPE_OF[info["dtype"]].itemsize
