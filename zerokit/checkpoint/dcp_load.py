@@ -1,14 +1,7 @@
-"""``load`` of a torch.distributed.checkpoint (DCP) directory, as FSDP2 and torchtitan write it:
-``dcp.save({"model": msd, "optimizer": osd, ...})`` with ``msd, osd = get_state_dict(model,
-optimizer)`` (or the model's keys at the top level, as torchtitan saves them).
-
-Each rank turns its holdings (``holdings.collect``: flat ranges of each tensor) into DCP boxes
-and asks DCP's resharding (``create_read_items_for_chunk_list``) which saved boxes overlap
-them; ``FileSystemReader.read_data`` then reads only those, straight into this rank's staging
-buffers. No DCP collective runs: the ranks meet in zerokit's agreement (errors gathered, the
-same ``CheckpointError`` on every rank) and nothing is copied into the model until every rank
-has read and checked everything, as for zerokit's own format.
-"""
+"""``load`` of a torch.distributed.checkpoint (DCP) directory, as FSDP2 and torchtitan write it
+(``dcp.save({"model": msd, "optimizer": osd, ...})``, or the model's keys at the top level):
+each rank asks DCP's resharding which saved boxes overlap its holdings and reads only those,
+straight into staging. No DCP collective runs: the ranks meet in ``protocol.load_with``."""
 
 from __future__ import annotations
 
@@ -70,16 +63,8 @@ class _Reads(LoadPlanner):
 
     def value(self, key: str) -> str:
         """Ask for a non-tensor value: ``self.values[key]`` once read."""
-        self.items.append(
-            ReadItem(
-                LoadItemType.BYTE_IO,
-                MetadataIndex(key),
-                torch.Size((0,)),
-                MetadataIndex(key),
-                torch.Size((0,)),
-                torch.Size((0,)),
-            )
-        )
+        empty, where = torch.Size((0,)), MetadataIndex(key)
+        self.items.append(ReadItem(LoadItemType.BYTE_IO, where, empty, where, empty, empty))
         return key
 
     def got(self, ref, device=None):
@@ -213,6 +198,7 @@ class DcpSource:
         self.src = DcpDirectory.open(self.where, self.extra_keys)
         self.digest, self.extra_names = self.src.digest, sorted(self.src.other)
         self.items, self.reads = self.src.metadata.state_dict_metadata, _Reads(self.src.metadata)
+        self.states: list[tuple[dict, torch.Tensor]] = []  # asked, each value read at ``read``
 
     def key_of(self, name: str, h: Holdings) -> str | None:
         """The checkpoint's key for ``name`` or for any name tied to it."""
@@ -273,6 +259,7 @@ class DcpSource:
                     f"{key}: shape {list(md.size)}, neither {chunk.name}'s "
                     f"{list(meta.shape)} nor a scalar, and this rank holds part of it"
                 )
+        self.states.append((state, key_tensor))
         return state
 
     def ask_extra(self, key: str):
@@ -280,9 +267,9 @@ class DcpSource:
 
     def read(self) -> None:
         self.reads.read(self.directory)
-
-    def got(self, value, device):
-        return self.reads.got(value, device)
+        for state, key_tensor in self.states:  # each asked value, now read, where it is kept
+            for key, ref in state.items():
+                state[key] = self.reads.got(ref, key_tensor.device)
 
     def close(self) -> None:
         pass

@@ -175,9 +175,6 @@ class ZerokitSource:
     def read(self) -> None:
         pass  # each range was read when asked
 
-    def got(self, value, device):
-        return value
-
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()

@@ -278,40 +278,28 @@ class Source(Protocol):
     reads ranges into staging; ``stage`` compares that with what this rank holds.
 
     Note: a source may read at ``ask`` (zerokit's files) or only at ``read`` (DCP plans its
-    reads, then reads them all): a tensor ``ask`` returns is filled by then, and what
-    ``ask_state`` returns is final once passed through ``got``."""
+    reads, then reads them all): what ``ask`` and ``ask_state`` return is final after it."""
 
     kind: str  # "checkpoint", "DCP checkpoint": how errors name it
     where: str  # the path as given, for "cannot read"
     directory: str  # the directory read, for "malformed" (set by ``open``)
-    digest: str  # of what was opened, set by ``open``
-    read_what: str  # what the ranks agree they read ("the checkpoint read (sha256 of ...)")
+    digest: str  # of what was opened (set by ``open``), agreed on as ``read_what``
+    read_what: str
     malformed_errors: tuple  # the exceptions that mean a malformed checkpoint
     alike: bool  # one message when every failing rank failed alike (``raise_any``)
     shape_differs: str  # the format's words for a shape difference: {name}, {saved}, {model}
     extra_names: list[str]  # the extra state it holds (set by ``open``)
 
     def open(self, h: Holdings) -> None: ...  # raises to refuse
-
     def key_of(self, name: str, h: Holdings) -> str | None: ...  # where a model tensor is
-
-    def unexpected(self, keys: set[str], h: Holdings) -> list[str]: ...  # model tensors not in keys
-
+    def unexpected(self, keys: set[str], h: Holdings) -> list[str]: ...  # model's, not in keys
     def described(self, key: str) -> tuple[list | str, torch.dtype]: ...  # shape, dtype
-
     def ask(self, key: str, meta: TensorMeta, chunk: Chunk) -> torch.Tensor: ...
-
     # None: no optimizer state; else, once read: each group's parameters and hyperparameters
     def ask_groups(self, h: Holdings) -> Callable[[], list[tuple[list, dict]]] | None: ...
-
     def ask_state(self, chunk: Chunk, key_tensor, opt, meta: TensorMeta) -> dict: ...
-
     def ask_extra(self, key: str) -> Callable[[], Any]: ...  # its value, once read
-
     def read(self) -> None: ...
-
-    def got(self, value, device) -> Any: ...
-
     def close(self) -> None: ...
 
 
@@ -385,9 +373,6 @@ def stage(source: Source, h: Holdings, optimizer, strict: bool, extra, world) ->
         )
     asked = {k: source.ask_extra(k) for k in extra}
     source.read()
-    for key_tensor, state, _ in staged.optimizer_state:  # DCP's references, now read
-        for key, value in state.items():
-            state[key] = source.got(value, key_tensor.device)
     staged.extra = {k: finish() for k, finish in asked.items()}
     if optimizer is not None:
         staged.hyperparameters = check_groups(groups(), h, optimizers, world)
