@@ -99,8 +99,8 @@ class _Reads(LoadPlanner):
 class DcpDirectory:
     """A DCP directory's keys, sorted into the model's, the optimizer's and the rest."""
 
-    directory: str
     metadata: object
+    digest: str  # the sha256 of its .metadata
     model: dict = dataclasses.field(default_factory=dict)  # plain name -> key
     state: dict = dataclasses.field(default_factory=dict)  # param -> {state key -> key}
     groups: dict = dataclasses.field(default_factory=dict)  # group -> {hyperparameter -> key}
@@ -108,10 +108,8 @@ class DcpDirectory:
 
     @classmethod
     def open(cls, directory: str, extra_keys) -> DcpDirectory:
-        metadata, digest = read_metadata(directory)
-        src = cls(directory, metadata)
-        src.digest = digest
-        items = metadata.state_dict_metadata
+        src = cls(*read_metadata(directory))
+        metadata, items = src.metadata, src.metadata.state_dict_metadata
         paths = {k: path_of(k, metadata) for k in items}
         rooted = any(p[0] == MODEL for p in paths.values())
         for key, path in paths.items():

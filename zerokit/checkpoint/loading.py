@@ -1,11 +1,8 @@
-"""``load``: into any world size and level (and tp degree), reading only the slices this rank
-holds. The ranks first agree that they read the same checkpoint (the sha256 of its index) into
-the same model; everything is validated and read before anything is copied, and all ranks
-agree again first, so a refused checkpoint changes nothing anywhere."""
+"""``load``: into any world size, level and tp degree, each rank reading only what it holds;
+``ZerokitSource`` answers ``protocol.load_with`` from zerokit's index and rank files."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import MutableMapping, Sequence
 from typing import Any
@@ -47,10 +44,8 @@ def load(
     level or bare. Collective: every rank calls it.
 
     ``path`` may also be a torch.distributed.checkpoint (DCP) directory, as FSDP2 and
-    torchtitan save one (``dcp.save({"model": msd, "optimizer": osd, ...})`` with
-    ``get_state_dict``, or the model's keys at the top level): each rank reads only the saved
-    chunks that overlap what it holds; its other entries (``lr_scheduler``, ``step``, ...)
-    are extra state, restored by name through ``extra``.
+    torchtitan save one; its entries other than the model and optimizer (``lr_scheduler``,
+    ``step``, ...) are extra state, restored by name through ``extra``.
 
     ``strict=False`` loads the tensors both sides have and leaves the rest as they are.
     ``extra``: the extra state to restore, by the names it was saved under: an object with
@@ -146,10 +141,9 @@ class ZerokitSource:
         """A state tensor of one piece: per element (shaped like the parameter), this piece's
         range; held whole (a shape of its own, Adafactor's ``row_var``), all of it, which only
         a rank that now holds all of the parameter (its owner) can take."""
-        shape, dtype = self.described(name)
+        shape = self.tensors[name]["shape"]
         if tuple(shape) == meta.shape:
-            data = self.ask(name, dataclasses.replace(meta, dtype=dtype), chunk)
-            return data.to(key_tensor.device).view(key_tensor.shape)
+            return self.ask(name, meta, chunk).to(key_tensor.device).view(key_tensor.shape)
         if not holds_all_of(chunk, key_tensor, meta) or meta.split is not None:
             raise CheckpointError(
                 f"{name} (shape {shape}) was held whole by {chunk.name}'s owner, and this rank "
@@ -240,19 +234,14 @@ def _read_quantized(
             f"makes {type(made).__name__} here (block_size {getattr(made, 'block_size', '-')}): "
             "load it with the same optimizer class and block_size"
         )
-    per_code = key_tensor.numel() // made.codes.numel()
-    tensors = reader.index["tensors"]
-    parts = {}
-    for part, start, target in (
-        ("codes", (at + chunk.start) // per_code, made.codes),
-        ("scale", (at + chunk.start) // block, made.scale),
+    per_code, first = key_tensor.numel() // made.codes.numel(), at + chunk.start
+    for name, start, target, dtype in (  # codes are saved as bytes
+        (described["codes"], first // per_code, made.codes, torch.uint8),
+        (described["scale"], first // block, made.scale, made.scale.dtype),
     ):
-        name = described[part]
-        size = tensors[name]["shape"][0]
-        dtype = torch.uint8 if part == "codes" else target.dtype
-        if start + target.numel() > size or tensors[name]["dtype"] != str(dtype)[6:]:
-            raise CheckpointError(f"{name}: {tensors[name]} does not hold {what} as made here")
-        parts[part] = reader.read_part(name, 0, start, target.numel())
-    made.codes.copy_(parts["codes"].view(made.codes.dtype).view(made.codes.shape))
-    made.scale.copy_(parts["scale"].view(made.scale.shape))
+        entry = reader.index["tensors"][name]
+        if start + target.numel() > entry["shape"][0] or entry["dtype"] != str(dtype)[6:]:
+            raise CheckpointError(f"{name}: {entry} does not hold {what} as made here")
+        part = reader.read_part(name, 0, start, target.numel())
+        target.copy_(part.view(target.dtype).view(target.shape))
     return made

@@ -18,9 +18,10 @@ save = agree -> stage -> write -> seal -> publish
   (one at a time per process: ``inflight``).
 
 load = agree -> plan reads -> stage -> validate -> apply  (``load_with``)
-  The source opens and compares (plan reads), the ranks agree on the checkpoint's digest and
-  the model, every byte is read into ``Staged`` and validated, all ranks agree it succeeded,
-  and only then is anything copied into the model, the optimizer or the extra state.
+  The source opens, the ranks agree on the checkpoint's digest and the model; ``stage``
+  compares what the checkpoint holds with what this rank holds, reads this rank's bytes into
+  ``Staged`` and validates them; all ranks agree it succeeded, and only then is anything
+  copied into the model, the optimizer or the extra state.
 """
 
 from __future__ import annotations
