@@ -295,11 +295,10 @@ def describe_dcp(directory: str) -> tuple[str, bool]:
         covered = sum(c.sizes.numel() for c in getattr(md, "chunks", []))
         if isinstance(md, TensorStorageMetadata) and covered != md.size.numel():
             problems.append(f"{key}: its chunks cover {covered} of {md.size.numel()} elements")
-    ends: dict[str, int] = {}
+    ends: dict[str, int] = {}  # file -> where its last chunk ends
     for where in (src.metadata.storage_data or {}).values():
-        ends[where.relative_path] = max(
-            ends.get(where.relative_path, 0), where.offset + where.length
-        )
+        end = where.offset + where.length
+        ends[where.relative_path] = max(ends.get(where.relative_path, 0), end)
     for name, end in sorted(ends.items()):
         full = os.path.join(directory, name)
         if not os.path.isfile(full) or os.path.getsize(full) < end:

@@ -194,21 +194,20 @@ def _check_ties(saved: dict, aliases: dict, h: Holdings) -> None:
     def stored(name: str) -> str | None:
         return name if name in saved else aliases.get(name)
 
-    model_first = dict(h.aliases) | {n: n for n in h.param_names}
     for alias, first in h.aliases.items():
-        if alias in aliases or alias in saved:
-            if stored(alias) != stored(first):
-                raise CheckpointError(
-                    f"the model ties {alias} to {first}, the checkpoint ties it to "
-                    f"{stored(alias)} (a tied weight would load another tensor's values)"
-                )
+        if (alias in aliases or alias in saved) and stored(alias) != stored(first):
+            raise CheckpointError(
+                f"the model ties {alias} to {first}, the checkpoint ties it to "
+                f"{stored(alias)} (a tied weight would load another tensor's values)"
+            )
+    model_first = dict(h.aliases) | {n: n for n in h.param_names}
     for alias, target in aliases.items():
-        if alias in model_first and target in model_first:
-            if model_first[alias] != model_first[target]:
-                raise CheckpointError(
-                    f"the checkpoint ties {alias} to {target}, the model does not (a tied "
-                    "weight would load another tensor's values)"
-                )
+        both = alias in model_first and target in model_first
+        if both and model_first[alias] != model_first[target]:
+            raise CheckpointError(
+                f"the checkpoint ties {alias} to {target}, the model does not (a tied "
+                "weight would load another tensor's values)"
+            )
 
 
 def _read_quantized(
