@@ -91,18 +91,16 @@ def world_view(h: Holdings, what: str, group, timeout: float | None) -> dict | N
         "groups": [g["params"] for g in h.groups],
     }
     replies = gather_json(f"{what}: the pipeline's stages", mine, group, timeout)
-    members = list(range(len(replies)))
     pipelines = [r["pipeline"] for r in replies]
     if any(p != pipelines[0] for p in pipelines):
-        raise CheckpointError(
-            f"{what}: the ranks see different pipelines ({_grouped(pipelines, members)})"
-        )
+        shown = _grouped(pipelines, list(range(len(replies))))
+        raise CheckpointError(f"{what}: the ranks see different pipelines ({shown})")
     stages: dict[int, set[str]] = {}
     for r in replies:
         stages.setdefault(r["stage"], set()).add(r["fingerprint"])
     for stage, prints in sorted(stages.items()):
         if len(prints) > 1:
-            ranks = [m for m, r in zip(members, replies) if r["stage"] == stage]
+            ranks = [m for m, r in enumerate(replies) if r["stage"] == stage]
             shown = _grouped([replies[m]["fingerprint"][:12] for m in ranks], ranks)
             raise CheckpointError(
                 f"{what}: the ranks of pipeline stage {stage} hold different tensors ({shown})"

@@ -1,14 +1,7 @@
-"""``load`` of a torch.distributed.checkpoint (DCP) directory, as FSDP2 and torchtitan write it:
-``dcp.save({"model": msd, "optimizer": osd, ...})`` with ``msd, osd = get_state_dict(model,
-optimizer)`` (or the model's keys at the top level, as torchtitan saves them).
-
-Each rank turns its holdings (``holdings.collect``: flat ranges of each tensor) into DCP boxes
-and asks DCP's resharding (``create_read_items_for_chunk_list``) which saved boxes overlap
-them; ``FileSystemReader.read_data`` then reads only those, straight into this rank's staging
-buffers. No DCP collective runs: the ranks meet in zerokit's agreement (errors gathered, the
-same ``CheckpointError`` on every rank) and nothing is copied into the model until every rank
-has read and checked everything, as for zerokit's own format.
-"""
+"""``load`` of a torch.distributed.checkpoint (DCP) directory, as FSDP2 and torchtitan write it
+(``dcp.save({"model": msd, "optimizer": osd, ...})``, or the model's keys at the top level):
+each rank asks DCP's resharding which saved boxes overlap its holdings and reads only those,
+straight into staging. No DCP collective runs: the ranks meet in ``protocol.load_with``."""
 
 from __future__ import annotations
 
@@ -27,10 +20,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .dcp_format import MODEL, OPTIMIZER, boxes, load_value, path_of, plain, read_metadata
-from .fields import listing
-from .holdings import Holdings, TensorMeta, full_runs, optimizers_of
+from .holdings import Chunk, Holdings, TensorMeta, full_runs
 from .index import CheckpointError
-from .protocol import Staged, staged_hyperparameters
 
 
 class _Reads(LoadPlanner):
@@ -72,16 +63,8 @@ class _Reads(LoadPlanner):
 
     def value(self, key: str) -> str:
         """Ask for a non-tensor value: ``self.values[key]`` once read."""
-        self.items.append(
-            ReadItem(
-                LoadItemType.BYTE_IO,
-                MetadataIndex(key),
-                torch.Size((0,)),
-                MetadataIndex(key),
-                torch.Size((0,)),
-                torch.Size((0,)),
-            )
-        )
+        empty, where = torch.Size((0,)), MetadataIndex(key)
+        self.items.append(ReadItem(LoadItemType.BYTE_IO, where, empty, where, empty, empty))
         return key
 
     def got(self, ref, device=None):
@@ -116,8 +99,8 @@ class _Reads(LoadPlanner):
 class DcpDirectory:
     """A DCP directory's keys, sorted into the model's, the optimizer's and the rest."""
 
-    directory: str
     metadata: object
+    digest: str  # the sha256 of its .metadata
     model: dict = dataclasses.field(default_factory=dict)  # plain name -> key
     state: dict = dataclasses.field(default_factory=dict)  # param -> {state key -> key}
     groups: dict = dataclasses.field(default_factory=dict)  # group -> {hyperparameter -> key}
@@ -125,10 +108,8 @@ class DcpDirectory:
 
     @classmethod
     def open(cls, directory: str, extra_keys) -> DcpDirectory:
-        metadata, digest = read_metadata(directory)
-        src = cls(directory, metadata)
-        src.digest = digest
-        items = metadata.state_dict_metadata
+        src = cls(*read_metadata(directory))
+        metadata, items = src.metadata, src.metadata.state_dict_metadata
         paths = {k: path_of(k, metadata) for k in items}
         rooted = any(p[0] == MODEL for p in paths.values())
         for key, path in paths.items():
@@ -150,130 +131,6 @@ class DcpDirectory:
         return src
 
 
-def _key_of(src: DcpDirectory, h: Holdings, name: str) -> str | None:
-    """The checkpoint's key for ``name`` or for any name tied to it."""
-    names = [name] + [a for a, s in h.aliases.items() if s == name]
-    return next((src.model[n] for n in names if n in src.model), None)
-
-
-def _compare(src: DcpDirectory, h: Holdings, strict: bool) -> None:
-    """Names, shapes and dtypes: the same ``CheckpointError`` on every rank (each rank sees
-    the whole model's names and the whole checkpoint's metadata)."""
-    items = src.metadata.state_dict_metadata
-    missing, wrong = [], []
-    for name in h.param_names:
-        key = _key_of(src, h, name)
-        if key is None:
-            missing.append(name)
-            continue
-        md, meta = items[key], h.metas[name]
-        if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != meta.shape:
-            shape = list(md.size) if isinstance(md, TensorStorageMetadata) else "not a tensor"
-            wrong.append(f"{name} ({shape} in the checkpoint, {list(meta.shape)} in the model)")
-        elif torch.promote_types(md.properties.dtype, meta.dtype) != meta.dtype:
-            wrong.append(
-                f"{name} ({md.properties.dtype} in the checkpoint, {meta.dtype} in the "
-                "model: loading would lose precision)"
-            )
-    known = set(h.param_names) | set(h.aliases)
-    unexpected = sorted(n for n in src.model if n not in known)
-    problems = [f"shapes or dtypes differ: {listing(wrong)}"] if wrong else []
-    if strict and missing:
-        problems.append(f"missing from the checkpoint: {listing(missing)}")
-    if strict and unexpected:
-        problems.append(f"in the checkpoint but not in the model: {listing(unexpected)}")
-    if problems:
-        hint = "" if wrong else " (strict=False loads the tensors both have)"
-        raise CheckpointError(
-            f"DCP checkpoint {src.directory} and the model differ: "
-            f"{'; '.join(problems)}{hint}; nothing was loaded"
-        )
-
-
-def _stage(src: DcpDirectory, h: Holdings, optimizer, extra) -> Staged:
-    reads, staged = _Reads(src.metadata), Staged()
-    for chunk in h.chunks:
-        key = _key_of(src, h, chunk.name) if chunk.name in h.param_names else None
-        if key is None or not chunk.tensor.numel():
-            continue
-        data = torch.empty(chunk.tensor.numel(), dtype=chunk.tensor.dtype)
-        reads.tensor_range(key, h.metas[chunk.name], chunk.start, data)
-        staged.copies.append((chunk.tensor, data))
-    optimizer_read = None if optimizer is None else _ask_optimizer(src, h, reads)
-    asked = {k: ask_extra(src, reads, k) for k in (extra or {})}
-    reads.read(src.directory)
-    if optimizer_read is not None:
-        optimizer_read(staged, optimizer)
-    staged.extra = {k: finish() for k, finish in asked.items()}
-    return staged
-
-
-def _ask_optimizer(src: DcpDirectory, h: Holdings, reads: _Reads):
-    """Ask for this rank's optimizer state and every param group; returns the function that
-    stages them once read."""
-    if not src.groups:
-        raise CheckpointError(
-            f"DCP checkpoint {src.directory} holds no optimizer state "
-            "(no 'optimizer' entry); pass optimizer=None"
-        )
-    items, per_chunk = src.metadata.state_dict_metadata, []
-    for chunk, key_tensor, k in h.optimizer_chunks:
-        state = {}
-        for skey, key in src.state.get(chunk.name, {}).items():
-            md, meta = items[key], h.metas[chunk.name]
-            if isinstance(md, BytesStorageMetadata):
-                state[skey] = reads.value(key)  # a str: the key its value is read under
-            elif tuple(md.size) == meta.shape:
-                data = torch.empty(chunk.tensor.numel(), dtype=md.properties.dtype)
-                reads.tensor_range(
-                    key, dataclasses.replace(meta, dtype=md.properties.dtype), chunk.start, data
-                )
-                state[skey] = data.view(key_tensor.shape)
-            elif len(md.size) == 0 or chunk.tensor.numel() == math.prod(meta.shape):
-                # a scalar, or state in its own shape (Adafactor's row_var) of a parameter this
-                # rank holds whole (the owner layout): read whole
-                state[skey] = reads.whole(key)
-            else:
-                raise CheckpointError(
-                    f"{key}: shape {list(md.size)}, neither {chunk.name}'s "
-                    f"{list(meta.shape)} nor a scalar, and this rank holds part of it"
-                )
-        per_chunk.append((key_tensor, state, k))
-    groups = {i: {hk: reads.value(k) for hk, k in g.items()} for i, g in src.groups.items()}
-
-    def finish(staged: Staged, optimizer) -> None:
-        for key_tensor, asked, k in per_chunk:
-            state = {key: reads.got(ref, key_tensor.device) for key, ref in asked.items()}
-            staged.optimizer_state.append((key_tensor, state, k))
-        values = [{hk: reads.values[k] for hk, k in groups[i].items()} for i in sorted(groups)]
-        staged.hyperparameters = _hyperparameters(values, h, optimizer)
-
-    return finish
-
-
-def _hyperparameters(groups: list[dict], h: Holdings, optimizer) -> list[dict]:
-    """The saved param groups, checked against the optimizers': the same parameters in each
-    (by name) and hyperparameters of the kind it holds (several optimizers: their groups in
-    order, as ``get_state_dict(model, optimizers=(...))`` lists them)."""
-    optimizers = optimizers_of(optimizer)
-    current = sum(len(opt.param_groups) for opt in optimizers)
-    if len(groups) != current:
-        raise CheckpointError(
-            f"the checkpoint's optimizer has {len(groups)} param groups, the optimizer {current}"
-        )
-    values = []
-    for i, (saved, held) in enumerate(zip(groups, h.groups)):
-        params = {h.aliases.get(plain(p), plain(p)) for p in saved.get("params", [])}
-        if params != set(held["params"]):
-            only = sorted(params ^ set(held["params"]))
-            raise CheckpointError(
-                f"param group {i} holds other parameters than the "
-                f"checkpoint's (differing: {listing(only)})"
-            )
-        values.append({k: _as_saved(v) for k, v in saved.items() if k != "params"})
-    return staged_hyperparameters(values, optimizers)
-
-
 def _as_saved(value):
     """A hyperparameter as zerokit's index holds it (a number, a list)."""
     value = value.item() if isinstance(value, torch.Tensor) else value
@@ -281,15 +138,9 @@ def _as_saved(value):
 
 
 def ask_extra(src: DcpDirectory, reads: _Reads, name: str):
-    """Ask for the entry ``name`` (every key under it); returns the function that rebuilds
-    its value once read."""
-    keys = src.other.get(name, []) + ([src.model[name]] if name in src.model else [])
-    if not keys:
-        raise CheckpointError(
-            f"DCP checkpoint {src.directory} holds no {name!r} (it holds "
-            f"{sorted(src.other) + ([MODEL] if src.model else [])})"
-        )
-    items = src.metadata.state_dict_metadata
+    """Ask for the entry ``name`` (every key under it, the caller knows it is there); returns
+    the function that rebuilds its value once read."""
+    keys, items = src.other[name], src.metadata.state_dict_metadata
     asked = [
         (
             path_of(k, src.metadata)[1:],
@@ -323,29 +174,100 @@ def _put(into, path: tuple, value):
 
 
 class DcpSource:
-    """The protocol's source for a DCP directory (``protocol.load_with``)."""
+    """The protocol's source for a DCP directory (``protocol.load_with``): the metadata
+    answers what it holds; the ranges asked for are read together at ``read``."""
 
+    kind = "DCP checkpoint"
     read_what = "the checkpoint read (sha256 of its .metadata)"
-    malformed = "malformed DCP checkpoint"
     malformed_errors = (OSError, KeyError, TypeError, ValueError, RuntimeError)
     alike = True  # one message when every rank failed alike
+    shape_differs = "{name} ({saved} in the checkpoint, {model} in the model)"
 
     def __init__(self, directory: str, extra_keys):
         self.where = self.directory = directory
-        self.extra_keys, self.src, self.digest = extra_keys, None, ""
+        self.extra_keys, self.digest = extra_keys, ""
 
-    def open(self, h: Holdings, strict: bool) -> None:
+    def open(self, h: Holdings) -> None:
         if h.pipeline is not None:
             raise CheckpointError(
                 "a PipelineModule cannot load a DCP checkpoint yet: load "
                 "it into the plain model, or convert it to zerokit's format"
             )
         self.src = DcpDirectory.open(self.where, self.extra_keys)
-        self.digest = self.src.digest
-        _compare(self.src, h, strict)
+        self.digest, self.extra_names = self.src.digest, sorted(self.src.other)
+        self.items, self.reads = self.src.metadata.state_dict_metadata, _Reads(self.src.metadata)
+        self.states: list[tuple[dict, torch.Tensor]] = []  # asked, each value read at ``read``
 
-    def stage(self, h: Holdings, optimizer, strict: bool, extra, world) -> Staged:
-        return _stage(self.src, h, optimizer, extra)
+    def key_of(self, name: str, h: Holdings) -> str | None:
+        """The checkpoint's key for ``name`` or for any name tied to it."""
+        names = [name] + [a for a, s in h.aliases.items() if s == name]
+        return next((self.src.model[n] for n in names if n in self.src.model), None)
+
+    def unexpected(self, keys: set[str], h: Holdings) -> list[str]:
+        known = set(h.param_names) | set(h.aliases)
+        return sorted(n for n in self.src.model if n not in known)
+
+    def described(self, key: str) -> tuple[list | str, torch.dtype | None]:
+        md = self.items[key]
+        if not isinstance(md, TensorStorageMetadata):
+            return "not a tensor", None
+        return list(md.size), md.properties.dtype
+
+    def ask(self, key: str, meta: TensorMeta, chunk: Chunk) -> torch.Tensor:
+        return self._range(key, meta, chunk, chunk.tensor.dtype)
+
+    def _range(self, key: str, meta: TensorMeta, chunk: Chunk, dtype) -> torch.Tensor:
+        data = torch.empty(chunk.tensor.numel(), dtype=dtype)
+        self.reads.tensor_range(key, meta, chunk.start, data)
+        return data
+
+    def ask_groups(self, h: Holdings):
+        if not self.src.groups:
+            return None
+        asked = [
+            {hk: self.reads.value(k) for hk, k in g.items()}
+            for _, g in sorted(self.src.groups.items())
+        ]
+
+        def saved() -> list[tuple[list, dict]]:
+            out = []
+            for refs in asked:
+                values = {hk: _as_saved(self.reads.values[ref]) for hk, ref in refs.items()}
+                params = [plain(p) for p in values.pop("params", [])]
+                out.append(([h.aliases.get(p, p) for p in params], values))
+            return out
+
+        return saved
+
+    def ask_state(self, chunk: Chunk, key_tensor, opt, meta: TensorMeta) -> dict:
+        state = {}
+        for skey, key in self.src.state.get(chunk.name, {}).items():
+            md = self.items[key]
+            if isinstance(md, BytesStorageMetadata):
+                state[skey] = self.reads.value(key)  # a str: the key its value is read under
+            elif tuple(md.size) == meta.shape:
+                data = self._range(key, meta, chunk, md.properties.dtype)
+                state[skey] = data.view(key_tensor.shape)
+            elif len(md.size) == 0 or chunk.tensor.numel() == math.prod(meta.shape):
+                # a scalar, or state in its own shape (Adafactor's row_var) of a parameter this
+                # rank holds whole (the owner layout): read whole
+                state[skey] = self.reads.whole(key)
+            else:
+                raise CheckpointError(
+                    f"{key}: shape {list(md.size)}, neither {chunk.name}'s "
+                    f"{list(meta.shape)} nor a scalar, and this rank holds part of it"
+                )
+        self.states.append((state, key_tensor))
+        return state
+
+    def ask_extra(self, key: str):
+        return ask_extra(self.src, self.reads, key)
+
+    def read(self) -> None:
+        self.reads.read(self.directory)
+        for state, key_tensor in self.states:  # each asked value, now read, where it is kept
+            for key, ref in state.items():
+                state[key] = self.reads.got(ref, key_tensor.device)
 
     def close(self) -> None:
         pass
@@ -373,11 +295,10 @@ def describe_dcp(directory: str) -> tuple[str, bool]:
         covered = sum(c.sizes.numel() for c in getattr(md, "chunks", []))
         if isinstance(md, TensorStorageMetadata) and covered != md.size.numel():
             problems.append(f"{key}: its chunks cover {covered} of {md.size.numel()} elements")
-    ends: dict[str, int] = {}
+    ends: dict[str, int] = {}  # file -> where its last chunk ends
     for where in (src.metadata.storage_data or {}).values():
-        ends[where.relative_path] = max(
-            ends.get(where.relative_path, 0), where.offset + where.length
-        )
+        end = where.offset + where.length
+        ends[where.relative_path] = max(ends.get(where.relative_path, 0), end)
     for name, end in sorted(ends.items()):
         full = os.path.join(directory, name)
         if not os.path.isfile(full) or os.path.getsize(full) < end:

@@ -18,16 +18,17 @@ save = agree -> stage -> write -> seal -> publish
   (one at a time per process: ``inflight``).
 
 load = agree -> plan reads -> stage -> validate -> apply  (``load_with``)
-  The source opens and compares (plan reads), the ranks agree on the checkpoint's digest and
-  the model, every byte is read into ``Staged`` and validated, all ranks agree it succeeded,
-  and only then is anything copied into the model, the optimizer or the extra state.
+  The source opens, the ranks agree on the checkpoint's digest and the model; ``stage``
+  compares what the checkpoint holds with what this rank holds, reads this rank's bytes into
+  ``Staged`` and validates them; all ranks agree it succeeded, and only then is anything
+  copied into the model, the optimizer or the extra state.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,7 +49,8 @@ from .agreement import (
     rank,
     world_view,
 )
-from .holdings import Holdings, collect, holder_of, optimizers_of
+from .fields import listing
+from .holdings import Chunk, Holdings, TensorMeta, collect, holder_of, optimizers_of
 from .index import CheckpointError, check_hyperparameter, is_finite_number
 from .places import SaveLock, clear_debris, make_temp, remove, why_not_replaceable, write_whole
 from .reading import OLD_SUFFIX
@@ -273,20 +275,32 @@ class Staged:
 
 
 class Source(Protocol):
-    """A format's reading half, for ``load_with``."""
+    """A format's reading half, for ``load_with``: it answers what the checkpoint holds and
+    reads ranges into staging; ``stage`` compares that with what this rank holds.
 
+    Note: a source may read at ``ask`` (zerokit's files) or only at ``read`` (DCP plans its
+    reads, then reads them all): what ``ask`` and ``ask_state`` return is final after it."""
+
+    kind: str  # "checkpoint", "DCP checkpoint": how errors name it
     where: str  # the path as given, for "cannot read"
     directory: str  # the directory read, for "malformed" (set by ``open``)
-    read_what: str  # what the ranks agree they read ("the checkpoint read (sha256 of ...)")
-    malformed: str  # how a staging failure is called ("malformed checkpoint")
-    malformed_errors: tuple  # the exceptions that mean it
+    digest: str  # of what was opened (set by ``open``), agreed on as ``read_what``
+    read_what: str
+    malformed_errors: tuple  # the exceptions that mean a malformed checkpoint
     alike: bool  # one message when every failing rank failed alike (``raise_any``)
-    digest: str  # of what was opened, set by ``open``
+    shape_differs: str  # the format's words for a shape difference: {name}, {saved}, {model}
+    extra_names: list[str]  # the extra state it holds (set by ``open``)
 
-    def open(self, h: Holdings, strict: bool) -> None: ...  # plan reads; raises to refuse
-
-    def stage(self, h: Holdings, optimizer, strict: bool, extra, world) -> Staged: ...
-
+    def open(self, h: Holdings) -> None: ...  # raises to refuse
+    def key_of(self, name: str, h: Holdings) -> str | None: ...  # where a model tensor is
+    def unexpected(self, keys: set[str], h: Holdings) -> list[str]: ...  # model's, not in keys
+    def described(self, key: str) -> tuple[list | str, torch.dtype]: ...  # shape, dtype
+    def ask(self, key: str, meta: TensorMeta, chunk: Chunk) -> torch.Tensor: ...
+    # None: no optimizer state; else, once read: each group's parameters and hyperparameters
+    def ask_groups(self, h: Holdings) -> Callable[[], list[tuple[list, dict]]] | None: ...
+    def ask_state(self, chunk: Chunk, key_tensor, opt, meta: TensorMeta) -> dict: ...
+    def ask_extra(self, key: str) -> Callable[[], Any]: ...  # its value, once read
+    def read(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -298,7 +312,7 @@ def load_with(source: Source, model: nn.Module, optimizer, strict, extra, group,
 
     def opened():
         h = collect(model, optimizer)
-        source.open(h, strict)
+        source.open(h)
         return h
 
     with alive(group):
@@ -315,9 +329,9 @@ def load_with(source: Source, model: nn.Module, optimizer, strict, extra, group,
             }
             agree_on("checkpoint.load: what", what, group, timeout)
             staged, error = attempt(
-                lambda: source.stage(h, optimizer, strict, extra, world),
+                lambda: stage(source, h, optimizer, strict, extra or {}, world),
                 source.malformed_errors,
-                f"{source.directory}: {source.malformed}: ",
+                f"{source.directory}: malformed {source.kind}: ",
             )
             tell("checkpoint.load: read", error)
         finally:
@@ -332,6 +346,97 @@ def load_with(source: Source, model: nn.Module, optimizer, strict, extra, group,
             )
         tell("checkpoint.load: extra", error)
         apply_staged(staged, model, optimizer)
+
+
+def stage(source: Source, h: Holdings, optimizer, strict: bool, extra, world) -> Staged:
+    """plan reads, stage, validate: this rank's ranges of the model's tensors, its optimizer
+    state and the extra state asked for, read; the saved param groups checked."""
+    keys = compare_tensors(source, h, strict, world)
+    staged = Staged()
+    for chunk in h.chunks:
+        if chunk.name in keys and chunk.tensor.numel():
+            data = source.ask(keys[chunk.name], h.metas[chunk.name], chunk)
+            staged.copies.append((chunk.tensor, data))
+    if optimizer is not None:
+        optimizers = optimizers_of(optimizer)
+        groups = source.ask_groups(h)
+        if groups is None:
+            raise CheckpointError(
+                f"the {source.kind} holds no optimizer state; pass optimizer=None"
+            )
+        for chunk, key_tensor, k in h.optimizer_chunks:
+            state = source.ask_state(chunk, key_tensor, optimizers[k], h.metas[chunk.name])
+            staged.optimizer_state.append((key_tensor, state, k))
+    missing = sorted(k for k in extra if k not in source.extra_names)
+    if missing:
+        raise CheckpointError(
+            f"the {source.kind} holds no extra state {missing} (it holds {source.extra_names})"
+        )
+    asked = {k: source.ask_extra(k) for k in extra}
+    source.read()
+    staged.extra = {k: finish() for k, finish in asked.items()}
+    if optimizer is not None:
+        staged.hyperparameters = check_groups(groups(), h, optimizers, world)
+    return staged
+
+
+def compare_tensors(source: Source, h: Holdings, strict: bool, world) -> dict[str, str]:
+    """validate: the checkpoint's model tensors against the model's, by name (under strict,
+    both ways; a pipeline stage against every stage's, ``world``), shape and dtype (a cast
+    that loses precision is refused). Returns where each of this rank's tensors is stored."""
+    names = h.param_names if world is None else sorted(world["names"])
+    keys = {n: source.key_of(n, h) for n in names}
+    missing = sorted(n for n, key in keys.items() if key is None)
+    unexpected = source.unexpected({key for key in keys.values() if key is not None}, h)
+    problems = []
+    if strict and (missing or unexpected):
+        problems.append(
+            f"missing from the checkpoint {missing}, not in the model {unexpected} "
+            "(strict=False loads the tensors both have)"
+        )
+    found = {n: keys[n] for n in h.param_names if keys[n] is not None}
+    for name, key in found.items():
+        (shape, dtype), meta = source.described(key), h.metas[name]
+        if shape != list(meta.shape):
+            differ = {"name": name, "saved": shape, "model": list(meta.shape)}
+            problems.append(source.shape_differs.format(**differ))
+        elif torch.promote_types(dtype, meta.dtype) != meta.dtype:
+            problems.append(
+                f"{name}: the checkpoint holds {dtype}, the model {meta.dtype}: loading would "
+                "lose precision (cast the model to the checkpoint's dtype first)"
+            )
+    if problems:
+        raise CheckpointError(
+            f"{source.kind} {source.directory} and the model differ: {'; '.join(problems)}; "
+            "nothing was loaded"
+        )
+    return found
+
+
+def check_groups(saved: list[tuple[list, dict]], h: Holdings, optimizers, world) -> list[dict]:
+    """validate: the saved param groups against the optimizers' (several optimizers: their
+    groups in order), the same parameters in each, by name (a pipeline stage: every stage's,
+    ``world``); returns of each group the hyperparameters its optimizer's group holds (a key
+    it does not know cannot change it), each of the kind it holds."""
+    held = [g["params"] for g in h.groups] if world is None else world["groups"]
+    if len(saved) != len(held):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(saved)} param groups, the optimizer {len(held)}"
+        )
+    current_groups = [g for opt in optimizers for g in opt.param_groups]
+    out = []
+    for i, ((params, values), mine, current) in enumerate(zip(saved, held, current_groups)):
+        differing = sorted(set(params) ^ set(mine))
+        if differing:
+            raise CheckpointError(
+                f"param group {i} holds other parameters than the "
+                f"checkpoint's (differing: {listing(differing)})"
+            )
+        known = {k: v for k, v in values.items() if k in current}
+        for key, value in known.items():
+            check_loaded_hyperparameter(i, key, value, current[key])
+        out.append(known)
+    return out
 
 
 _NON_NEGATIVE = {"lr", "eps", "weight_decay", "momentum", "dampening", "lr_decay", "alpha"}
@@ -359,19 +464,6 @@ def check_loaded_hyperparameter(i: int, key: str, value, current) -> None:
             f"{what} is {value!r} in the checkpoint; the optimizer holds {current!r} there "
             "(refused: it would fail or diverge at the next step)"
         )
-
-
-def staged_hyperparameters(saved: list[dict], optimizers: list) -> list[dict]:
-    """validate: of each saved param group, the hyperparameters its optimizer's group holds
-    (a key it does not know cannot change it), each checked."""
-    current_groups = [g for opt in optimizers for g in opt.param_groups]
-    out = []
-    for i, (values, current) in enumerate(zip(saved, current_groups)):
-        known = {k: v for k, v in values.items() if k in current}
-        for key, value in known.items():
-            check_loaded_hyperparameter(i, key, value, current[key])
-        out.append(known)
-    return out
 
 
 def apply_extra(values: dict[str, Any], extra) -> None:
