@@ -93,11 +93,6 @@ def parse_size(text: str) -> int:
     return size
 
 
-def _inside(path: str, directory: str) -> bool:
-    path = os.path.realpath(path)
-    return os.path.commonpath([path, directory]) == directory
-
-
 def _check_file_output(path: str, what: str) -> None:
     """A new or replaceable ``.safetensors`` file in an existing directory."""
     if os.path.isdir(path) or path.endswith(os.sep):
@@ -127,16 +122,12 @@ def consolidate(
 ) -> list[str]:
     """Write the full model, with the plain model's names and shapes, as one safetensors file
     (``load_consolidated(path, plain_model)`` loads it, tied names included) or, with
-    ``max_shard_size``, as a Hugging Face style set in the directory ``output``.
-    ``optimizer_output``: also write the full optimizer state there. A set also gets the
-    model's ``config.json`` (and ``generation_config.json``) when the saved model had a Hugging
-    Face ``config``, so ``from_pretrained(output)`` loads it. ``verify=False`` trusts the
-    files' contents: sizes and headers are still checked, the sha256s are not (they read the
-    whole checkpoint, optimizer state included). A set is written by ``writers`` local
-    processes, or by every rank of ``group`` (each calls this), each writing whole files of
-    its own: the same bytes as one writer's. Returns the files written.
-    On an error, the files it wrote are removed.
-    """
+    ``max_shard_size``, as a Hugging Face style set in the directory ``output``, with the
+    model's ``config.json`` where it had one (``from_pretrained(output)`` loads it), written by
+    ``writers`` local processes or every rank of ``group`` (each calls this): the same bytes
+    as one writer's. ``optimizer_output``: the full optimizer state there too. ``verify=False``
+    trusts the files' contents: sizes and headers are still checked, not the sha256s. Returns
+    the files written; on an error, the files it wrote are removed."""
     many = Writers(group, writers)
     if many.size() > 1 and (max_shard_size is None or optimizer_output is not None):
         raise CheckpointError(
@@ -166,7 +157,7 @@ def consolidate(
 def _check_outputs(reader, output: str, max_shard_size, optimizer_output) -> None:
     directory = os.path.realpath(reader.directory)
     for out in (output, optimizer_output):
-        if out is not None and _inside(out, directory):
+        if out is not None and os.path.commonpath([os.path.realpath(out), directory]) == directory:
             raise CheckpointError(
                 f"{out} is inside the checkpoint {reader.directory} it reads: write it elsewhere"
             )
@@ -301,14 +292,8 @@ def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
         state = [e for n, e in index["tensors"].items() if n not in model]
         entries = optim if isinstance(optim, list) else [optim]
         for k, entry in enumerate(entries):
-            keys = sorted(
-                {
-                    k
-                    for part in ("state_tensors", "quantized_state")
-                    for ks in entry.get(part, {}).values()
-                    for k in ks
-                }
-            )
+            held = [*entry["state_tensors"].values(), *entry.get("quantized_state", {}).values()]
+            keys = sorted({k for ks in held for k in ks})
             keys += sorted({k for ks in entry["scalar_state"].values() for k in ks})
             quantized = " (block-quantized)" if entry.get("quantized_state") else ""
             lines.append(
@@ -348,16 +333,9 @@ def _split_kind(layout: dict) -> str:
 
 def _tensor_table(tensors: dict) -> list[str]:
     rows = [("tensor", "shape", "dtype", "tp split", "bytes")]
-    for name, entry in tensors.items():
-        tp = entry["tp"]
-        rows.append(
-            (
-                name,
-                "x".join(map(str, entry["shape"])) or "scalar",
-                entry["dtype"],
-                f"dim {tp['dim']} x{len(tp['block_sizes'])}" if tp else "-",
-                format_bytes(_nbytes(entry)),
-            )
-        )
+    for name, e in tensors.items():
+        shape = "x".join(map(str, e["shape"])) or "scalar"
+        tp = f"dim {e['tp']['dim']} x{len(e['tp']['block_sizes'])}" if e["tp"] else "-"
+        rows.append((name, shape, e["dtype"], tp, format_bytes(_nbytes(e))))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4] for row in rows]

@@ -10,6 +10,7 @@ holding anything but a checkpoint is refused.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -159,30 +160,32 @@ def _ties(full: _Full) -> dict[str, str]:
 
 
 def _json(values: dict) -> dict:
+    """DCP's param-group values as the index keeps hyperparameters: JSON scalars and lists."""
     out = {}
     for key, value in values.items():
         value = value.item() if isinstance(value, torch.Tensor) else value
-        out[key] = list(value) if isinstance(value, tuple) else value
-    return {
-        k: v for k, v in out.items() if v is None or isinstance(v, (bool, int, float, str, list))
-    }
+        value = list(value) if isinstance(value, tuple) else value
+        if value is None or isinstance(value, (bool, int, float, str, list)):
+            out[key] = value
+    return out
 
 
 def _to_zerokit(full: _Full, tmp: str) -> None:
     fname = "rank00000.safetensors"
     tensors, entries, scalars, state_names = {}, [], {}, {}
 
-    def add(name: str, dtype, shape, produce) -> None:
-        numel = torch.Size(shape).numel()
-        parts = {"0": [{"file": fname, "key": piece_key(name, 0), "start": 0, "numel": numel}]}
+    def add(name: str, dtype, shape, produce) -> None:  # one piece, unless it is empty
+        numel, key = math.prod(shape), piece_key(name, 0)
+        piece = {"file": fname, "key": key, "start": 0, "numel": numel}
+        parts = {"0": [piece]} if numel else {}
         tensors[name] = {
             "shape": list(shape),
             "dtype": dtype_name(dtype),
             "tp": None,
-            "parts": parts if numel else {},
+            "parts": parts,
         }
         if numel:
-            entries.append((piece_key(name, 0), dtype, [numel], lambda: produce().reshape(-1)))
+            entries.append((key, dtype, [numel], lambda: produce().reshape(-1)))
 
     for name, (dtype, shape) in full.tensors.items():
         add(name, dtype, shape, lambda name=name: full.read(name))

@@ -1,18 +1,14 @@
-"""A checkpoint ``ZeroKitStrategy`` saved, as the one file Lightning reads on one process:
-``zerokit ckpt consolidate DIR --lightning OUT.ckpt``, then ``MyModule.load_from_checkpoint(
-"OUT.ckpt")`` or ``Trainer(devices=1).fit(model, ckpt_path="OUT.ckpt")``. Imports nothing of
-Lightning: the file is a ``torch.save``d dict of Lightning's keys.
+"""A checkpoint ``ZeroKitStrategy`` saved, as the one file Lightning reads on one process
+(``zerokit ckpt consolidate DIR --lightning OUT.ckpt``, then ``load_from_checkpoint`` or
+``fit(..., ckpt_path=)``): a ``torch.save``d dict of Lightning's keys; imports no Lightning.
 
-``ZeroKitStrategy.save_checkpoint`` keeps each entry K of Lightning's checkpoint dict (epoch,
-global step, loops, callbacks, LR schedulers, hyperparameters, version) as the extra state
-``"lightning/K"``, all but two: the model and the optimizer, which it writes as shards. This
-module rebuilds those two: ``state_dict`` under the LightningModule's own names (tied names
-each, as ``Module.state_dict`` gives them) and ``optimizer_states`` as
-``torch.optim.Optimizer.state_dict`` gives one (parameters numbered in param-group order).
+``ZeroKitStrategy.save_checkpoint`` keeps each entry K of Lightning's checkpoint dict as the
+extra state ``"lightning/K"``, all but the model and the optimizer, which it writes as shards.
+This module rebuilds those two: ``state_dict`` under the LightningModule's own names (tied
+names each) and ``optimizer_states`` as ``Optimizer.state_dict`` gives them.
 
 Note: unlike the shards, the file is pickle (Lightning's format) and is built whole in memory.
-An entry saved per rank (values that differed between ranks) is rank 0's, as Lightning's own
-``save_checkpoint`` writes rank 0's dict.
+An entry saved per rank is rank 0's, as Lightning's own ``save_checkpoint`` writes rank 0's.
 """
 
 from __future__ import annotations
