@@ -256,7 +256,6 @@ def load_consolidated(path: str | os.PathLike, model: nn.Module, strict: bool = 
 def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
     """A report for a person (a summary; ``tensors=True`` adds one line per tensor), and
     whether the checkpoint is complete and verified. A DCP directory gets its own summary."""
-
     if is_dcp(checkpoint) and not os.path.exists(os.path.join(checkpoint, INDEX_NAME)):
         from .dcp_load import describe_dcp
 
@@ -287,23 +286,8 @@ def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
         + (f" ({split} {_split_kind(layout)})" if split else "")
         + f"; tied: {tied}"
     )
-    optim = index["optimizer"]
-    if optim:
-        state = [e for n, e in index["tensors"].items() if n not in model]
-        entries = optim if isinstance(optim, list) else [optim]
-        for k, entry in enumerate(entries):
-            held = [*entry["state_tensors"].values(), *entry.get("quantized_state", {}).values()]
-            keys = sorted({k for ks in held for k in ks})
-            keys += sorted({k for ks in entry["scalar_state"].values() for k in ks})
-            quantized = " (block-quantized)" if entry.get("quantized_state") else ""
-            lines.append(
-                f"optimizer{f' {k}' if len(entries) > 1 else ''}: {entry['class']}, "
-                f"{len(entry['param_groups'])} param group(s), "
-                f"state {', '.join(keys) or 'none yet'}{quantized}"
-            )
-        lines.append(
-            f"optimizer state: {len(state)} tensors, {format_bytes(sum(map(_nbytes, state)))}"
-        )
+    state = [e for n, e in index["tensors"].items() if n not in model]
+    lines += _optimizer_lines(index["optimizer"], state)
     extra = index.get("extra", {})
     if extra:
         shown = [k + (" (per rank)" if e["per_rank"] else "") for k, e in extra.items()]
@@ -321,6 +305,26 @@ def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
     if not tensors:
         lines.append("(--tensors lists every tensor)")
     return "\n".join(lines), ok
+
+
+def _optimizer_lines(optim, state: list[dict]) -> list[str]:
+    """Each optimizer's class, groups and state keys; the state's tensors and bytes."""
+    if not optim:
+        return []
+    lines = []
+    entries = optim if isinstance(optim, list) else [optim]
+    for k, entry in enumerate(entries):
+        held = [*entry["state_tensors"].values(), *entry.get("quantized_state", {}).values()]
+        keys = sorted({key for ks in held for key in ks})
+        keys += sorted({key for ks in entry["scalar_state"].values() for key in ks})
+        quantized = " (block-quantized)" if entry.get("quantized_state") else ""
+        lines.append(
+            f"optimizer{f' {k}' if len(entries) > 1 else ''}: {entry['class']}, "
+            f"{len(entry['param_groups'])} param group(s), "
+            f"state {', '.join(keys) or 'none yet'}{quantized}"
+        )
+    lines.append(f"optimizer state: {len(state)} tensors, {format_bytes(sum(map(_nbytes, state)))}")
+    return lines
 
 
 def _split_kind(layout: dict) -> str:
