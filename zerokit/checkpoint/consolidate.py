@@ -1,13 +1,12 @@
 """Offline tools (no process group): describe a checkpoint, consolidate it to plain files, and
 load a consolidated file into a plain model.
 
-Consolidation streams: every file of the checkpoint is checked first (size and header, so no
-tensor can claim more bytes than its files hold; the sha256s are computed in threads beside
-the writing and checked before it returns, removing the output on a mismatch), then the
-safetensors header is computed from the index, and each tensor is written from its pieces'
-mapped bytes (no copy; a tp-split one is assembled first), so at most one tensor is in memory
-at a time. Tied names are stored once; the
-``zerokit_aliases`` metadata names the others, and ``load_consolidated`` restores them.
+Consolidation streams: sizes and headers of every file are checked first (no tensor can claim
+more bytes than its files hold), the sha256s are computed in threads beside the writing and
+checked before it returns (on a mismatch what was written is removed), and each tensor is
+written from its pieces' mapped bytes (a tp-split one assembled first), so at most one tensor
+is in memory at a time. Tied names are stored once; the ``zerokit_aliases`` metadata names
+the others, and ``load_consolidated`` restores them.
 """
 
 from __future__ import annotations
@@ -17,7 +16,10 @@ import math
 import os
 import re
 import stat
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
@@ -35,24 +37,46 @@ def _nbytes(entry: dict) -> int:
     return math.prod(entry["shape"]) * dtype_from_name(entry["dtype"], "").itemsize
 
 
-def _write_safetensors(path: str, names: list[str], reader, metadata: dict) -> None:
-    index = reader.index
+@dataclass(frozen=True)
+class Export:
+    """What an export writes: tensors (``name -> (dtype, shape)``, in order), each ``read``
+    just before its bytes go out (a tensor, or buffers holding its bytes), and what the
+    files' metadata and the set's index say."""
 
-    def produce(name: str):
-        if index["tensors"][name]["tp"] is None:  # its pieces, straight from the mappings
-            return reader.buffers(name)
-        return reader.read_full(name)  # tp parts assembled: one tensor in memory at a time
+    tensors: dict[str, tuple[torch.dtype, list[int]]]
+    read: Callable
+    metadata: dict[str, str]
+    aliases: dict[str, str]
+    model_config: dict[str, str]  # config.json's text, ...: from_pretrained needs them
 
+
+def write_file(path: str, export: Export) -> None:
+    """Every tensor of ``export`` in one safetensors file (no sha256: no one will check it)."""
     entries = [
-        (
-            name,
-            dtype_from_name(index["tensors"][name]["dtype"], name),
-            index["tensors"][name]["shape"],
-            lambda name=name: produce(name),
-        )
-        for name in names
+        (name, dtype, list(shape), lambda name=name: export.read(name))
+        for name, (dtype, shape) in export.tensors.items()
     ]
-    write_safetensors(path, entries, metadata, digest=False)
+    write_safetensors(path, entries, export.metadata, digest=False)
+
+
+def write_hf_set(
+    output: str,
+    export: Export,
+    max_shard_size: int,
+    many: Writers,
+    start_check=lambda writer: lambda: None,
+) -> list[str]:
+    """``export`` as a Hugging Face set in the directory ``output``, with its index and config
+    files, split across ``many`` writers (``writers.write_set``)."""
+    sizes = {n: math.prod(shape) * dtype.itemsize for n, (dtype, shape) in export.tensors.items()}
+    files = plan_files(sizes, max_shard_size)
+    index = hf_index(files, sum(sizes.values()), export.aliases)
+
+    def write_one(path: str, file) -> None:
+        write_file(path, replace(export, tensors={n: export.tensors[n] for n in file.tensors}))
+
+    finish = {HF_INDEX: index, **export.model_config}
+    return write_set(output, files, write_one, finish, many, start_check)
 
 
 def parse_size(text: str) -> int:
@@ -67,11 +91,6 @@ def parse_size(text: str) -> int:
     if size < 1:
         raise ValueError(f"--max-shard-size must be at least 1 byte, got {text!r}")
     return size
-
-
-def _inside(path: str, directory: str) -> bool:
-    path = os.path.realpath(path)
-    return os.path.commonpath([path, directory]) == directory
 
 
 def _check_file_output(path: str, what: str) -> None:
@@ -92,16 +111,6 @@ def _check_file_output(path: str, what: str) -> None:
             raise CheckpointError(f"{what} {path} is {kind_of(mode)}")
 
 
-def _check_dir_output(path: str) -> None:
-    if os.path.lexists(path) and not os.path.isdir(path):
-        raise CheckpointError(
-            f"output {path} exists and is not a directory (--max-shard-size writes a directory)"
-        )
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise CheckpointError(f"output {path}: the directory {parent} does not exist")
-
-
 def consolidate(
     checkpoint: str,
     output: str,
@@ -113,16 +122,12 @@ def consolidate(
 ) -> list[str]:
     """Write the full model, with the plain model's names and shapes, as one safetensors file
     (``load_consolidated(path, plain_model)`` loads it, tied names included) or, with
-    ``max_shard_size``, as a Hugging Face style set in the directory ``output``.
-    ``optimizer_output``: also write the full optimizer state there. A set also gets the
-    model's ``config.json`` (and ``generation_config.json``) when the saved model had a Hugging
-    Face ``config``, so ``from_pretrained(output)`` loads it. ``verify=False`` trusts the
-    files' contents: sizes and headers are still checked, the sha256s are not (they read the
-    whole checkpoint, optimizer state included). A set is written by ``writers`` local
-    processes, or by every rank of ``group`` (each calls this), each writing whole files of
-    its own: the same bytes as one writer's. Returns the files written.
-    On an error, the files it wrote are removed.
-    """
+    ``max_shard_size``, as a Hugging Face style set in the directory ``output``, with the
+    model's ``config.json`` where it had one (``from_pretrained(output)`` loads it), written by
+    ``writers`` local processes or every rank of ``group`` (each calls this): the same bytes
+    as one writer's. ``optimizer_output``: the full optimizer state there too. ``verify=False``
+    trusts the files' contents: sizes and headers are still checked, not the sha256s. Returns
+    the files written; on an error, the files it wrote are removed."""
     many = Writers(group, writers)
     if many.size() > 1 and (max_shard_size is None or optimizer_output is not None):
         raise CheckpointError(
@@ -130,105 +135,98 @@ def consolidate(
             "--optimizer in a run of one writer"
         )
     with CheckpointReader(checkpoint) as reader:
-        directory = os.path.realpath(reader.directory)
-        for out in (output, optimizer_output):
-            if out is not None and _inside(out, directory):
-                raise CheckpointError(
-                    f"{out} is inside the checkpoint {reader.directory} it reads: write it elsewhere"
-                )
-        if max_shard_size is None:
-            _check_file_output(output, "output")
-        else:
-            _check_dir_output(output)
-        if optimizer_output is not None:
-            _check_file_output(optimizer_output, "--optimizer")
-            if reader.index["optimizer"] is None:
-                raise CheckpointError(f"{reader.directory}: holds no optimizer state")
-        if max_shard_size is not None and optimizer_output is None:
-            return _write_set(reader, output, max_shard_size, verify, many)
-        # sizes and headers before anything is allocated (tensors fit in the files' bytes);
-        # the sha256s beside the writing, checked before returning: on a mismatch what was
-        # written is removed
-        hashes_match = reader.verify_all(hash_in_background=True, hash=verify)
-        written, made_dir = [], False
+        _check_outputs(reader, output, max_shard_size, optimizer_output)
+        reader.verify_all(hash=False)  # sizes and headers on every writer, before any byte
+        model, state = _exports(reader)
+        check = _sha256_check(reader, verify, many)
+        written = []
         try:
-            if max_shard_size is not None and not os.path.isdir(output):
-                os.mkdir(output)
-                made_dir = True
-            _consolidate(reader, output, max_shard_size, optimizer_output, written)
-            hashes_match()
+            if optimizer_output is not None:  # first: a failing set leaves nothing of itself
+                written.append(_write_checked(optimizer_output, state, check))
+            if max_shard_size is None:
+                written.insert(0, _write_checked(output, model, check))
+            else:
+                written[:0] = write_hf_set(output, model, max_shard_size, many, check)
         except BaseException:
             for path in written:
-                if os.path.lexists(path):
-                    os.unlink(path)
-            if made_dir:
-                os.rmdir(output)
+                os.unlink(path)
             raise
     return written
 
 
-def _metadata(reader) -> dict[str, str]:
-    return {
+def _check_outputs(reader, output: str, max_shard_size, optimizer_output) -> None:
+    directory = os.path.realpath(reader.directory)
+    for out in (output, optimizer_output):
+        if out is not None and os.path.commonpath([os.path.realpath(out), directory]) == directory:
+            raise CheckpointError(
+                f"{out} is inside the checkpoint {reader.directory} it reads: write it elsewhere"
+            )
+    if max_shard_size is None:
+        _check_file_output(output, "output")
+    elif os.path.lexists(output) and not os.path.isdir(output):
+        raise CheckpointError(
+            f"output {output} exists and is not a directory (--max-shard-size writes a directory)"
+        )
+    elif not os.path.isdir(os.path.dirname(os.path.abspath(output))):
+        parent = os.path.dirname(os.path.abspath(output))
+        raise CheckpointError(f"output {output}: the directory {parent} does not exist")
+    if optimizer_output is not None:
+        _check_file_output(optimizer_output, "--optimizer")
+        if reader.index["optimizer"] is None:
+            raise CheckpointError(f"{reader.directory}: holds no optimizer state")
+
+
+def _exports(reader) -> tuple[Export, Export]:
+    """The model's tensors and the optimizer's state, read from the checkpoint."""
+    index = reader.index
+
+    def read(name: str):
+        if index["tensors"][name]["tp"] is None:  # its pieces, straight from the mappings
+            return reader.buffers(name)
+        return reader.read_full(name)  # tp parts assembled: one tensor in memory at a time
+
+    def described(optim: bool) -> dict:
+        return {
+            n: (dtype_from_name(e["dtype"], n), e["shape"])
+            for n, e in index["tensors"].items()
+            if n.startswith(OPTIM_PREFIX + ".") == optim
+        }
+
+    metadata = {
         "format": "pt",
         "zerokit_source": os.path.basename(os.path.abspath(reader.directory)),
-        ALIASES_KEY: json.dumps(reader.index["aliases"]),
+        ALIASES_KEY: json.dumps(index["aliases"]),
     }
+    model = Export(
+        described(False), read, metadata, index["aliases"], index.get("model_config", {})
+    )
+    optim = metadata | {"optimizer": json.dumps(index["optimizer"])}
+    return model, replace(model, tensors=described(True), metadata=optim)
 
 
-def _model_sizes(index: dict) -> dict[str, int]:
-    return {
-        n: _nbytes(e) for n, e in index["tensors"].items() if not n.startswith(OPTIM_PREFIX + ".")
-    }
+def _sha256_check(reader, verify: bool, many: Writers):
+    """``start_check(writer)``: that writer's share of the files' sha256s (all of them unless
+    a group's ranks share them), hashed in threads beside the first write. Every file, as
+    each rank's file holds its model and optimizer pieces together."""
+    left = sorted(reader.index["files"]) if verify else []
+
+    def start(writer: int):
+        share = left[writer :: many.size()] if many.group is not None else list(left)
+        left.clear()
+        return reader.verify_all(hash_in_background=True, hash=bool(share), hashed=set(share))
+
+    return start
 
 
-def _write_set(reader, output: str, max_shard_size: int, verify: bool, many: Writers) -> list:
-    """The model as a set, split across ``many`` writers (``writers.py``); the sha256s of the
-    checkpoint's files are checked beside the writing (a group's ranks each take a share)."""
-    reader.verify_all(hash=False)  # sizes and headers on every writer, before any byte
-    index, metadata = reader.index, _metadata(reader)
-    sizes = _model_sizes(index)
-    files = plan_files(sizes, max_shard_size)
-    finish = {HF_INDEX: hf_index(files, sum(sizes.values()), index["aliases"])}
-    finish.update(index.get("model_config", {}))  # from_pretrained needs config.json
-
-    def start_check(writer: int):
-        listed = sorted(index["files"])
-        share = listed[writer :: many.size()] if many.group is not None else listed
-        return reader.verify_all(hash_in_background=True, hash=verify, hashed=set(share))
-
-    def write_file(path: str, file) -> None:
-        _write_safetensors(path, list(file.tensors), reader, metadata)
-
-    return write_set(output, files, write_file, finish, many, start_check)
-
-
-def _consolidate(reader, output, max_shard_size, optimizer_output, written: list) -> None:
-    index = reader.index
-    names = [n for n in index["tensors"] if not n.startswith(OPTIM_PREFIX + ".")]
-    metadata = _metadata(reader)
-    if max_shard_size is None:
-        _write_safetensors(output, names, reader, metadata)
-        written.append(output)
-    else:
-        files = plan_files(_model_sizes(index), max_shard_size)
-        for file in files:
-            _write_safetensors(
-                os.path.join(output, file.name), list(file.tensors), reader, metadata
-            )
-            written.append(os.path.join(output, file.name))
-        hf = hf_index(files, sum(_model_sizes(index).values()), index["aliases"])
-        with open(os.path.join(output, HF_INDEX), "w", encoding="utf-8") as f:
-            written.append(os.path.join(output, HF_INDEX))
-            f.write(hf)
-        for name, text in index.get("model_config", {}).items():  # from_pretrained needs it
-            with open(os.path.join(output, name), "w", encoding="utf-8") as f:
-                written.append(os.path.join(output, name))
-                f.write(text)
-    if optimizer_output is not None:
-        state = [n for n in index["tensors"] if n.startswith(OPTIM_PREFIX + ".")]
-        meta = metadata | {"optimizer": json.dumps(index["optimizer"])}
-        _write_safetensors(optimizer_output, state, reader, meta)
-        written.append(optimizer_output)
+def _write_checked(path: str, export: Export, check) -> str:
+    wait = check(0)
+    write_file(path, export)
+    try:
+        wait()
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path
 
 
 def load_consolidated(path: str | os.PathLike, model: nn.Module, strict: bool = True):
@@ -258,7 +256,6 @@ def load_consolidated(path: str | os.PathLike, model: nn.Module, strict: bool = 
 def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
     """A report for a person (a summary; ``tensors=True`` adds one line per tensor), and
     whether the checkpoint is complete and verified. A DCP directory gets its own summary."""
-
     if is_dcp(checkpoint) and not os.path.exists(os.path.join(checkpoint, INDEX_NAME)):
         from .dcp_load import describe_dcp
 
@@ -289,29 +286,8 @@ def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
         + (f" ({split} {_split_kind(layout)})" if split else "")
         + f"; tied: {tied}"
     )
-    optim = index["optimizer"]
-    if optim:
-        state = [e for n, e in index["tensors"].items() if n not in model]
-        entries = optim if isinstance(optim, list) else [optim]
-        for k, entry in enumerate(entries):
-            keys = sorted(
-                {
-                    k
-                    for part in ("state_tensors", "quantized_state")
-                    for ks in entry.get(part, {}).values()
-                    for k in ks
-                }
-            )
-            keys += sorted({k for ks in entry["scalar_state"].values() for k in ks})
-            quantized = " (block-quantized)" if entry.get("quantized_state") else ""
-            lines.append(
-                f"optimizer{f' {k}' if len(entries) > 1 else ''}: {entry['class']}, "
-                f"{len(entry['param_groups'])} param group(s), "
-                f"state {', '.join(keys) or 'none yet'}{quantized}"
-            )
-        lines.append(
-            f"optimizer state: {len(state)} tensors, {format_bytes(sum(map(_nbytes, state)))}"
-        )
+    state = [e for n, e in index["tensors"].items() if n not in model]
+    lines += _optimizer_lines(index["optimizer"], state)
     extra = index.get("extra", {})
     if extra:
         shown = [k + (" (per rank)" if e["per_rank"] else "") for k, e in extra.items()]
@@ -331,6 +307,26 @@ def describe(checkpoint: str, tensors: bool = False) -> tuple[str, bool]:
     return "\n".join(lines), ok
 
 
+def _optimizer_lines(optim, state: list[dict]) -> list[str]:
+    """Each optimizer's class, groups and state keys; the state's tensors and bytes."""
+    if not optim:
+        return []
+    lines = []
+    entries = optim if isinstance(optim, list) else [optim]
+    for k, entry in enumerate(entries):
+        held = [*entry["state_tensors"].values(), *entry.get("quantized_state", {}).values()]
+        keys = sorted({key for ks in held for key in ks})
+        keys += sorted({key for ks in entry["scalar_state"].values() for key in ks})
+        quantized = " (block-quantized)" if entry.get("quantized_state") else ""
+        lines.append(
+            f"optimizer{f' {k}' if len(entries) > 1 else ''}: {entry['class']}, "
+            f"{len(entry['param_groups'])} param group(s), "
+            f"state {', '.join(keys) or 'none yet'}{quantized}"
+        )
+    lines.append(f"optimizer state: {len(state)} tensors, {format_bytes(sum(map(_nbytes, state)))}")
+    return lines
+
+
 def _split_kind(layout: dict) -> str:
     """What splits the index's split tensors: experts over ep ranks run on a mesh of dp alone
     (``layout.check_ep``: tp degree 1), so where ep > 1 every split is an expert split."""
@@ -341,16 +337,9 @@ def _split_kind(layout: dict) -> str:
 
 def _tensor_table(tensors: dict) -> list[str]:
     rows = [("tensor", "shape", "dtype", "tp split", "bytes")]
-    for name, entry in tensors.items():
-        tp = entry["tp"]
-        rows.append(
-            (
-                name,
-                "x".join(map(str, entry["shape"])) or "scalar",
-                entry["dtype"],
-                f"dim {tp['dim']} x{len(tp['block_sizes'])}" if tp else "-",
-                format_bytes(_nbytes(entry)),
-            )
-        )
+    for name, e in tensors.items():
+        shape = "x".join(map(str, e["shape"])) or "scalar"
+        tp = f"dim {e['tp']['dim']} x{len(e['tp']['block_sizes'])}" if e["tp"] else "-"
+        rows.append((name, shape, e["dtype"], tp, format_bytes(_nbytes(e))))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return ["  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4] for row in rows]

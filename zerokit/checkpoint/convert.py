@@ -1,22 +1,24 @@
 """``zerokit ckpt convert SRC DST --to dcp|zerokit|hf``: one process, no process group.
 
-A checkpoint (zerokit's format or a DCP directory) is read as a ``_Full`` source (the model's
-tensor names, each read whole when it is written, one at a time; the optimizer's class,
-groups and state; the extra state) and written in the other format as if one rank had saved
-it: a zerokit checkpoint of world size 1, a DCP directory with one ``.distcp`` file, or a
-Hugging Face ``model.safetensors``. Checkpoints are built in a temp directory and renamed into
-place, as ``save`` does; a path holding anything but a checkpoint is refused.
+A checkpoint (zerokit's format or a DCP directory) is read as a ``_Full`` source and written
+in the other format as if one rank had saved it: a zerokit checkpoint of world size 1, a DCP
+directory with one ``.distcp`` file, or Hugging Face files (``consolidate.write_hf_set``).
+Checkpoints are built in a temp directory and renamed into place, as ``save`` does; a path
+holding anything but a checkpoint is refused.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from . import extra as extra_state
+from .consolidate import Export, write_file, write_hf_set
 from .dcp_format import OPTIMIZER, is_dcp
 from .fields import scalar_value
 from .index import (
@@ -33,18 +35,18 @@ from .places import make_temp, remove, why_not_replaceable, write_whole
 from .protocol import swap_in
 from .reading import CheckpointReader, resolve
 from .streaming import write_safetensors
-from .writers import ALIASES_KEY, HF_INDEX, Writers, hf_index, plan_files, write_set
+from .writers import ALIASES_KEY, Writers
 
 TARGETS = ("dcp", "zerokit", "hf")
 
 
 @dataclass
 class _Full:
-    """A checkpoint as one process sees it. ``read(name)``: a model tensor, whole."""
+    """A checkpoint as one process sees it: the model's tensors, each read whole when it is
+    written, one at a time; the optimizer's class, groups and state; the extra state."""
 
-    names: list[str]
-    read: object
-    describe: object  # name -> (shape, dtype), without reading it
+    tensors: dict[str, tuple[torch.dtype, list[int]]]  # name -> dtype, shape: nothing read
+    read: Callable[[str], torch.Tensor]
     aliases: dict[str, str] = field(default_factory=dict)
     optimizer_class: str | None = None
     groups: list[dict] = field(default_factory=list)  # {"hyperparameters", "params"}
@@ -53,29 +55,37 @@ class _Full:
     model_config: dict[str, str] = field(default_factory=dict)  # config.json's text, ...
 
 
-def _from_zerokit(reader: CheckpointReader) -> _Full:
+def optimizer_state(reader: CheckpointReader, saved: dict) -> dict[str, dict]:
+    """One saved optimizer's state as it held it: ``param -> {key: tensor or number}``."""
+    state: dict[str, dict] = {}
+    for param, keys in saved["state_tensors"].items():
+        state.setdefault(param, {}).update({k: reader.read_full(t) for k, t in keys.items()})
+    for param, scalars in saved["scalar_state"].items():
+        for key, scalar in scalars.items():
+            state.setdefault(param, {})[key] = scalar_value(scalar, key)
+    return state
+
+
+def saved_extra(reader: CheckpointReader, key: str):
+    """The extra state ``key`` as saved (per rank: rank 0's)."""
+    saved = reader.index["extra"][key]["values"][0]
+    return extra_state.read_saved(saved, reader.read_tensor, key)
+
+
+def _from_zerokit(reader: CheckpointReader, optimizer: bool) -> _Full:
     index = reader.index
-    names = [n for n in index["tensors"] if not n.startswith("optim.")]
-
-    def describe(name: str):
-        entry = index["tensors"][name]
-        return entry["shape"], dtype_from_name(entry["dtype"], name)
-
-    full = _Full(names, reader.read_full, describe, dict(index["aliases"]))
+    tensors = {
+        n: (dtype_from_name(e["dtype"], n), e["shape"])
+        for n, e in index["tensors"].items()
+        if not n.startswith("optim.")
+    }
+    full = _Full(tensors, reader.read_full, dict(index["aliases"]))
     full.model_config = dict(index.get("model_config", {}))
-    optim = index.get("optimizer")
-    if optim is not None:
-        full.optimizer_class, full.groups = optim["class"], optim["param_groups"]
-        for param, keys in optim["state_tensors"].items():
-            full.state.setdefault(param, {}).update(
-                {k: reader.read_full(t) for k, t in keys.items()}
-            )
-        for param, scalars in optim["scalar_state"].items():
-            for key, s in scalars.items():
-                full.state.setdefault(param, {})[key] = scalar_value(s, key)
-    for key, entry in index.get("extra", {}).items():
-        saved = entry["values"][0]  # per rank: rank 0's
-        full.extra[key] = extra_state.read_saved(saved, reader.read_tensor, key)
+    saved = index.get("optimizer")
+    if saved is not None and optimizer:
+        full.optimizer_class, full.groups = saved["class"], saved["param_groups"]
+        full.state = optimizer_state(reader, saved)
+    full.extra = {key: saved_extra(reader, key) for key in index.get("extra", {})}
     return full
 
 
@@ -106,11 +116,8 @@ def _from_dcp(directory: str, optimizer: bool) -> _Full:
         reads.read(directory)
         return out
 
-    def describe(name: str):
-        md = meta[src.model[name]]
-        return list(md.size), md.properties.dtype
-
-    full = _Full(sorted(src.model), read, describe)
+    described = {n: meta[src.model[n]] for n in sorted(src.model)}
+    full = _Full({n: (md.properties.dtype, list(md.size)) for n, md in described.items()}, read)
     reads, asked = reads_of(src.metadata), {}
     if optimizer and src.groups:
         for param, keys in src.state.items():
@@ -133,7 +140,7 @@ def _from_dcp(directory: str, optimizer: bool) -> _Full:
         )
     full.extra = {name: finish() for name, finish in extras.items()}
     full.aliases = _ties(full)
-    full.names = [n for n in full.names if n not in full.aliases]
+    full.tensors = {n: d for n, d in full.tensors.items() if n not in full.aliases}
     return full
 
 
@@ -143,49 +150,50 @@ def _ties(full: _Full) -> dict[str, str]:
     taken for a tied name of it."""
     params = {p for g in full.groups for p in g["params"]}
     ties = {}
-    for name in full.names:
+    for name, described in full.tensors.items():
         if name in params or not params:
             continue
-        shape, dtype = full.describe(name)
-        same = [p for p in full.names if p in params and full.describe(p) == (shape, dtype)]
+        same = [p for p, d in full.tensors.items() if p in params and d == described]
         value = full.read(name) if same else None
         ties.update({name: next((p for p in same if torch.equal(full.read(p), value)), None)})
     return {name: p for name, p in ties.items() if p is not None}
 
 
 def _json(values: dict) -> dict:
+    """DCP's param-group values as the index keeps hyperparameters: JSON scalars and lists."""
     out = {}
     for key, value in values.items():
         value = value.item() if isinstance(value, torch.Tensor) else value
-        out[key] = list(value) if isinstance(value, tuple) else value
-    return {
-        k: v for k, v in out.items() if v is None or isinstance(v, (bool, int, float, str, list))
-    }
+        value = list(value) if isinstance(value, tuple) else value
+        if value is None or isinstance(value, (bool, int, float, str, list)):
+            out[key] = value
+    return out
 
 
 def _to_zerokit(full: _Full, tmp: str) -> None:
     fname = "rank00000.safetensors"
     tensors, entries, scalars, state_names = {}, [], {}, {}
 
-    def add(name: str, shape, dtype, produce) -> None:
-        numel = torch.Size(shape).numel()
-        parts = {"0": [{"file": fname, "key": piece_key(name, 0), "start": 0, "numel": numel}]}
+    def add(name: str, dtype, shape, produce) -> None:  # one piece, unless it is empty
+        numel, key = math.prod(shape), piece_key(name, 0)
+        piece = {"file": fname, "key": key, "start": 0, "numel": numel}
+        parts = {"0": [piece]} if numel else {}
         tensors[name] = {
             "shape": list(shape),
             "dtype": dtype_name(dtype),
             "tp": None,
-            "parts": parts if numel else {},
+            "parts": parts,
         }
         if numel:
-            entries.append((piece_key(name, 0), dtype, [numel], lambda: produce().reshape(-1)))
+            entries.append((key, dtype, [numel], lambda: produce().reshape(-1)))
 
-    for name in full.names:
-        add(name, *full.describe(name), lambda name=name: full.read(name))
+    for name, (dtype, shape) in full.tensors.items():
+        add(name, dtype, shape, lambda name=name: full.read(name))
     for param, keys in full.state.items():
         for key, value in keys.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 state_names.setdefault(param, {})[key] = f"optim.{key}.{param}"
-                add(f"optim.{key}.{param}", value.shape, value.dtype, lambda v=value: v)
+                add(f"optim.{key}.{param}", value.dtype, value.shape, lambda v=value: v)
             else:
                 dtype = dtype_name(value.dtype) if isinstance(value, torch.Tensor) else None
                 scalars.setdefault(param, {})[key] = {
@@ -226,7 +234,7 @@ def _to_dcp(full: _Full, tmp: str) -> None:
 
     out = DcpFile(os.path.join(tmp, "__0_0.distcp"))
     try:
-        for name in full.names:
+        for name in full.tensors:
             out.whole([MODEL, name], full.read(name))
         for param, keys in full.state.items():
             for key, value in keys.items():
@@ -245,44 +253,19 @@ def _to_dcp(full: _Full, tmp: str) -> None:
 
 
 def _to_hf(full: _Full, output: str, max_shard_size: int | None, many: Writers) -> list[str]:
-    if max_shard_size is not None:
-        return _to_hf_set(full, output, max_shard_size, many)
-    os.makedirs(output, exist_ok=True)
-    target = os.path.join(output, "model.safetensors")
-    entries = []
-    for name in full.names:
-        shape, dtype = full.describe(name)
-        entries.append((name, dtype, list(shape), lambda name=name: full.read(name)))
+    """One ``model.safetensors`` in the directory ``output``, or a set split across ``many``."""
     metadata = {"format": "pt", ALIASES_KEY: json.dumps(full.aliases)}
-    write_safetensors(target, entries, metadata)
-    written = [target]
+    export = Export(full.tensors, full.read, metadata, full.aliases, full.model_config)
+    if max_shard_size is not None:
+        if os.path.lexists(output) and not os.path.isdir(output):
+            raise CheckpointError(f"output {output} exists and is not a directory")
+        return write_hf_set(output, export, max_shard_size, many)
+    os.makedirs(output, exist_ok=True)
+    write_file(os.path.join(output, "model.safetensors"), export)
     for name, text in full.model_config.items():  # from_pretrained(output) needs config.json
         with open(os.path.join(output, name), "w", encoding="utf-8") as f:
             f.write(text)
-        written.append(os.path.join(output, name))
-    return written
-
-
-def _to_hf_set(full: _Full, output: str, max_shard_size: int, many: Writers) -> list[str]:
-    """A set of files of at most ``max_shard_size`` bytes, split across ``many`` writers."""
-    described = {name: full.describe(name) for name in full.names}
-    sizes = {
-        n: torch.Size(shape).numel() * dtype.itemsize for n, (shape, dtype) in described.items()
-    }
-    files = plan_files(sizes, max_shard_size)
-    finish = {HF_INDEX: hf_index(files, sum(sizes.values()), full.aliases), **full.model_config}
-    metadata = {"format": "pt", ALIASES_KEY: json.dumps(full.aliases)}
-
-    def write_file(path: str, file) -> None:
-        entries = [
-            (name, described[name][1], list(described[name][0]), lambda name=name: full.read(name))
-            for name in file.tensors
-        ]
-        write_safetensors(path, entries, metadata, digest=False)
-
-    if os.path.lexists(output) and not os.path.isdir(output):
-        raise CheckpointError(f"output {output} exists and is not a directory")
-    return write_set(output, files, write_file, finish, many)
+    return [os.path.join(output, n) for n in ("model.safetensors", *full.model_config)]
 
 
 def convert(
@@ -306,17 +289,12 @@ def convert(
             "several writers and --max-shard-size write a set of files: use them together, "
             "with --to hf"
         )
-    directory = resolve(source)
+    output, directory = os.path.abspath(output), resolve(source)
     if is_dcp(directory) and not os.path.exists(os.path.join(directory, INDEX_NAME)):
-        full = _from_dcp(directory, optimizer)
-    else:
-        with CheckpointReader(source) as reader:
-            reader.verify_all()
-            full = _from_zerokit(reader)
-            if not optimizer:
-                full.optimizer_class, full.groups, full.state = None, [], {}
-            return _write(full, os.path.abspath(output), to, max_shard_size, many)
-    return _write(full, os.path.abspath(output), to, max_shard_size, many)
+        return _write(_from_dcp(directory, optimizer), output, to, max_shard_size, many)
+    with CheckpointReader(source) as reader:  # open while the tensors are read
+        reader.verify_all()
+        return _write(_from_zerokit(reader, optimizer), output, to, max_shard_size, many)
 
 
 def _write(full: _Full, output: str, to: str, max_shard_size, many: Writers) -> list[str]:

@@ -1,14 +1,10 @@
 """The checkpoint format: one JSON index beside per-rank safetensors files.
 
-Note: the index alone says where every value is. For each tensor (a parameter, a persistent
-buffer, or ``optim.<state>.<parameter>``): its full shape, dtype, tensor-parallel split and,
-per tp part, pieces ``(file, key, start, numel)`` that tile the flattened tp-local tensor; a
-piece's key is always ``<tensor>@<start>``, so a piece cannot be pointed at another tensor's
-bytes. Each file is listed with its size and sha256, and the index carries the sha256 of its
-own canonical JSON (``checksum``), so an edited or damaged index is refused. Every field is
-checked (types, ranges, finite numbers, tp splits, pieces that tile each tensor, pieces that
-fit in their file's listed size) before anything is read, allocated or copied. Nothing is
-parsed from file names, and nothing is ever unpickled.
+Note: the index alone says where every value is, and ``validate`` checks all of it before
+anything is read, allocated or copied. A piece's key is always ``<tensor>@<start>`` (a piece
+cannot be pointed at another tensor's bytes), the pieces tile each tp part once and fit in
+their file's listed size, and ``checksum``, the sha256 of the index's own canonical JSON,
+refuses an edited or damaged index. Nothing is parsed from file names or ever unpickled.
 """
 
 from __future__ import annotations
@@ -20,8 +16,7 @@ import re
 
 from ..tensor_parallel.topology import TPSplit
 from .extra import validate_extra
-from .fields import (  # noqa: F401  (re-exported: the index's error and names)
-    DTYPES,
+from .fields import (  # noqa: F401  (the index's names: re-exported)
     CheckpointError,
     as_dict,
     as_int,
@@ -189,15 +184,13 @@ def _check_layout(layout: dict) -> None:
             value is None or (type(value) in (bool, int, str) and len(str(value)) <= 100),
             f"layout.{key} must be a plain value, got {type(value).__name__}",
         )
-    as_int(layout["world_size"], "layout.world_size", 1)
+    for key in ("world_size", "dp_degree", "tp_degree", "zero_group_size"):
+        if key != "dp_degree" or layout[key] is not None:  # dp_degree may be None
+            as_int(layout[key], f"layout.{key}", 1)
     need(
         layout["level"] is None or bool(_LEVEL.match(str(layout["level"]))),
         f"layout.level {layout['level']!r} is not a level",
     )
-    if layout["dp_degree"] is not None:
-        as_int(layout["dp_degree"], "layout.dp_degree", 1)
-    as_int(layout["tp_degree"], "layout.tp_degree", 1)
-    as_int(layout["zero_group_size"], "layout.zero_group_size", 1)
 
 
 def _check_split(name: str, tp, shape: list[int]) -> None:

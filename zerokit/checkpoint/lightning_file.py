@@ -1,18 +1,14 @@
-"""A checkpoint ``ZeroKitStrategy`` saved, as the one file Lightning reads on one process:
-``zerokit ckpt consolidate DIR --lightning OUT.ckpt``, then ``MyModule.load_from_checkpoint(
-"OUT.ckpt")`` or ``Trainer(devices=1).fit(model, ckpt_path="OUT.ckpt")``. Imports nothing of
-Lightning: the file is a ``torch.save``d dict of Lightning's keys.
+"""A checkpoint ``ZeroKitStrategy`` saved, as the one file Lightning reads on one process
+(``zerokit ckpt consolidate DIR --lightning OUT.ckpt``, then ``load_from_checkpoint`` or
+``fit(..., ckpt_path=)``): a ``torch.save``d dict of Lightning's keys; imports no Lightning.
 
-``ZeroKitStrategy.save_checkpoint`` keeps each entry K of Lightning's checkpoint dict (epoch,
-global step, loops, callbacks, LR schedulers, hyperparameters, version) as the extra state
-``"lightning/K"``, all but two: the model and the optimizer, which it writes as shards. This
-module rebuilds those two: ``state_dict`` under the LightningModule's own names (tied names
-each, as ``Module.state_dict`` gives them) and ``optimizer_states`` as
-``torch.optim.Optimizer.state_dict`` gives one (parameters numbered in param-group order).
+``ZeroKitStrategy.save_checkpoint`` keeps each entry K of Lightning's checkpoint dict as the
+extra state ``"lightning/K"``, all but the model and the optimizer, which it writes as shards.
+This module rebuilds those two: ``state_dict`` under the LightningModule's own names (tied
+names each) and ``optimizer_states`` as ``Optimizer.state_dict`` gives them.
 
 Note: unlike the shards, the file is pickle (Lightning's format) and is built whole in memory.
-An entry saved per rank (values that differed between ranks) is rank 0's, as Lightning's own
-``save_checkpoint`` writes rank 0's dict.
+An entry saved per rank is rank 0's, as Lightning's own ``save_checkpoint`` writes rank 0's.
 """
 
 from __future__ import annotations
@@ -22,8 +18,7 @@ from typing import Any
 
 import torch
 
-from . import extra as extra_state
-from .fields import scalar_value
+from .convert import optimizer_state, saved_extra
 from .holdings import OPTIM_PREFIX
 from .index import CheckpointError
 from .reading import CheckpointReader
@@ -44,7 +39,7 @@ def consolidate_lightning(checkpoint: str | os.PathLike, output: str | os.PathLi
                 "ZeroKitStrategy): consolidate it to a .safetensors file instead"
             )
         reader.verify_all()
-        state: dict[str, Any] = {k[len(EXTRA_PREFIX) :]: _read_extra(reader, k) for k in keys}
+        state: dict[str, Any] = {k[len(EXTRA_PREFIX) :]: saved_extra(reader, k) for k in keys}
         state["state_dict"] = _model_state(reader)
         saved = reader.index["optimizer"]
         if saved is not None:  # not a weights-only save; several optimizers: one state each
@@ -69,11 +64,6 @@ def _check_output(output: str, directory: str) -> None:
     real = os.path.realpath(directory)
     if os.path.commonpath([os.path.realpath(output), real]) == real:
         raise CheckpointError(f"{output} is inside the checkpoint {directory} it reads")
-
-
-def _read_extra(reader: CheckpointReader, key: str) -> Any:
-    value = reader.index["extra"][key]["values"][0]  # per rank: rank 0's
-    return extra_state.read_saved(value, reader.read_tensor, key)
 
 
 def _model_state(reader: CheckpointReader) -> dict[str, torch.Tensor]:
@@ -101,12 +91,6 @@ def _optimizer_state(reader: CheckpointReader, saved: dict) -> dict[str, Any]:
     for group in saved["param_groups"]:
         ids = [numbers.setdefault(name, len(numbers)) for name in group["params"]]
         groups.append({**group["hyperparameters"], "params": ids})
-    state: dict[int, dict[str, Any]] = {}
-    for name, number in numbers.items():
-        name = aliases.get(name, name)  # state is kept under the tensor's stored name
-        entry = {k: reader.read_full(t) for k, t in saved["state_tensors"].get(name, {}).items()}
-        for key, scalar in saved["scalar_state"].get(name, {}).items():
-            entry[key] = scalar_value(scalar, key)
-        if entry:
-            state[number] = entry
+    held = optimizer_state(reader, saved)  # under each tensor's stored name
+    state = {n: held[aliases.get(p, p)] for p, n in numbers.items() if aliases.get(p, p) in held}
     return {"state": state, "param_groups": groups}

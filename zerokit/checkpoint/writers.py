@@ -1,15 +1,9 @@
 """A Hugging Face style set of safetensors files, written by several writers at once.
 
-The set is planned as data first (``plan_files``: which tensors go in which file, the same
-on every writer), each file is given to one writer (``owners``: the largest files first, each
-to the writer with the fewest bytes so far), and every writer writes whole files of its own
-into one temp directory beside the output. Writers are the ranks of a process group (each
-rank one writer: ``torchrun ... -m zerokit ckpt consolidate``) or local processes forked from
-this one (``--writers N``). Once every writer is done they agree: a failure on any writer is
-raised on every one, naming that writer and its file, and the temp directory is removed;
-otherwise writer 0 writes the index (and the model's config files) and publishes the set. A
-file's bytes depend only on the plan, never on who wrote it, so the set is the same byte for
-byte whatever the number of writers.
+Note: a file's bytes depend only on the plan (``plan_files``: which tensors in which file,
+the same on every writer), never on who wrote it, so the set is the same byte for byte
+whatever the number of writers. Writers are the ranks of a group or processes forked from
+this one; a failure on any of them is raised on every one and nothing is published.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from .index import CheckpointError
-from .places import make_temp, remove
+from .places import make_temp, remove, write_whole
 
 HF_INDEX = "model.safetensors.index.json"
 ALIASES_KEY = "zerokit_aliases"  # tied names, stored once: in the index and each file's metadata
@@ -83,6 +77,17 @@ class Writers:
     def size(self) -> int:
         return dist.get_world_size(self.group) if self.group is not None else self.count
 
+    def rank(self) -> int:
+        return dist.get_rank(self.group) if self.group is not None else 0
+
+    def from_writer0(self, value):
+        """Writer 0's ``value`` on every rank of the group (as it is without one)."""
+        if self.group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
 
 def write_set(
     output: str,
@@ -96,55 +101,38 @@ def write_set(
     writer 0 writes ``finish`` (``name -> text``: the index, config files) and publishes them
     all into the directory ``output``. ``start_check(writer)`` starts that writer's share of
     a check that runs beside the writing (the source's sha256s) and returns its wait; a
-    mismatch fails the set as a write would. Returns the paths written (writer 0; the others
-    get the same list). On any failure every writer raises the same ``CheckpointError`` and
-    nothing is left of the set."""
-    count, rank = writers.size(), _rank(writers)
+    mismatch fails the set as a write would. Returns the paths written (on every writer). On
+    any failure every writer raises the same ``CheckpointError`` and nothing is left of the
+    set."""
+    count, rank = writers.size(), writers.rank()
     owner = owners(files, count)
-    tmp = _agreed_temp(output, writers)
+    tmp = None
+    if rank == 0:
+        try:
+            tmp = make_temp(output)
+        except OSError as e:
+            tmp = CheckpointError(f"writer 0 could not make a temp directory beside {output}: {e}")
+    tmp = _raised(writers.from_writer0(tmp))  # every rank of a group must see it
     try:
         if writers.group is not None:
-            failure = _write_own(tmp, files, owner, rank, write_file, start_check)
             failures = [None] * count
+            failure = _write_own(tmp, files, owner, rank, write_file, start_check)
             dist.all_gather_object(failures, failure, group=writers.group)
         else:
             failures = _write_forked(tmp, files, owner, write_file, start_check)
         _raise_first(failures, output)
         published = _publish(tmp, output, files, finish) if rank == 0 else None
-        if writers.group is not None:
-            box = [published if rank == 0 else None]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(writers.group, 0),
-                                       group=writers.group)  # fmt: skip
-            published = box[0]
-        if isinstance(published, str):  # writer 0's publishing failed: told to every writer
-            raise CheckpointError(published)
-        return published
+        return _raised(writers.from_writer0(published))
     finally:
         if rank == 0:
             remove(tmp)
 
 
-def _rank(writers: Writers) -> int:
-    return dist.get_rank(writers.group) if writers.group is not None else 0
-
-
-def _agreed_temp(output: str, writers: Writers) -> str:
-    """Writer 0 makes the temp directory; every rank of a group is told its name (or why
-    there is none: then every rank raises it)."""
-    tmp = None
-    if _rank(writers) == 0:
-        try:
-            tmp = make_temp(output)
-        except OSError as e:
-            tmp = CheckpointError(f"writer 0 could not make a temp directory beside {output}: {e}")
-    if writers.group is not None:
-        box = [tmp]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(writers.group, 0),
-                                   group=writers.group)  # fmt: skip
-        tmp = box[0]
-    if isinstance(tmp, CheckpointError):
-        raise tmp
-    return tmp
+def _raised(outcome):
+    """Writer 0's outcome as every writer was told it: a ``CheckpointError`` is raised."""
+    if isinstance(outcome, CheckpointError):
+        raise outcome
+    return outcome
 
 
 def _write_own(tmp, files, owner, writer, write_file, start_check) -> tuple | None:
@@ -183,8 +171,9 @@ def _write_forked(tmp, files, owner, write_file, start_check) -> list:
     for writer, child, receive in children:
         try:
             failures.append(receive.recv())
-        except EOFError:
-            failures.append((writer, _first_of(files, owner, writer), "the writer died"))
+        except EOFError:  # named by the first file it had to write
+            first = next((f.name for f, w in zip(files, owner) if w == writer), None)
+            failures.append((writer, first, "the writer died"))
         child.join()
         if failures[-1] is None and child.exitcode != 0:
             failures[-1] = (writer, None, f"the writer exited with {child.exitcode}")
@@ -199,10 +188,6 @@ def _child(send, tmp, files, owner, writer, write_file) -> None:
         os._exit(0)  # no interpreter teardown: the parent owns the temp directory and files
 
 
-def _first_of(files, owner, writer) -> str | None:
-    return next((f.name for f, w in zip(files, owner) if w == writer), None)
-
-
 def _raise_first(failures: list, output: str) -> None:
     failed = [f for f in failures if f is not None]
     if not failed:
@@ -215,16 +200,13 @@ def _raise_first(failures: list, output: str) -> None:
     )
 
 
-def _publish(tmp: str, output: str, files: list[SetFile], finish: dict[str, str]) -> list | str:
+def _publish(tmp: str, output: str, files: list[SetFile], finish: dict[str, str]) -> list:
     """Writer 0: the index and config files, then everything into ``output`` (renamed whole
     when it does not exist yet; else file by file, the index last). Returns the paths, or
-    the error's text for every writer to raise."""
+    the error for every writer to raise."""
     try:
         for name, text in finish.items():
-            with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
+            write_whole(os.path.join(tmp, name), text.encode())
         names = [f.name for f in files] + list(finish)
         if not os.path.lexists(output):
             os.rename(tmp, output)  # the cleanup after finds no temp directory: nothing to do
@@ -233,4 +215,4 @@ def _publish(tmp: str, output: str, files: list[SetFile], finish: dict[str, str]
                 os.replace(os.path.join(tmp, name), os.path.join(output, name))
         return [os.path.join(output, name) for name in names]
     except OSError as e:
-        return f"writer 0 failed publishing {output}: {e}"
+        return CheckpointError(f"writer 0 failed publishing {output}: {e}")
