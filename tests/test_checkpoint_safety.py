@@ -4,6 +4,7 @@ payload that must never run, saves killed with SIGKILL, and a save failing on on
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -275,3 +276,14 @@ def _one_rank_fails(rank, world_size, path):
 
 def test_a_save_failing_on_one_rank_fails_on_every_rank(tmp_path):
     run_distributed(_one_rank_fails, 2, str(tmp_path / "ckpt"))
+
+
+def test_a_long_list_of_differing_names_is_cut_short(good):
+    """A model with many tensors the checkpoint lacks names the first ten and counts the rest,
+    so a strict mismatch on a large model stays a message one can read."""
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(20)))
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.load(good, model)
+    message = str(refused.value)
+    ten_names_and_a_count = r"missing from the checkpoint \[('[\w.]+', ){9}'[\w.]+' and \d+ more\]"
+    assert re.search(ten_names_and_a_count, message), message

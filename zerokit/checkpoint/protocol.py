@@ -391,7 +391,8 @@ def compare_tensors(source: Source, h: Holdings, strict: bool, world) -> dict[st
     problems = []
     if strict and (missing or unexpected):
         problems.append(
-            f"missing from the checkpoint {missing}, not in the model {unexpected} "
+            f"missing from the checkpoint [{listing(missing, show=repr)}], not in the model "
+            f"[{listing(unexpected, show=repr)}] "
             "(strict=False loads the tensors both have)"
         )
     found = {n: keys[n] for n in h.param_names if keys[n] is not None}
