@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..core import alive, whole_shards
 from . import extra as extra_state
 from .agreement import rank as this_rank
-from .agreement import world_group
 from .holdings import Holdings
 from .index import (
     FORMAT,
@@ -35,51 +32,12 @@ from .index import (
     seal,
     split_to_json,
 )
-from .inflight import wait_in_flight
-from .protocol import begin_save, save_together
+from .protocol import Together, begin_save
 from .streaming import write_safetensors
 
 
 def shard_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
-
-
-def _write_shard(tmp: str, h: Holdings, extras: dict, mine: set[str]) -> dict:
-    """This rank's file (written straight from the shards, hashed on the way): its primary
-    chunks and the extra state it stores; and what the index needs to know of it."""
-    rank = this_rank()
-    chunks = [c for c in h.chunks if c.primary and c.tensor.numel() > 0]
-    fname = shard_file(rank)
-    pieces = [
-        {
-            "name": c.name,
-            "key": piece_key(c.name, c.start),
-            "start": c.start,
-            "numel": c.tensor.numel(),
-        }
-        for c in chunks
-    ]
-    entries = [
-        (p["key"], c.tensor.dtype, [p["numel"]], lambda c=c: c.tensor)
-        for p, c in zip(pieces, chunks)
-    ]
-    extra_docs = {}
-    for position, key in enumerate(sorted(extras)):
-        if key not in mine:
-            continue
-        doc, tensors = extras[key]
-        refs = []
-        for n, t in enumerate(tensors):
-            tkey = extra_state.tensor_key(position, rank, n)
-            entries.append((tkey, t.dtype, list(t.shape), lambda t=t: t))
-            refs.append(extra_state.tensor_ref(fname, tkey, t))
-        extra_docs[key] = {"json": doc, "tensors": refs}
-    info = {"pieces": pieces, "file": None, "extra": extra_docs}
-    if entries:
-        metadata = {"format": FORMAT, "rank": str(rank)}
-        size, sha256 = write_safetensors(os.path.join(tmp, fname), entries, metadata)
-        info["file"] = {"name": fname, "size": size, "sha256": sha256}
-    return info
 
 
 def _describe(h: Holdings) -> dict:
@@ -173,12 +131,49 @@ class ZerokitWriter:
         return shard_file(rank)
 
     def write(self, tmp: str, h: Holdings, extras: dict, per_rank: dict[str, bool]) -> dict:
-        mine = {k for k in extras if per_rank[k] or this_rank() == 0}
-        shard = _write_shard(tmp, h, extras, mine)
-        shard["scalars"], shard["tensors"] = h.scalars, _describe(h)
-        shard["state_names"], shard["quantized"] = h.state_names, h.quantized
-        shard["tp_rank"] = next((m.tp_rank for m in h.metas.values() if m.split), 0)
-        return shard
+        """This rank's file: its primary chunks and the extra state it stores (per-rank keys
+        on every rank, the others on rank 0); and what the index needs of it."""
+        rank, fname = this_rank(), shard_file(this_rank())
+        chunks = [c for c in h.chunks if c.primary and c.tensor.numel() > 0]
+        pieces = [
+            {
+                "name": c.name,
+                "key": piece_key(c.name, c.start),
+                "start": c.start,
+                "numel": c.tensor.numel(),
+            }
+            for c in chunks
+        ]
+        entries = [
+            (p["key"], c.tensor.dtype, [p["numel"]], lambda c=c: c.tensor)
+            for p, c in zip(pieces, chunks)
+        ]
+        stored = {}
+        for position, key in enumerate(sorted(extras)):
+            if not (per_rank[key] or rank == 0):
+                continue
+            doc, tensors = extras[key]
+            refs = []
+            for n, t in enumerate(tensors):
+                tkey = extra_state.tensor_key(position, rank, n)
+                entries.append((tkey, t.dtype, list(t.shape), lambda t=t: t))
+                refs.append(extra_state.tensor_ref(fname, tkey, t))
+            stored[key] = {"json": doc, "tensors": refs}
+        file = None
+        if entries:
+            metadata = {"format": FORMAT, "rank": str(rank)}
+            size, sha256 = write_safetensors(os.path.join(tmp, fname), entries, metadata)
+            file = {"name": fname, "size": size, "sha256": sha256}
+        return {
+            "pieces": pieces,
+            "file": file,
+            "extra": stored,
+            "tensors": _describe(h),
+            "scalars": h.scalars,
+            "state_names": h.state_names,
+            "quantized": h.quantized,
+            "tp_rank": next((m.tp_rank for m in h.metas.values() if m.split), 0),
+        }
 
     def seal(self, tmp: str, h: Holdings, shards: list, per_rank, world) -> tuple[str, bytes]:
         index = _build_index(h, shards, per_rank, world)
@@ -229,22 +224,5 @@ def save(
     directory instead (FSDP2 loads it with ``dcp.load`` and ``set_state_dict`` at any world
     size), as atomically; it may replace a DCP directory as well.
     """
-    with begun("save", path, model, optimizer, extra, timeout, format, _as_is) as (job, group):
-        save_together(job, group, timeout)
-
-
-@contextmanager
-def begun(call: str, path, model, optimizer, extra, timeout, format: str, stage):
-    """Every save's prologue (``save``, ``async_save``), then ``begin_save``: yields the
-    ``SaveJob`` and the world group, the ranks kept alive and the shards whole meanwhile."""
-    wait_in_flight()  # this process's async_save first: one save at a time
-    path = os.path.abspath(os.fspath(path))
-    group = world_group()
-    writer = writer_for(format)
-    with alive(group), whole_shards(model, optimizer):  # state sharded over replicas
-        yield begin_save(call, path, model, optimizer, extra, writer, group, timeout, stage), group
-
-
-def _as_is(p):
-    """A synchronous save's stage: the live shards are written before training goes on."""
-    return p
+    with begin_save("save", path, model, optimizer, extra, writer_for(format), timeout) as job:
+        job.finish(Together(job))
