@@ -15,6 +15,7 @@ loadable; the next save clears the debris.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -163,7 +164,6 @@ class _Job:
             return raise_any(replies())
         except Exception as e:
             why = str(e) if isinstance(e, CheckpointError) else f"finishing failed: {named(e)}"
-            _clear_files(self.tmp)  # room for the note on a full disk
             _note(self.tmp, why)
             raise CheckpointError(why) from None
 
@@ -245,21 +245,14 @@ def _posted(job: SaveJob, names: set[str], r: int) -> list:
     return [f"writing its shard failed: {file}: OSError: [Errno {n}] {os.strerror(n)}", None]
 
 
-def _clear_files(tmp: str) -> None:
-    try:
+def _note(tmp: str, message: str) -> None:
+    """``<tmp>.failed``: why, for the other ranks (removed as debris by the next save); the
+    temp directory's files removed first, to make room for it on a full disk."""
+    with contextlib.suppress(OSError):
         for name in os.listdir(tmp):
             os.unlink(os.path.join(tmp, name))
-    except OSError:
-        pass
-
-
-def _note(tmp: str, message: str) -> None:
-    """``<tmp>.failed``: why, for the other ranks (removed as debris by the next save)."""
-    try:
-        with open(tmp + ".failed", "w") as f:
-            f.write(message)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open(tmp + ".failed", "w") as f:
+        f.write(message)
 
 
 def _lock_held(path: str) -> bool:
@@ -269,8 +262,8 @@ def _lock_held(path: str) -> bool:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
     except BlockingIOError:
         return True
     finally:
         os.close(fd)
+    return False

@@ -47,31 +47,20 @@ def _describe(h: Holdings) -> dict:
     }
 
 
-def _build_index(
-    h: Holdings, shards: list[dict], per_rank: dict[str, bool], world: dict | None
-) -> dict:
-    tensors, scalars, state_names, quantized = {}, {}, {}, {}
+def _build_index(h: Holdings, shards: list[dict], per_rank: dict, world: dict | None) -> dict:
+    tensors, files, scalars, state_names, quantized = {}, {}, {}, {}, {}
     for shard in shards:  # a rank knows the optimizer state of the pieces it holds only
         for name, described in shard["tensors"].items():
             if tensors.setdefault(name, described | {"parts": {}})["shape"] != described["shape"]:
                 raise CheckpointError(f"{name}: ranks disagree on its shape")
+        for name, part, piece in shard["pieces"]:
+            tensors[name]["parts"].setdefault(part, []).append(piece)
+        files.update(shard["files"])
         scalars.update(shard["scalars"])
         for param, keys in shard["state_names"].items():
             state_names.setdefault(param, {}).update(keys)
         for param, keys in shard["quantized"].items():
             quantized.setdefault(param, {}).update(keys)
-    files = {}
-    for shard in shards:
-        if shard["file"] is not None:
-            files[shard["file"]["name"]] = {k: shard["file"][k] for k in ("size", "sha256")}
-        for piece in shard["pieces"]:
-            entry = tensors.get(piece["name"])
-            if entry is None:
-                raise CheckpointError(f"{piece['name']}: held by one rank and not another")
-            part = str(shard["tp_rank"]) if entry["tp"] else "0"
-            entry["parts"].setdefault(part, []).append(
-                {k: piece[k] for k in ("key", "start", "numel")} | {"file": shard["file"]["name"]}
-            )
     extra = {
         key: {
             "per_rank": per_rank[key],
@@ -134,20 +123,14 @@ class ZerokitWriter:
         """This rank's file: its primary chunks and the extra state it stores (per-rank keys
         on every rank, the others on rank 0); and what the index needs of it."""
         rank, fname = this_rank(), shard_file(this_rank())
-        chunks = [c for c in h.chunks if c.primary and c.tensor.numel() > 0]
-        pieces = [
-            {
-                "name": c.name,
-                "key": piece_key(c.name, c.start),
-                "start": c.start,
-                "numel": c.tensor.numel(),
-            }
-            for c in chunks
-        ]
-        entries = [
-            (p["key"], c.tensor.dtype, [p["numel"]], lambda c=c: c.tensor)
-            for p, c in zip(pieces, chunks)
-        ]
+        pieces, entries = [], []  # pieces: (tensor, its tp part, the index's piece)
+        for c in h.chunks:
+            if not c.primary or not c.tensor.numel():
+                continue
+            meta, key, numel = h.metas[c.name], piece_key(c.name, c.start), c.tensor.numel()
+            where = {"key": key, "start": c.start, "numel": numel, "file": fname}
+            pieces.append((c.name, str(meta.tp_rank) if meta.split else "0", where))
+            entries.append((key, c.tensor.dtype, [numel], lambda c=c: c.tensor))
         stored = {}
         for position, key in enumerate(sorted(extras)):
             if not (per_rank[key] or rank == 0):
@@ -159,20 +142,19 @@ class ZerokitWriter:
                 entries.append((tkey, t.dtype, list(t.shape), lambda t=t: t))
                 refs.append(extra_state.tensor_ref(fname, tkey, t))
             stored[key] = {"json": doc, "tensors": refs}
-        file = None
+        files = {}
         if entries:
             metadata = {"format": FORMAT, "rank": str(rank)}
             size, sha256 = write_safetensors(os.path.join(tmp, fname), entries, metadata)
-            file = {"name": fname, "size": size, "sha256": sha256}
+            files[fname] = {"size": size, "sha256": sha256}
         return {
             "pieces": pieces,
-            "file": file,
+            "files": files,
             "extra": stored,
             "tensors": _describe(h),
             "scalars": h.scalars,
             "state_names": h.state_names,
             "quantized": h.quantized,
-            "tp_rank": next((m.tp_rank for m in h.metas.values() if m.split), 0),
         }
 
     def seal(self, tmp: str, h: Holdings, shards: list, per_rank, world) -> tuple[str, bytes]:
