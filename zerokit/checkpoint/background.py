@@ -1,15 +1,19 @@
 """``async_save`` (``checkpoint.background``): a checkpoint written while training goes on, as atomic as ``save``.
 
-Note: what runs where. ``async_save`` is ``save``'s protocol (``begin_save``, then the same
-``SaveJob.finish``) with two differences. Its stage copies what each rank will write (its
-primary chunks, its extra state) into host memory of its own (pinned on CUDA), so training
-may change the parameters as soon as it returns. And ``finish`` runs on a writer thread (one
-per process, at idle priority), told by files in the temp directory (``_Job``) instead of
-``Together``'s all-gather. Every collective part of ``save`` (errors told to all; the path,
-model, optimizer, extra keys and layout agreed; rank 0's lock and temp directory) has run on
-the calling thread before ``async_save`` returns; on the writer thread there is file I/O only,
+Note: what runs where. ``async_save`` is ``save`` (``begin_save``, then ``SaveJob.finish``)
+but for its stage, a copy of what each rank writes in host memory of its own (pinned on CUDA),
+and its ``Tell`` (``_Job``). Every collective part of ``save`` (errors told to all; the path,
+model, optimizer, extra keys and layout agreed; rank 0's lock and temp directory) runs on the
+calling thread before ``async_save`` returns, after which training may change the parameters.
+``finish`` runs on a writer thread (one per process, at idle priority) doing file I/O only,
 never a collective: a background collective beside training's on a gloo group could pair with
-training's or wait on the store behind them. A crash anywhere leaves the previous checkpoint
+training's or wait on the store behind them. So the ranks tell each other by files in the
+temp directory: each rank but 0 posts its error or what it wrote (``<rank>.posted.json``; on
+a full disk an empty ``<rank>.posted-errno-<n>``, a name taking no data block); rank 0 waits
+for every post (naming a rank, and its file, whose writing stopped for the collective
+timeout), then publishes or leaves ``<temp>.failed`` saying why; the others wait until the
+temp directory is gone and find their file (the same inode) in the checkpoint or raise the
+note, so every rank's error is rank 0's. A crash anywhere leaves the previous checkpoint
 loadable; the next save clears the debris.
 """
 
@@ -118,15 +122,8 @@ _ERRNO = ".posted-errno-"  # <rank>.posted-errno-<n>: a post that needs no space
 
 
 class _Job:
-    """An async save's ``Tell``: ``SaveJob.finish`` on the writer thread, told by files.
-
-    written: each rank but 0 posts its error or what it wrote as ``<rank>.posted.json`` (on a
-    full disk, an empty ``<rank>.posted-errno-<n>``: a name takes no data block); rank 0 waits
-    for every post, naming a rank (and its file) whose writing stopped for the collective
-    timeout. committed: rank 0 has published, or leaves ``<temp>.failed`` saying why before it
-    removes the temp directory; the others wait until that directory is gone and find their
-    file (the same inode) in the checkpoint, or raise the note: every rank's error is rank 0's.
-    """
+    """An async save's ``Tell``: ``SaveJob.finish`` on the writer thread, told by files (see
+    the module's note)."""
 
     stops = BaseException  # a writer thread that stops: nothing above it would hear
 
@@ -153,25 +150,8 @@ class _Job:
         if self.rank == 0:
             self._told(lambda: [[error, None]] + [[None, None]] * (self.ranks - 1))
             return
-        self._await()
-        if self.error is not None:  # reached only if rank 0's note was lost
-            raise CheckpointError(f"rank {self.rank}: {self.error}")
-
-    def _told(self, replies) -> list:
-        """Rank 0: ``raise_any`` of every rank's reply, as ``Together`` would; its failure
-        left as the note for the others first."""
-        try:
-            return raise_any(replies())
-        except Exception as e:
-            why = str(e) if isinstance(e, CheckpointError) else f"finishing failed: {named(e)}"
-            _note(self.tmp, why)
-            raise CheckpointError(why) from None
-
-    def _await(self) -> None:
-        """Until rank 0 is done: the checkpoint holds this rank's file, or the note says why
-        not."""
         path = self.job.path
-        while os.path.lexists(self.tmp):
+        while os.path.lexists(self.tmp):  # until rank 0 has published or given up
             if not _lock_held(path):
                 time.sleep(_POLL * 5)  # released between the rename and the look
                 if os.path.lexists(self.tmp):
@@ -183,11 +163,25 @@ class _Job:
         if os.path.exists(self.tmp + ".failed"):
             with open(self.tmp + ".failed") as f:
                 raise CheckpointError(f.read())
+        if self.error is not None:  # reached only if rank 0's note was lost
+            raise CheckpointError(f"rank {self.rank}: {self.error}")
         mine = os.path.join(path, self.job.writer.file_of(self.rank))
         if self.inode is not None and os.stat(mine).st_ino != self.inode:
             raise CheckpointError(
                 f"{path} does not hold this rank's file: another save replaced it"
             )
+
+    def _told(self, replies) -> list:
+        """Rank 0: ``raise_any`` of every rank's reply, as ``Together`` would; its failure
+        left as the note for the others first."""
+        try:
+            return raise_any(replies())
+        except CheckpointError as e:
+            why = str(e)
+        except Exception as e:
+            why = f"finishing the checkpoint failed: {named(e)}"
+        _note(self.tmp, why)
+        raise CheckpointError(why)
 
 
 def _post(tmp: str, rank: int, reply: list, errno: int | None) -> None:

@@ -7,15 +7,13 @@ in files: ``background``) that raises the same ``CheckpointError`` on every rank
 is half-applied.
 
 save = agree -> stage -> write -> seal -> publish  (``begin_save``, then ``SaveJob.finish``)
-  agree: every rank checks what it was given; the ranks agree on the path, the model's
-  tensors, the optimizer, the extra keys and the layout, nothing written yet. stage: what is
-  written is fixed (sync: the live shards; async: a host copy); rank 0 takes the lock and
-  makes the temp directory every rank must see. write: each rank its own file(s), fsynced; a
-  failure names the rank and the file. seal and publish (rank 0): the writer's index or
-  metadata, sealed, then ``swap_in``: ``<path>`` moved to ``.zerokit-old``, the temp directory
-  renamed to ``<path>``. A ``Tell`` ends the write and the seal on every rank: ``Together``
-  (``save``, on the calling thread) or ``background``'s (``async_save``, on a writer thread;
-  one save at a time per process: ``inflight``). Sync and async differ only there.
+  The ranks agree on the path, model, optimizer, extra keys and layout before anything is
+  written; the stage fixes what is written (sync: the live shards; async: a host copy); rank 0
+  takes the lock and makes the temp directory; each rank writes its own file(s), a failure
+  naming the rank and the file; rank 0 seals (the writer's index or metadata) and publishes
+  (``swap_in``). A ``Tell`` ends the write and the seal on every rank: ``Together``'s
+  all-gather (``save``) or ``background``'s files on a writer thread (``async_save``, one at a
+  time per process: ``inflight``); sync and async differ only there.
 
 load = agree -> plan reads -> stage -> validate -> apply  (``load_with``)
   The source opens and compares (plan reads), the ranks agree on the checkpoint's digest and
@@ -91,12 +89,6 @@ class Prepared:
     h: Holdings | None
     extras: dict
     error: str | None
-
-
-def prepare(model, optimizer, extra) -> Prepared:
-    # any exception: every rank must hear of it, or the others would wait for this one
-    got, error = attempt(lambda: _checked(model, optimizer, extra), Exception)
-    return Prepared(*(got or (None, {})), error)
 
 
 def _checked(model, optimizer, extra: Mapping[str, Any] | None) -> tuple[Holdings, dict]:
@@ -252,7 +244,9 @@ def begin_save(call: str, path, model, optimizer, extra, writer: Writer, timeout
     path, group = os.path.abspath(os.fspath(path)), world_group()
     with alive(group), whole_shards(model, optimizer):  # state sharded over replicas
         mark_call(f"zerokit.checkpoint.{call}()", model, group)
-        p = prepare(model, optimizer, extra)
+        # any exception: every rank must hear of it, or the others would wait for this one
+        got, error = attempt(lambda: _checked(model, optimizer, extra), Exception)
+        p = Prepared(*(got or (None, {})), error)
         p = stage(p) if stage else p
         per_rank, world = agree(path, p, writer, group, timeout)
         lock, tmp, error = make_place(path) if rank() == 0 else (None, None, None)

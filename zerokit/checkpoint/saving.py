@@ -1,12 +1,9 @@
-"""zerokit's own format, written: a safetensors file per rank and rank 0's sealed
-``index.json`` (``ZerokitWriter``, the protocol's writer); and ``save``, the public call.
+"""zerokit's own format, written (``ZerokitWriter``, the protocol's writer), and ``save``.
 
-Note: what the protocol's phases mean here (``protocol``'s note has the phases). write: each
-rank writes ``rank<r>.safetensors`` straight from its shards, hashed on the way. seal: rank 0
-builds the index (every tensor tiled exactly once, every file there with its size) and writes
-it with its checksum (temp file, fsync, rename). publish: ``swap_in``. A save killed at any
-point leaves the previous checkpoint loadable (``load`` falls back to ``.zerokit-old`` between
-the two renames); the next save removes the debris (see ``places``).
+write: each rank writes ``rank<r>.safetensors`` straight from its shards, hashed on the way.
+seal: rank 0's ``index.json``, every tensor tiled exactly once and every file there with its
+size, written with its checksum. A save killed at any point leaves the previous checkpoint
+loadable (``load`` falls back to ``.zerokit-old`` between ``swap_in``'s two renames).
 """
 
 from __future__ import annotations
