@@ -1,28 +1,26 @@
 """``async_save`` (``checkpoint.background``): a checkpoint written while training goes on, as atomic as ``save``.
 
-Note: what runs where. ``async_save`` is ``save``'s protocol (its prologue, ``saving.begun``,
-then the same ``SaveJob``) with the write, seal and publish on a writer thread. On the calling
-thread, before ``async_save`` returns: every rank copies what it will write (its primary
-chunks, its extra state) into host memory of its own (pinned on CUDA), and the ranks do every
-collective part of ``save`` (errors told to all, the path, model, optimizer, extra keys and
-layout agreed; rank 0 takes the save lock and makes the temp directory). Training that changes
-the parameters afterwards cannot change what is written. On the writer thread (one per
-process) there is file I/O only, never a collective: a background collective beside
-training's on a gloo group could pair with training's or wait on the store behind them. Each
-rank but 0 writes and fsyncs its file, then posts its error or what it wrote as
-``<rank>.posted.json`` (on a full disk, an empty ``<rank>.posted-errno-<n>``); rank 0 waits
-for every post (naming a rank, and its file, whose writing has stopped for the collective
-timeout), removes them, and seals and publishes as ``save`` does, or clears the temp directory
-and leaves ``<temp>.failed`` saying why. Every other rank waits until the temp directory is
-gone: the checkpoint holds its file (the same inode) or the note says why not, and that note
-is every rank's error. A crash anywhere leaves the previous checkpoint loadable; the next save
-clears the debris. One save at a time per process: a second ``async_save`` (or ``save``) first
-waits for the one in flight; if it failed and its future was never asked, that save raises
-its error instead of going ahead.
+Note: what runs where. ``async_save`` is ``save`` (``begin_save``, then ``SaveJob.finish``)
+but for its stage, a copy of what each rank writes in host memory of its own (pinned on CUDA),
+and its ``Tell`` (``_Job``). Every collective part of ``save`` (errors told to all; the path,
+model, optimizer, extra keys and layout agreed; rank 0's lock and temp directory) runs on the
+calling thread before ``async_save`` returns, after which training may change the parameters.
+``finish`` runs on a writer thread (one per process, at idle priority) doing file I/O only,
+never a collective: a background collective beside training's on a gloo group could pair with
+training's or wait on the store behind them. So the ranks tell each other by files in the
+temp directory: each rank but 0 posts its error or what it wrote (``<rank>.posted.json``; on
+a full disk an empty ``<rank>.posted-errno-<n>``, a name taking no data block); rank 0 waits
+for every post (naming a rank, and its file, whose writing stopped for the collective
+timeout), then publishes or leaves ``<temp>.failed`` saying why; the others wait until the
+temp directory is gone and find their file (the same inode) in the checkpoint or raise the
+note, so every rank's error is rank 0's. A crash anywhere leaves the previous checkpoint
+loadable; the next save clears the debris.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import time
@@ -35,12 +33,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime.timeouts import collective_timeout
-from .agreement import rank
+from .agreement import named, raise_any, rank
 from .index import CheckpointError
 from .inflight import run_in_background, wait_in_flight
-from .places import LOCK_SUFFIX, remove
-from .protocol import Prepared, SaveJob
-from .saving import begun
+from .places import LOCK_SUFFIX
+from .protocol import Prepared, SaveJob, begin_save
+from .saving import writer_for
 from .staging import StagingBuffers
 
 _POLL = 0.02  # seconds between looks at the temp directory
@@ -67,8 +65,8 @@ def async_save(
     (or a ``save``) waits for this one first, and raises its failure if no one asked the
     future for it.
     """
-    prologue = begun("async_save", path, model, optimizer, extra, timeout, format, _snapshot)
-    with prologue as (job, _):
+    writer = writer_for(format)
+    with begin_save("async_save", path, model, optimizer, extra, writer, timeout, _snapshot) as job:
         pass  # agreed and staged: the rest is the writer thread's
     return run_in_background(_writer(), _Job(job).run, job.path)
 
@@ -120,54 +118,41 @@ def async_save_staging_bytes() -> int:
     return _STAGING.nbytes
 
 
+_ERRNO = ".posted-errno-"  # <rank>.posted-errno-<n>: a post that needs no space on disk
+
+
 class _Job:
-    """One background save: this rank's file, then rank 0's seal and publish, or the others'
-    wait for them (file I/O only: see the module's note)."""
+    """An async save's ``Tell``: ``SaveJob.finish`` on the writer thread, told by files (see
+    the module's note)."""
+
+    stops = BaseException  # a writer thread that stops: nothing above it would hear
 
     def __init__(self, job: SaveJob):
-        self.job, self.path, self.tmp, self.rank = job, job.path, job.tmp, rank()
+        self.job, self.tmp, self.rank = job, job.tmp, rank()
         self.ranks = dist.get_world_size() if dist.is_initialized() else 1
+        self.error, self.inode = None, None  # this rank's own failure, its file's inode
 
     def run(self) -> None:
-        """Every rank ends with the same outcome: rank 0's (its own, or its note)."""
-        try:
-            info, error = self.job.write_mine()
-        except BaseException as e:  # the writer stopped short of its own error handling
-            name = os.path.join(self.path, self.job.writer.file_of(self.rank))
-            info, error = None, f"its writer thread stopped writing {name}: {type(e).__name__}: {e}"
-        if error is not None:
-            error = f"rank {self.rank}: {error}"
+        self.job.finish(self)
+
+    def written(self, error: str | None, shard: dict | None) -> list:
         if self.rank == 0:
-            self._finish([error, info])
-        else:
-            _post(self.tmp, self.rank, error, info, self.job.errno)
-            self._await(info)
-        if error is not None:  # reached only if rank 0's note was lost: this rank's own
-            raise CheckpointError(error)
+            replies = self._told(lambda: [[error, shard], *_collect_posts(self.job, self.ranks)])
+            return [s for _, s in replies]
+        mine = os.path.join(self.tmp, self.job.writer.file_of(self.rank))
+        if error is None and os.path.exists(mine):
+            self.inode = os.stat(mine).st_ino
+        self.error = error
+        _post(self.tmp, self.rank, [error, shard], self.job.errno)
+        return []
 
-    def _finish(self, own: list) -> None:
-        committed = False
-        try:
-            infos = _collect_posts(self.tmp, self.ranks, self.job, own)
-            self.job.seal_and_publish(infos)
-            committed = True
-        except Exception as e:
-            why = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"
-            _clear_files(self.tmp)  # room for the note on a full disk
-            _note(self.tmp, f"finishing the checkpoint failed: {why}")
-            raise CheckpointError(f"finishing the checkpoint failed: {why}") from None
-        finally:
-            if not committed:
-                remove(self.tmp)
-            self.job.lock.release()
-
-    def _await(self, info) -> None:
-        """Until rank 0 has finished: the checkpoint holds this rank's file, or the note says
-        why not."""
-        mine = _file_of(info)
-        inode = os.stat(os.path.join(self.tmp, mine)).st_ino if mine else None
-        while os.path.lexists(self.tmp):
-            if not _lock_held(self.path):
+    def committed(self, error: str | None) -> None:
+        if self.rank == 0:
+            self._told(lambda: [[error, None]] + [[None, None]] * (self.ranks - 1))
+            return
+        path = self.job.path
+        while os.path.lexists(self.tmp):  # until rank 0 has published or given up
+            if not _lock_held(path):
                 time.sleep(_POLL * 5)  # released between the rename and the look
                 if os.path.lexists(self.tmp):
                     raise CheckpointError(
@@ -178,126 +163,101 @@ class _Job:
         if os.path.exists(self.tmp + ".failed"):
             with open(self.tmp + ".failed") as f:
                 raise CheckpointError(f.read())
-        if mine and os.stat(os.path.join(self.path, mine)).st_ino != inode:
+        if self.error is not None:  # reached only if rank 0's note was lost
+            raise CheckpointError(f"rank {self.rank}: {self.error}")
+        mine = os.path.join(path, self.job.writer.file_of(self.rank))
+        if self.inode is not None and os.stat(mine).st_ino != self.inode:
             raise CheckpointError(
-                f"{self.path} does not hold this rank's file: another save replaced it"
+                f"{path} does not hold this rank's file: another save replaced it"
             )
 
+    def _told(self, replies) -> list:
+        """Rank 0: ``raise_any`` of every rank's reply, as ``Together`` would; its failure
+        left as the note for the others first."""
+        try:
+            return raise_any(replies())
+        except CheckpointError as e:
+            why = str(e)
+        except Exception as e:
+            why = f"finishing the checkpoint failed: {named(e)}"
+        _note(self.tmp, why)
+        raise CheckpointError(why)
 
-def _file_of(info: dict | None) -> str | None:
-    if not info:
-        return None
-    return info["file"]["name"] if isinstance(info.get("file"), dict) else info.get("file")
 
-
-_ERRNO = ".posted-errno-"  # <rank>.posted-errno-<n>: a post that needs no space on disk
-
-
-def _post(tmp: str, rank: int, error: str | None, info, errno: int | None) -> None:
-    """``<rank>.posted.json``: this rank's error or what it wrote. Where that cannot be
-    written (the disk is full), an empty file whose name carries the errno: a name takes no
-    data block, so rank 0 still hears why."""
+def _post(tmp: str, rank: int, reply: list, errno: int | None) -> None:
+    """``<rank>.posted.json``: this rank's reply. Where that cannot be written (the disk is
+    full), an empty file whose name carries the errno: a name takes no data block."""
     partial = os.path.join(tmp, f"{rank}.posting")
     try:
         with open(partial, "w") as f:
-            json.dump([error, info], f)
+            json.dump(reply, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, os.path.join(tmp, f"{rank}.posted.json"))
     except OSError as e:
         try:
-            os.close(
-                os.open(
-                    os.path.join(tmp, f"{rank}{_ERRNO}{errno or e.errno or 0}"),
-                    os.O_CREAT | os.O_WRONLY,
-                )
-            )
+            marker = os.path.join(tmp, f"{rank}{_ERRNO}{errno or e.errno or 0}")
+            os.close(os.open(marker, os.O_CREAT | os.O_WRONLY))
         except OSError:  # the temp directory is gone (rank 0 gave up): _await says why
             pass
 
 
-def _posted(tmp: str, names: set[str], r: int, job: SaveJob) -> list | None:
-    """Rank ``r``'s reply if it posted one (its file removed), else None."""
-    if f"{r}.posted.json" in names:
-        where = os.path.join(tmp, f"{r}.posted.json")
-        with open(where) as f:
-            reply = json.load(f)
-        os.unlink(where)
-        return reply
-    marker = next((n for n in names if n.startswith(f"{r}{_ERRNO}")), None)
-    if marker is None:
-        return None
-    n = int(marker[len(f"{r}{_ERRNO}") :])
-    file = os.path.join(job.path, job.writer.file_of(r))
-    return [
-        f"rank {r}: writing its shard failed: {file}: OSError: [Errno {n}] {os.strerror(n)}",
-        None,
-    ]
-
-
-def _collect_posts(tmp: str, ranks: int, job: SaveJob, own: list) -> list:
-    """Every rank's post (rank 0's ``own``, the others' files, each removed), in rank order;
-    raises naming the ranks that failed or whose files stopped growing for the timeout."""
+def _collect_posts(job: SaveJob, ranks: int) -> list:
+    """The replies of ranks 1.., in order, each post removed once read; raises naming the
+    ranks that posted nothing while the temp directory stopped growing for the timeout."""
     limit, last_size, last_change = collective_timeout(job.timeout), -1, time.monotonic()
     while True:
-        names = set(os.listdir(tmp))
-        if all(f"{r}.posted.json" in names or any(n.startswith(f"{r}{_ERRNO}") for n in names)
-               for r in range(1, ranks)):  # fmt: skip
-            break
-        size = sum(
-            os.path.getsize(os.path.join(tmp, n))
-            for n in names
-            if os.path.isfile(os.path.join(tmp, n))
-        )
+        names = set(os.listdir(job.tmp))
+        absent = [r for r in range(1, ranks) if not any(n.startswith(f"{r}.posted") for n in names)]
+        if not absent:
+            return [_posted(job, names, r) for r in range(1, ranks)]
+        files = [os.path.join(job.tmp, n) for n in names]
+        size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
         if size != last_size:
             last_size, last_change = size, time.monotonic()
         elif time.monotonic() - last_change > limit:
-            absent = [
-                r for r in range(1, ranks) if not any(n.startswith(f"{r}.posted") for n in names)
-            ]
-            files = ", ".join(os.path.join(job.path, job.writer.file_of(r)) for r in absent)
             who = f"rank {absent[0]}" if len(absent) == 1 else f"ranks {absent}"
+            files = ", ".join(os.path.join(job.path, job.writer.file_of(r)) for r in absent)
             raise CheckpointError(
                 f"{who} did not finish writing (nothing written for "
                 f"{limit:g} s: stopped or killed): {files}"
             )
         time.sleep(_POLL)
-    names = set(os.listdir(tmp))
-    replies = [own] + [_posted(tmp, names, r, job) for r in range(1, ranks)]
-    failed = [e for e, _ in replies if e is not None]
-    if failed:
-        raise CheckpointError("; ".join(failed))
-    return [info for _, info in replies]
 
 
-def _clear_files(tmp: str) -> None:
-    try:
-        for name in os.listdir(tmp):
-            os.unlink(os.path.join(tmp, name))
-    except OSError:
-        pass
+def _posted(job: SaveJob, names: set[str], r: int) -> list:
+    """Rank ``r``'s reply (its post removed), or its errno marker's."""
+    if f"{r}.posted.json" in names:
+        where = os.path.join(job.tmp, f"{r}.posted.json")
+        with open(where) as f:
+            reply = json.load(f)
+        os.unlink(where)
+        return reply
+    marker = next(n for n in names if n.startswith(f"{r}{_ERRNO}"))
+    n = int(marker[len(f"{r}{_ERRNO}") :])
+    file = os.path.join(job.path, job.writer.file_of(r))
+    return [f"writing its shard failed: {file}: OSError: [Errno {n}] {os.strerror(n)}", None]
 
 
 def _note(tmp: str, message: str) -> None:
-    """``<tmp>.failed``: why, for the other ranks (removed as debris by the next save)."""
-    try:
-        with open(tmp + ".failed", "w") as f:
-            f.write(message)
-    except OSError:
-        pass
+    """``<tmp>.failed``: why, for the other ranks (removed as debris by the next save); the
+    temp directory's files removed first, to make room for it on a full disk."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(tmp):
+            os.unlink(os.path.join(tmp, name))
+    with contextlib.suppress(OSError), open(tmp + ".failed", "w") as f:
+        f.write(message)
 
 
 def _lock_held(path: str) -> bool:
-    import fcntl
-
     try:
         fd = os.open(path + LOCK_SUFFIX, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
     except BlockingIOError:
         return True
     finally:
         os.close(fd)
+    return False

@@ -1,19 +1,17 @@
-"""``save(..., format="dcp")``: a torch.distributed.checkpoint directory that FSDP2 loads with
-``dcp.load({"model": msd, "optimizer": osd}, ...)`` and ``set_state_dict`` at any world size.
+"""``save(..., format="dcp")``'s writer: a torch.distributed.checkpoint directory that FSDP2
+loads with ``dcp.load({"model": msd, "optimizer": osd}, ...)`` and ``set_state_dict`` at any
+world size.
 
 The keys are those ``get_state_dict`` gives: ``model.<name>`` (tied names each, sharing the
 stored boxes), ``optimizer.state.<param>.<state>`` (a scalar ``step`` as a 0-dim tensor),
 ``optimizer.param_groups.<i>.<hyperparameter>`` and ``params`` (parameter names), and each
 extra key at the top level. Each rank writes the boxes of what it alone holds (``boxes``: its
-flat ranges cut into DCP's chunks) to ``__<rank>_0.distcp``, each box ``torch.save``d as DCP's
-``FileSystemWriter`` does; rank 0 writes the pickled ``.metadata``. The directory is built and
-swapped in as zerokit's own format is (``protocol``): a temp directory, renamed
-into place when complete.
+flat ranges cut into DCP's chunks) to ``__<rank>_0.distcp``, each ``torch.save``d as DCP's
+``FileSystemWriter`` does; rank 0 seals with the pickled ``.metadata``.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 
@@ -65,26 +63,17 @@ class DcpFile:
         self.items: list[dict] = []
 
     def tensor(self, path: list, tensor: torch.Tensor, offsets, shape) -> None:
-        at = self.f.tell()
-        torch.save(tensor.detach().to("cpu").clone(), self.f)  # a clone: the box alone
-        self.items.append(
-            {
-                "path": path,
-                "offsets": list(offsets),
-                "sizes": list(tensor.shape),
-                "shape": list(shape),
-                "dtype": dtype_name(tensor.dtype),
-                "at": at,
-                "length": self.f.tell() - at,
-            }
-        )
+        box = {"sizes": list(tensor.shape), "shape": list(shape), "dtype": dtype_name(tensor.dtype)}
+        self._save(path, tensor.detach().to("cpu").clone(), list(offsets), box)  # the box alone
 
     def value(self, path: list, value) -> None:
+        self._save(path, value, None, {})
+
+    def _save(self, path: list, data, offsets: list | None, box: dict) -> None:
         at = self.f.tell()
-        buffer = io.BytesIO()
-        torch.save(value, buffer)
-        self.f.write(buffer.getbuffer())
-        self.items.append({"path": path, "offsets": None, "at": at, "length": self.f.tell() - at})
+        torch.save(data, self.f)
+        length = self.f.tell() - at
+        self.items.append({"path": path, "offsets": offsets, **box, "at": at, "length": length})
 
     def whole(self, path: list, value) -> None:
         """A tensor as one box, or a value."""
@@ -168,19 +157,15 @@ def dcp_metadata(h: Holdings, shards: list) -> Metadata:
             key = _key(item["path"])
             paths[key] = tuple(item["path"])
             where = _StorageInfo(shard["file"], item["at"], item["length"])
+            storage[MetadataIndex(key, item["offsets"])] = where
             if item["offsets"] is None:
                 described[key] = BytesStorageMetadata()
-                storage[MetadataIndex(key)] = where
                 continue
-            dtype = dtype_from_name(item["dtype"], key)
-            md = described.setdefault(
-                key,
-                TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(item["shape"]), []),
-            )
-            md.chunks.append(
-                ChunkStorageMetadata(torch.Size(item["offsets"]), torch.Size(item["sizes"]))
-            )
-            storage[MetadataIndex(key, item["offsets"])] = where
+            if key not in described:
+                properties = TensorProperties(dtype=dtype_from_name(item["dtype"], key))
+                described[key] = TensorStorageMetadata(properties, torch.Size(item["shape"]), [])
+            box = ChunkStorageMetadata(torch.Size(item["offsets"]), torch.Size(item["sizes"]))
+            described[key].chunks.append(box)
     for key, md in described.items():
         if isinstance(md, TensorStorageMetadata):
             covered = sum(c.sizes.numel() for c in md.chunks)

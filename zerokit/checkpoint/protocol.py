@@ -2,20 +2,18 @@
 format. Formats plug in: a *writer* (``saving.ZerokitWriter``, ``dcp_save.DcpWriter``) and a
 *source* (``loading.ZerokitSource``, ``dcp_load.DcpSource``); nothing here knows a file layout.
 
-Note: the phases. Each ends in one all-gather (``agreement``) that raises the same
-``CheckpointError`` on every rank, so nothing is half-applied.
+Note: the phases. Each ends in one all-gather (``agreement``; an async save's write and seal,
+in files: ``background``) that raises the same ``CheckpointError`` on every rank, so nothing
+is half-applied.
 
-save = agree -> stage -> write -> seal -> publish
-  (``begin_save``) agree: every rank checks what it was given; the ranks agree on the path, the
-  model's tensors, the optimizer, the extra keys and the layout, nothing written yet. stage:
-  what is written is fixed (sync: the live shards; async: a host copy); rank 0 takes the lock
-  and makes the temp directory every rank must see. write (``SaveJob.write_mine``): each rank
-  its own file(s), fsynced; a failure names the rank and the file. seal and publish
-  (``SaveJob.seal_and_publish``, rank 0): the writer's index or metadata, sealed, then
-  ``swap_in``: ``<path>`` moved to ``.zerokit-old``, the temp directory renamed to ``<path>``.
-  ``save_together`` runs write..publish on the calling thread with a collective between
-  phases; ``background`` runs the same ``SaveJob`` on a writer thread, posting to files
-  (one at a time per process: ``inflight``).
+save = agree -> stage -> write -> seal -> publish  (``begin_save``, then ``SaveJob.finish``)
+  The ranks agree on the path, model, optimizer, extra keys and layout before anything is
+  written; the stage fixes what is written (sync: the live shards; async: a host copy); rank 0
+  takes the lock and makes the temp directory; each rank writes its own file(s), a failure
+  naming the rank and the file; rank 0 seals (the writer's index or metadata) and publishes
+  (``swap_in``). A ``Tell`` ends the write and the seal on every rank: ``Together``'s
+  all-gather (``save``) or ``background``'s files on a writer thread (``async_save``, one at a
+  time per process: ``inflight``); sync and async differ only there.
 
 load = agree -> plan reads -> stage -> validate -> apply  (``load_with``)
   The source opens, the ranks agree on the checkpoint's digest and the model; ``stage``
@@ -29,13 +27,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ..core import alive, state_of
+from ..core import alive, state_of, whole_shards
 from . import extra as extra_state
 from .agreement import (
     agree_on,
@@ -47,11 +46,13 @@ from .agreement import (
     optimizer_fingerprint,
     raise_any,
     rank,
+    world_group,
     world_view,
 )
 from .fields import listing
 from .holdings import Chunk, Holdings, TensorMeta, collect, holder_of, optimizers_of
 from .index import CheckpointError, check_hyperparameter, is_finite_number
+from .inflight import wait_in_flight
 from .places import SaveLock, clear_debris, make_temp, remove, why_not_replaceable, write_whole
 from .reading import OLD_SUFFIX
 
@@ -71,6 +72,17 @@ class Writer(Protocol):
     def seal(self, tmp: str, h: Holdings, shards: list, per_rank, world) -> tuple[str, bytes]: ...
 
 
+class Tell(Protocol):
+    """How the ranks end the write and the seal, each raising the same ``CheckpointError`` on
+    every rank: ``Together`` (an all-gather) or ``background``'s files in the temp directory."""
+
+    stops: type[BaseException]  # what a writer may raise that is told, not raised at once
+
+    def written(self, error: str | None, shard: dict | None) -> list: ...  # rank 0: all shards
+
+    def committed(self, error: str | None) -> None: ...  # rank 0's seal and publish
+
+
 @dataclass
 class Prepared:
     """What a rank saves, collected and checked; ``error`` what went wrong here (told to every
@@ -79,12 +91,6 @@ class Prepared:
     h: Holdings | None
     extras: dict
     error: str | None
-
-
-def prepare(model, optimizer, extra) -> Prepared:
-    # any exception: every rank must hear of it, or the others would wait for this one
-    got, error = attempt(lambda: _checked(model, optimizer, extra), Exception)
-    return Prepared(*(got or (None, {})), error)
 
 
 def _checked(model, optimizer, extra: Mapping[str, Any] | None) -> tuple[Holdings, dict]:
@@ -153,22 +159,32 @@ def make_place(path: str) -> tuple[SaveLock | None, str | None, str | None]:
 
 @dataclass
 class SaveJob:
-    """A save the ranks agreed on, its temp directory made: what is left is write, seal and
-    publish, on this thread (``save_together``) or another (``background``)."""
+    """A save the ranks agreed on, its temp directory made: what is left is ``finish``."""
 
     path: str
-    tmp: str
+    tmp: str | None
     p: Prepared
     writer: Writer
     per_rank: dict
     world: dict | None
+    group: Any
+    timeout: float | None  # the save's collective timeout (None: the default)
     lock: SaveLock | None  # rank 0's
-    timeout: float | None = None  # the save's collective timeout (None: the default)
     errno: int | None = None  # of this rank's failed write, if an OSError
 
-    def write_mine(self) -> tuple[dict | None, str | None]:
+    def finish(self, tell: Tell) -> None:
+        """write, seal and publish, ``tell`` ending the write and the seal on every rank."""
+        try:
+            shard, error = self.write_mine(tell.stops)
+            shards = tell.written(error, shard)
+            tell.committed(self.seal_and_publish(shards) if rank() == 0 else None)
+        finally:
+            if rank() == 0:
+                self.release()
+
+    def write_mine(self, stops: type[BaseException]) -> tuple[dict | None, str | None]:
         """This rank's file(s), fsynced: what the seal needs of them, or why they failed
-        (naming the file, without the rank: the caller's replies name it)."""
+        (naming the file, without the rank: the replies name it)."""
         try:
             if not os.path.isdir(self.tmp):
                 raise CheckpointError(
@@ -178,64 +194,74 @@ class SaveJob:
             return self.writer.write(self.tmp, self.p.h, self.p.extras, self.per_rank), None
         except CheckpointError as e:
             return None, str(e)
-        except Exception as e:  # disk full, permissions: every rank must hear of it
+        except stops as e:  # disk full, permissions: every rank must hear of it
             self.errno = getattr(e, "errno", None)
             where = os.path.join(self.path, self.writer.file_of(rank()))
             return None, f"writing its shard failed: {where}: {named(e)}"
 
-    def seal_and_publish(self, shards: list) -> None:
-        """Rank 0: the writer's index (or metadata) written whole, the directory swapped in."""
-        name, sealed = self.writer.seal(self.tmp, self.p.h, shards, self.per_rank, self.world)
-        write_whole(os.path.join(self.tmp, name), sealed)
-        swap_in(self.path, self.tmp)
+    def seal_and_publish(self, shards: list) -> str | None:
+        """Rank 0: the writer's index (or metadata) written whole, the directory swapped in;
+        or why not."""
+        try:
+            name, sealed = self.writer.seal(self.tmp, self.p.h, shards, self.per_rank, self.world)
+            write_whole(os.path.join(self.tmp, name), sealed)
+            swap_in(self.path, self.tmp)
+        except Exception as e:
+            return f"finishing the checkpoint failed: {named(e)}"
+        return None
 
-    def abandon(self) -> None:
-        """Rank 0: the temp directory removed, the lock released (the previous checkpoint
-        untouched)."""
+    def release(self) -> None:
+        """Rank 0: the temp directory removed unless it was swapped in (the previous
+        checkpoint untouched), the lock released."""
         if self.tmp is not None:
             remove(self.tmp)
         if self.lock is not None:
             self.lock.release()
 
 
-def begin_save(call: str, path: str, model, optimizer, extra, writer, group, timeout, stage):
-    """agree and stage (see the module's note); returns the ``SaveJob`` every rank writes.
-    ``stage``: ``Prepared -> Prepared``, what is written fixed (the identity for a sync save)."""
-    mark_call(f"zerokit.checkpoint.{call}()", model, group)
-    p = stage(prepare(model, optimizer, extra))
-    per_rank, world = agree(path, p, writer, group, timeout)
-    lock, tmp, error = make_place(path) if rank() == 0 else (None, None, None)
-    job = SaveJob(path, tmp, p, writer, per_rank, world, lock, timeout)
-    try:
-        made = gather_json(f"checkpoint.{call}: directory", [error, tmp], group, timeout)
-        if made[0][0] is not None:
-            raise CheckpointError(made[0][0])
-    except BaseException:
-        job.abandon()
-        raise
-    job.tmp = made[0][1]
-    return job
+class Together:
+    """A synchronous save's ``Tell``: an all-gather after the write and after the seal."""
+
+    stops = Exception  # a BaseException on the calling thread is its caller's
+
+    def __init__(self, job: SaveJob):
+        self.group, self.timeout = job.group, job.timeout
+
+    def written(self, error: str | None, shard: dict | None) -> list:
+        replies = gather_json("checkpoint.save: written", [error, shard], self.group, self.timeout)
+        return [s for _, s in raise_any(replies)]
+
+    def committed(self, error: str | None) -> None:
+        what = "checkpoint.save: committed"
+        raise_any(gather_json(what, [error, None], self.group, self.timeout))
 
 
-def save_together(job: SaveJob, group, timeout) -> None:
-    """write, seal and publish on the calling thread, a collective after each."""
-    committed = False
-    try:
-        shard, error = job.write_mine()
-        written = gather_json("checkpoint.save: written", [error, shard], group, timeout)
-        shards = [s for _, s in raise_any(written)]
-        error = None
-        if rank() == 0:
-            try:
-                job.seal_and_publish(shards)
-                committed = True
-            except Exception as e:
-                error = f"finishing the checkpoint failed: {named(e)}"
-            job.lock.release()
-        raise_any(gather_json("checkpoint.save: committed", [error, None], group, timeout))
-    finally:
-        if rank() == 0 and not committed:
-            job.abandon()
+@contextmanager
+def begin_save(call: str, path, model, optimizer, extra, writer: Writer, timeout, stage=None):
+    """agree and stage (see the module's note), once this process's save in flight is done:
+    yields the ``SaveJob`` every rank finishes, the ranks kept alive and the shards whole
+    meanwhile. ``stage``: ``Prepared -> Prepared``, a copy training cannot change (async);
+    None writes the live shards."""
+    wait_in_flight()  # one save at a time
+    path, group = os.path.abspath(os.fspath(path)), world_group()
+    with alive(group), whole_shards(model, optimizer):  # state sharded over replicas
+        mark_call(f"zerokit.checkpoint.{call}()", model, group)
+        # any exception: every rank must hear of it, or the others would wait for this one
+        got, error = attempt(lambda: _checked(model, optimizer, extra), Exception)
+        p = Prepared(*(got or (None, {})), error)
+        p = stage(p) if stage else p
+        per_rank, world = agree(path, p, writer, group, timeout)
+        lock, tmp, error = make_place(path) if rank() == 0 else (None, None, None)
+        job = SaveJob(path, tmp, p, writer, per_rank, world, group, timeout, lock)
+        try:
+            made = gather_json(f"checkpoint.{call}: directory", [error, tmp], group, timeout)
+            if made[0][0] is not None:
+                raise CheckpointError(made[0][0])
+        except BaseException:
+            job.release()
+            raise
+        job.tmp = made[0][1]
+        yield job
 
 
 def fsync_dir(path: str) -> None:

@@ -1,28 +1,22 @@
-"""zerokit's own format, written: a safetensors file per rank and rank 0's sealed
-``index.json`` (``ZerokitWriter``, the protocol's writer); and ``save``, the public call.
+"""zerokit's own format, written (``ZerokitWriter``, the protocol's writer), and ``save``.
 
-Note: what the protocol's phases mean here (``protocol``'s note has the phases). write: each
-rank writes ``rank<r>.safetensors`` straight from its shards, hashed on the way. seal: rank 0
-builds the index (every tensor tiled exactly once, every file there with its size) and writes
-it with its checksum (temp file, fsync, rename). publish: ``swap_in``. A save killed at any
-point leaves the previous checkpoint loadable (``load`` falls back to ``.zerokit-old`` between
-the two renames); the next save removes the debris (see ``places``).
+write: each rank writes ``rank<r>.safetensors`` straight from its shards, hashed on the way.
+seal: rank 0's ``index.json``, every tensor tiled exactly once and every file there with its
+size, written with its checksum. A save killed at any point leaves the previous checkpoint
+loadable (``load`` falls back to ``.zerokit-old`` between ``swap_in``'s two renames).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..core import alive, whole_shards
 from . import extra as extra_state
 from .agreement import rank as this_rank
-from .agreement import world_group
 from .holdings import Holdings
 from .index import (
     FORMAT,
@@ -35,51 +29,12 @@ from .index import (
     seal,
     split_to_json,
 )
-from .inflight import wait_in_flight
-from .protocol import begin_save, save_together
+from .protocol import Together, begin_save
 from .streaming import write_safetensors
 
 
 def shard_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
-
-
-def _write_shard(tmp: str, h: Holdings, extras: dict, mine: set[str]) -> dict:
-    """This rank's file (written straight from the shards, hashed on the way): its primary
-    chunks and the extra state it stores; and what the index needs to know of it."""
-    rank = this_rank()
-    chunks = [c for c in h.chunks if c.primary and c.tensor.numel() > 0]
-    fname = shard_file(rank)
-    pieces = [
-        {
-            "name": c.name,
-            "key": piece_key(c.name, c.start),
-            "start": c.start,
-            "numel": c.tensor.numel(),
-        }
-        for c in chunks
-    ]
-    entries = [
-        (p["key"], c.tensor.dtype, [p["numel"]], lambda c=c: c.tensor)
-        for p, c in zip(pieces, chunks)
-    ]
-    extra_docs = {}
-    for position, key in enumerate(sorted(extras)):
-        if key not in mine:
-            continue
-        doc, tensors = extras[key]
-        refs = []
-        for n, t in enumerate(tensors):
-            tkey = extra_state.tensor_key(position, rank, n)
-            entries.append((tkey, t.dtype, list(t.shape), lambda t=t: t))
-            refs.append(extra_state.tensor_ref(fname, tkey, t))
-        extra_docs[key] = {"json": doc, "tensors": refs}
-    info = {"pieces": pieces, "file": None, "extra": extra_docs}
-    if entries:
-        metadata = {"format": FORMAT, "rank": str(rank)}
-        size, sha256 = write_safetensors(os.path.join(tmp, fname), entries, metadata)
-        info["file"] = {"name": fname, "size": size, "sha256": sha256}
-    return info
 
 
 def _describe(h: Holdings) -> dict:
@@ -89,31 +44,20 @@ def _describe(h: Holdings) -> dict:
     }
 
 
-def _build_index(
-    h: Holdings, shards: list[dict], per_rank: dict[str, bool], world: dict | None
-) -> dict:
-    tensors, scalars, state_names, quantized = {}, {}, {}, {}
+def _build_index(h: Holdings, shards: list[dict], per_rank: dict, world: dict | None) -> dict:
+    tensors, files, scalars, state_names, quantized = {}, {}, {}, {}, {}
     for shard in shards:  # a rank knows the optimizer state of the pieces it holds only
         for name, described in shard["tensors"].items():
             if tensors.setdefault(name, described | {"parts": {}})["shape"] != described["shape"]:
                 raise CheckpointError(f"{name}: ranks disagree on its shape")
+        for name, part, piece in shard["pieces"]:
+            tensors[name]["parts"].setdefault(part, []).append(piece)
+        files.update(shard["files"])
         scalars.update(shard["scalars"])
         for param, keys in shard["state_names"].items():
             state_names.setdefault(param, {}).update(keys)
         for param, keys in shard["quantized"].items():
             quantized.setdefault(param, {}).update(keys)
-    files = {}
-    for shard in shards:
-        if shard["file"] is not None:
-            files[shard["file"]["name"]] = {k: shard["file"][k] for k in ("size", "sha256")}
-        for piece in shard["pieces"]:
-            entry = tensors.get(piece["name"])
-            if entry is None:
-                raise CheckpointError(f"{piece['name']}: held by one rank and not another")
-            part = str(shard["tp_rank"]) if entry["tp"] else "0"
-            entry["parts"].setdefault(part, []).append(
-                {k: piece[k] for k in ("key", "start", "numel")} | {"file": shard["file"]["name"]}
-            )
     extra = {
         key: {
             "per_rank": per_rank[key],
@@ -173,12 +117,42 @@ class ZerokitWriter:
         return shard_file(rank)
 
     def write(self, tmp: str, h: Holdings, extras: dict, per_rank: dict[str, bool]) -> dict:
-        mine = {k for k in extras if per_rank[k] or this_rank() == 0}
-        shard = _write_shard(tmp, h, extras, mine)
-        shard["scalars"], shard["tensors"] = h.scalars, _describe(h)
-        shard["state_names"], shard["quantized"] = h.state_names, h.quantized
-        shard["tp_rank"] = next((m.tp_rank for m in h.metas.values() if m.split), 0)
-        return shard
+        """This rank's file: its primary chunks and the extra state it stores (per-rank keys
+        on every rank, the others on rank 0); and what the index needs of it."""
+        rank, fname = this_rank(), shard_file(this_rank())
+        pieces, entries = [], []  # pieces: (tensor, its tp part, the index's piece)
+        for c in h.chunks:
+            if not c.primary or not c.tensor.numel():
+                continue
+            meta, key, numel = h.metas[c.name], piece_key(c.name, c.start), c.tensor.numel()
+            where = {"key": key, "start": c.start, "numel": numel, "file": fname}
+            pieces.append((c.name, str(meta.tp_rank) if meta.split else "0", where))
+            entries.append((key, c.tensor.dtype, [numel], lambda c=c: c.tensor))
+        stored = {}
+        for position, key in enumerate(sorted(extras)):
+            if not (per_rank[key] or rank == 0):
+                continue
+            doc, tensors = extras[key]
+            refs = []
+            for n, t in enumerate(tensors):
+                tkey = extra_state.tensor_key(position, rank, n)
+                entries.append((tkey, t.dtype, list(t.shape), lambda t=t: t))
+                refs.append(extra_state.tensor_ref(fname, tkey, t))
+            stored[key] = {"json": doc, "tensors": refs}
+        files = {}
+        if entries:
+            metadata = {"format": FORMAT, "rank": str(rank)}
+            size, sha256 = write_safetensors(os.path.join(tmp, fname), entries, metadata)
+            files[fname] = {"size": size, "sha256": sha256}
+        return {
+            "pieces": pieces,
+            "files": files,
+            "extra": stored,
+            "tensors": _describe(h),
+            "scalars": h.scalars,
+            "state_names": h.state_names,
+            "quantized": h.quantized,
+        }
 
     def seal(self, tmp: str, h: Holdings, shards: list, per_rank, world) -> tuple[str, bytes]:
         index = _build_index(h, shards, per_rank, world)
@@ -229,22 +203,5 @@ def save(
     directory instead (FSDP2 loads it with ``dcp.load`` and ``set_state_dict`` at any world
     size), as atomically; it may replace a DCP directory as well.
     """
-    with begun("save", path, model, optimizer, extra, timeout, format, _as_is) as (job, group):
-        save_together(job, group, timeout)
-
-
-@contextmanager
-def begun(call: str, path, model, optimizer, extra, timeout, format: str, stage):
-    """Every save's prologue (``save``, ``async_save``), then ``begin_save``: yields the
-    ``SaveJob`` and the world group, the ranks kept alive and the shards whole meanwhile."""
-    wait_in_flight()  # this process's async_save first: one save at a time
-    path = os.path.abspath(os.fspath(path))
-    group = world_group()
-    writer = writer_for(format)
-    with alive(group), whole_shards(model, optimizer):  # state sharded over replicas
-        yield begin_save(call, path, model, optimizer, extra, writer, group, timeout, stage), group
-
-
-def _as_is(p):
-    """A synchronous save's stage: the live shards are written before training goes on."""
-    return p
+    with begin_save("save", path, model, optimizer, extra, writer_for(format), timeout) as job:
+        job.finish(Together(job))
