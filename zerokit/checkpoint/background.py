@@ -68,8 +68,8 @@ def async_save(
     future for it.
     """
     prologue = begun("async_save", path, model, optimizer, extra, timeout, format, _snapshot)
-    with prologue as (job, _):
-        pass  # agreed and staged: the rest is the writer thread's
+    with prologue as (job, _):  # agreed, its staging faulted in meanwhile (see staging's note)
+        job.p.h.chunks = _STAGING.copy(job.p.h.chunks)
     return run_in_background(_writer(), _Job(job).run, job.path)
 
 
@@ -98,11 +98,13 @@ def _yield_to_training() -> None:
 
 
 def _snapshot(p: Prepared) -> Prepared:
-    """The stage: what will be written, copied into this process's staging buffers (reused
-    between saves); no view of a live parameter or state is left."""
+    """The stage: this process's staging buffers fitted (reused between saves; the chunks are
+    copied into them once the ranks agree), the extra state copied; no view of a live
+    parameter or state is left once ``async_save`` returns."""
     if p.h is None:
         return p
-    p.h.chunks, p.h.optimizer_chunks = _STAGING.copy(p.h.chunks), []
+    _STAGING.fit_chunks(p.h.chunks)
+    p.h.optimizer_chunks = []
     p.extras = {k: (doc, [t.clone() for t in ts]) for k, (doc, ts) in p.extras.items()}
     return p
 

@@ -1,62 +1,87 @@
-"""An async save's stage: the host memory its snapshot is copied into, kept between saves.
+"""Host staging: the memory an async save's snapshot is copied into (kept between saves), and
+``load_pretrained``'s (one load's); fresh blocks faulted in on another thread.
 
-Note: why keep it, and why one block per dtype. A fresh host copy of every primary chunk costs
-the first ``async_save`` the allocation and the page faults of all of that memory (on CUDA,
-pinning it too) while training waits; the next save of the same model copies into the same
-memory, a plain memcpy. The first save makes that memory as cheaply as it can: one block per
-dtype (the chunks are views of it), faulted in by the copy itself (no zeroing pass first).
-Transparent huge pages (``madvise(MADV_HUGEPAGE)`` on the blocks) were tried and measured
-slower: the kernel's zeroing of 2 MiB pages cost the first copy more CPU time than the small
-pages' faults (docs/BENCHMARKS.md). ``prewarm`` pays all of it ahead of the first save, when
-the caller asks. The blocks are reused only once the previous save has finished
+Note: why keep it, one block per dtype, and the faulting thread. Fresh host memory costs its
+first writer a page fault per 4 KiB page (about 0.06 s of CPU per 157 MiB here), and the
+first ``async_save`` wrote all of it while training waited; the next save of the same model
+copies into the same memory, a plain memcpy. So the blocks are kept (one per dtype, the
+chunks views of them), and fresh ones are faulted in by a thread of their own
+(``madvise(MADV_POPULATE_WRITE)``, Linux >= 5.14: the kernel faults a range in bulk and
+changes no byte of it) started when they are made, before the ranks agree: the faults overlap
+the agreement's waits, and a copy that catches up with the thread faults the rest itself,
+so nothing waits for it. Pinned CUDA memory is faulted in by its allocation. Transparent huge
+pages (``madvise(MADV_HUGEPAGE)``) were tried and measured slower: the kernel's zeroing of
+2 MiB pages cost the first copy more CPU time than the small pages' faults
+(docs/BENCHMARKS.md). ``prewarm`` pays all of it ahead of the first save, when the caller
+asks. The blocks are reused only once the previous save has finished
 (``protocol.wait_in_flight`` runs first), and made anew when any chunk's shape or dtype
-changed (the old ones freed first).
+changed (the old ones freed first, their faulting finished).
 """
 
 from __future__ import annotations
+
+import _thread
+import ctypes
+import sys
+import threading
 
 import torch
 
 from .holdings import Chunk, collect
 
+_MADV_POPULATE_WRITE = 23  # linux/mman.h
+_PAGE = 4096
+
 
 class StagingBuffers:
-    """The host buffers of one process's async saves, in chunk order."""
+    """Host buffers in chunk order, one block per dtype, faulted in on another thread."""
 
     def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []  # views of ``_blocks``, one per primary chunk
+        self.buffers: list[torch.Tensor] = []  # views of ``_blocks``, one per chunk
         self._blocks: list[torch.Tensor] = []
         self._made_for: tuple = ()  # (shape, dtype) of each buffer
+        self._faulted = threading.Event()  # set once the blocks' faulting thread is done
+        self._faulted.set()
 
     @property
     def nbytes(self) -> int:
         """The host memory the staging holds (what ``zerokit plan`` counts for async save)."""
         return sum(b.numel() * b.element_size() for b in self._blocks)
 
-    def fit(self, likes: list[torch.Tensor]) -> bool:
-        """Buffers shaped and typed as ``likes``: kept if they are, else made (unfaulted).
-        Returns whether they were made now."""
-        made_for = tuple((t.shape, t.dtype) for t in likes)
+    def fit(self, likes: list[tuple[torch.Size, torch.dtype]], pinned: bool = False) -> bool:
+        """Buffers of these shapes and dtypes: kept if they are, else made, and their faulting
+        begun on another thread. Returns whether they were made now."""
+        made_for = tuple(likes)
         if made_for == self._made_for:
             return False
+        self._faulted.wait()  # the thread holds the old blocks: freed once it is done
         self.buffers, self._blocks, self._made_for = [], [], ()  # freed before the new ones
-        pinned = any(t.device.type == "cuda" for t in likes) and torch.cuda.is_available()
         numel: dict[torch.dtype, int] = {}
-        for t in likes:
-            numel[t.dtype] = numel.get(t.dtype, 0) + t.numel()
-        blocks = {dtype: _block(n, dtype, pinned) for dtype, n in numel.items()}
+        for shape, dtype in likes:
+            numel[dtype] = numel.get(dtype, 0) + shape.numel()
+        blocks = {
+            dtype: torch.empty(n, dtype=dtype, pin_memory=pinned) for dtype, n in numel.items()
+        }
         taken = dict.fromkeys(numel, 0)
-        for t in likes:
-            at = taken[t.dtype]
-            self.buffers.append(blocks[t.dtype][at : at + t.numel()].view(t.shape))
-            taken[t.dtype] = at + t.numel()
+        for shape, dtype in likes:
+            at = taken[dtype]
+            self.buffers.append(blocks[dtype][at : at + shape.numel()].view(shape))
+            taken[dtype] = at + shape.numel()
         self._blocks, self._made_for = list(blocks.values()), made_for
+        if not pinned:
+            self._faulted = threading.Event()
+            _thread.start_new_thread(_fault_in, (self._blocks, self._faulted))  # no wait to start
         return True
+
+    def fit_chunks(self, chunks: list[Chunk]) -> bool:
+        """``fit`` for the primary ones of ``chunks`` (pinned if any is on CUDA)."""
+        pinned = torch.cuda.is_available() and any(c.tensor.device.type == "cuda" for c in chunks)
+        return self.fit([(c.tensor.shape, c.tensor.dtype) for c in chunks if c.primary], pinned)
 
     def copy(self, chunks: list[Chunk]) -> list[Chunk]:
         """``chunks`` with every primary one's data copied into its buffer (non-primary ones
         empty: nothing of theirs is written)."""
-        self.fit([c.tensor for c in chunks if c.primary])
+        self.fit_chunks(chunks)
         out, position = [], 0
         for c in chunks:
             if c.primary:
@@ -72,11 +97,29 @@ class StagingBuffers:
     def prewarm(self, model, optimizer=None) -> int:
         """Allocate and fault in the buffers the next ``async_save`` of ``model`` and
         ``optimizer`` will copy into; returns their bytes."""
-        if self.fit([c.tensor for c in collect(model, optimizer).chunks if c.primary]):
+        if self.fit_chunks(collect(model, optimizer).chunks):
+            self._faulted.wait()
             for block in self._blocks:
-                block.zero_()  # faulted in now, not during the next copy
+                if not _populate(block):
+                    block.zero_()  # no bulk faulting here: the zeroing faults them in
         return self.nbytes
 
 
-def _block(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, pin_memory=pinned)
+def _fault_in(blocks: list[torch.Tensor], done: threading.Event) -> None:
+    try:
+        for block in blocks:
+            _populate(block)
+    finally:
+        done.set()
+
+
+def _populate(block: torch.Tensor) -> bool:
+    """Every page of ``block`` faulted in by the kernel, its contents unchanged; False where
+    this is not Linux >= 5.14 (ctypes lets go of the GIL for the call)."""
+    if not sys.platform.startswith("linux") or not block.numel():
+        return False
+    start = block.data_ptr() // _PAGE * _PAGE
+    end = block.data_ptr() + block.numel() * block.element_size()
+    madvise = ctypes.CDLL(None).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise(start, end - start, _MADV_POPULATE_WRITE) == 0
