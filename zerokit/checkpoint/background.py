@@ -23,6 +23,7 @@ its error instead of going ahead.
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import time
@@ -82,6 +83,9 @@ def _writer() -> ThreadPoolExecutor:
         _WRITERS[pid] = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="zerokit-async-save", initializer=_yield_to_training
         )
+        # its thread started by another: Thread.start waits until the new thread runs (0.17 s
+        # measured on this loaded machine), which the first save's caller would wait
+        _thread.start_new_thread(_WRITERS[pid].submit, (int,))
     return _WRITERS[pid]
 
 
@@ -104,6 +108,7 @@ def _snapshot(p: Prepared) -> Prepared:
     if p.h is None:
         return p
     _STAGING.fit_chunks(p.h.chunks)
+    _writer()  # started now, while the ranks agree
     p.h.optimizer_chunks = []
     p.extras = {k: (doc, [t.clone() for t in ts]) for k, (doc, ts) in p.extras.items()}
     return p
