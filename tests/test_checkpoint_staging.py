@@ -15,7 +15,7 @@ from torch import nn
 import zerokit
 from zerokit import checkpoint
 from zerokit.checkpoint import background
-from zerokit.checkpoint.holdings import collect
+from zerokit.checkpoint.holdings import Chunk, collect
 from zerokit.checkpoint.staging import StagingBuffers
 
 
@@ -92,8 +92,13 @@ def test_fresh_buffers_are_faulted_in_unchanged_and_kept():
         (torch.Size([3]), torch.int64),
         (torch.Size([300, 700]), torch.float32),
     ]
+    chunks = [
+        Chunk(f"t{i}", 0, torch.empty(s, dtype=d, device="meta"), True)
+        for i, (s, d) in enumerate(likes)
+    ]
+    chunks.append(Chunk("not written", 0, torch.empty(5, device="meta"), False))
     staging = StagingBuffers()
-    assert staging.fit(likes)
+    assert staging.fit(chunks)
     assert [(b.shape, b.dtype) for b in staging.buffers] == likes
     assert staging.nbytes == (1024 * 512 + 300 * 700) * 4 + 3 * 8
     first = staging.buffers[0]
@@ -106,5 +111,5 @@ def test_fresh_buffers_are_faulted_in_unchanged_and_kept():
         time.sleep(0.01)
     assert torch.equal(first[:100], torch.full((100, 512), 7.0))
     ptrs = [b.data_ptr() for b in staging.buffers]
-    assert not staging.fit(likes)
+    assert not staging.fit(chunks)
     assert [b.data_ptr() for b in staging.buffers] == ptrs, "kept buffers were made anew"

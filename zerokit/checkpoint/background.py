@@ -107,7 +107,7 @@ def _snapshot(p: Prepared) -> Prepared:
     parameter or state is left once ``async_save`` returns."""
     if p.h is None:
         return p
-    _STAGING.fit_chunks(p.h.chunks)
+    _STAGING.fit(p.h.chunks)
     _writer()  # started now, while the ranks agree
     p.h.optimizer_chunks = []
     p.extras = {k: (doc, [t.clone() for t in ts]) for k, (doc, ts) in p.extras.items()}

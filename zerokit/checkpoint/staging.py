@@ -1,20 +1,15 @@
-"""An async save's stage: the host memory its snapshot is copied into, kept between saves,
-faulted in on another thread when it is made.
+"""An async save's stage: the host memory its snapshot is copied into, kept between saves.
 
-Note: why keep it, one block per dtype, and the faulting thread. Fresh host memory costs its
-first writer a page fault per 4 KiB page (about 0.06 s of CPU per 157 MiB here), and the
-first ``async_save`` wrote all of it while training waited; the next save of the same model
-copies into the same memory, a plain memcpy. So the blocks are kept (one per dtype, the
-chunks views of them), and fresh ones are faulted in by a thread of their own
-(``madvise(MADV_POPULATE_WRITE)``, Linux >= 5.14: the kernel faults a range in bulk and
-changes no byte of it) started when they are made, before the ranks agree: the faults overlap
-the agreement's waits, and a copy that catches up with the thread faults the rest itself,
-so nothing waits for it. Pinned CUDA memory is faulted in by its allocation. Transparent huge
-pages (``madvise(MADV_HUGEPAGE)``) were tried and measured slower: the kernel's zeroing of
-2 MiB pages cost the first copy more CPU time than the small pages' faults
-(docs/BENCHMARKS.md). ``prewarm`` pays all of it ahead of the first save, when the caller
-asks. The blocks are reused only once the previous save has finished
-(``protocol.wait_in_flight`` runs first), and made anew when any chunk's shape or dtype
+Note: why keep it, one block per dtype, faulted in on another thread. Fresh host memory
+costs its first writer a page fault per 4 KiB page (about 0.06 s of CPU per 157 MiB here);
+the next save of the same model copies into the same memory, a plain memcpy. So the blocks
+are kept (the chunks are views of them), and fresh ones are faulted in by a thread of their
+own (``madvise(MADV_POPULATE_WRITE)``, Linux >= 5.14: in bulk, no byte changed), started
+before the ranks agree: the faults overlap the agreement's waits, and a copy that catches
+the thread up faults the rest itself, so nothing waits for it. Pinned CUDA memory is faulted
+in by its allocation. Transparent huge pages were measured slower (docs/BENCHMARKS.md).
+``prewarm`` pays it all ahead, when asked. The blocks are reused once the previous save has
+finished (``protocol.wait_in_flight`` runs first), made anew when a chunk's shape or dtype
 changed (the old ones freed first, their faulting finished).
 """
 
@@ -35,10 +30,10 @@ _MADV_POPULATE_WRITE = 23  # linux/mman.h
 
 
 class StagingBuffers:
-    """Host buffers in chunk order, one block per dtype, faulted in on another thread."""
+    """The host buffers of one process's async saves, in primary chunk order."""
 
     def __init__(self) -> None:
-        self.buffers: list[torch.Tensor] = []  # views of ``_blocks``, one per chunk
+        self.buffers: list[torch.Tensor] = []  # views of ``_blocks``, one per primary chunk
         self._blocks: list[torch.Tensor] = []
         self._made_for: tuple = ()  # (shape, dtype) of each buffer
         self._faulted = threading.Event()  # set once the blocks' faulting thread is done
@@ -50,26 +45,26 @@ class StagingBuffers:
         """The host memory the staging holds (what ``zerokit plan`` counts for async save)."""
         return sum(b.numel() * b.element_size() for b in self._blocks)
 
-    def fit(self, likes: list[tuple[torch.Size, torch.dtype]], pinned: bool = False) -> bool:
-        """Buffers of these shapes and dtypes: kept if they are, else made, and their faulting
-        begun on another thread. Returns whether they were made now."""
-        made_for = tuple(likes)
+    def fit(self, chunks: list[Chunk]) -> bool:
+        """Buffers shaped and typed as the primary ``chunks``: kept if they are, else made
+        (pinned if a chunk is on CUDA) and their faulting begun. Returns whether made now."""
+        likes = [c.tensor for c in chunks if c.primary]
+        made_for = tuple((t.shape, t.dtype) for t in likes)
         if made_for == self._made_for:
             return False
         if self._faulted_in == os.getpid():  # the thread holds the old blocks: freed after it
             self._faulted.wait()
         self.buffers, self._blocks, self._made_for = [], [], ()  # freed before the new ones
+        pinned = any(t.device.type == "cuda" for t in likes) and torch.cuda.is_available()
         numel: dict[torch.dtype, int] = {}
-        for shape, dtype in likes:
-            numel[dtype] = numel.get(dtype, 0) + shape.numel()
-        blocks = {
-            dtype: torch.empty(n, dtype=dtype, pin_memory=pinned) for dtype, n in numel.items()
-        }
+        for t in likes:
+            numel[t.dtype] = numel.get(t.dtype, 0) + t.numel()
+        blocks = {d: torch.empty(n, dtype=d, pin_memory=pinned) for d, n in numel.items()}
         taken = dict.fromkeys(numel, 0)
-        for shape, dtype in likes:
-            at = taken[dtype]
-            self.buffers.append(blocks[dtype][at : at + shape.numel()].view(shape))
-            taken[dtype] = at + shape.numel()
+        for t in likes:
+            at = taken[t.dtype]
+            self.buffers.append(blocks[t.dtype][at : at + t.numel()].view(t.shape))
+            taken[t.dtype] = at + t.numel()
         self._blocks, self._made_for = list(blocks.values()), made_for
         if not pinned:
             self._faulted, self._faulted_in = threading.Event(), os.getpid()
@@ -78,15 +73,10 @@ class StagingBuffers:
             _thread.start_new_thread(_fault_in, (self._blocks, self._faulted))
         return True
 
-    def fit_chunks(self, chunks: list[Chunk]) -> bool:
-        """``fit`` for the primary ones of ``chunks`` (pinned if any is on CUDA)."""
-        pinned = torch.cuda.is_available() and any(c.tensor.device.type == "cuda" for c in chunks)
-        return self.fit([(c.tensor.shape, c.tensor.dtype) for c in chunks if c.primary], pinned)
-
     def copy(self, chunks: list[Chunk]) -> list[Chunk]:
         """``chunks`` with every primary one's data copied into its buffer (non-primary ones
         empty: nothing of theirs is written)."""
-        self.fit_chunks(chunks)
+        self.fit(chunks)
         out, position = [], 0
         for c in chunks:
             if c.primary:
@@ -102,7 +92,7 @@ class StagingBuffers:
     def prewarm(self, model, optimizer=None) -> int:
         """Allocate and fault in the buffers the next ``async_save`` of ``model`` and
         ``optimizer`` will copy into; returns their bytes."""
-        if self.fit_chunks(collect(model, optimizer).chunks):
+        if self.fit(collect(model, optimizer).chunks):
             self._faulted.wait()
             for block in self._blocks:
                 if not _populate(block):
@@ -119,8 +109,8 @@ def _fault_in(blocks: list[torch.Tensor], done: threading.Event) -> None:
 
 
 def _populate(block: torch.Tensor) -> bool:
-    """Every page of ``block`` faulted in by the kernel, its contents unchanged; False where
-    this is not Linux >= 5.14 (ctypes lets go of the GIL for the call)."""
+    """Every page of ``block`` faulted in by the kernel, its bytes unchanged; False where
+    that is not offered (not Linux >= 5.14). ctypes lets go of the GIL for the call."""
     if not sys.platform.startswith("linux") or not block.numel():
         return False
     start = block.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE  # the kernel rounds the end up
