@@ -1,6 +1,11 @@
 """An async save's staging: host buffers reused between saves (the first save allocates, the
-next ones copy into the same memory), prewarmed on request, their bytes reported, and what
-is written still the state at the call at world sizes 2 and 3 (uneven shards)."""
+next ones copy into the same memory), faulted in on another thread without changing what is
+written into them meanwhile, prewarmed on request, their bytes reported, and what is written
+still the state at the call at world sizes 2 and 3 (uneven shards)."""
+
+import ctypes
+import sys
+import time
 
 import pytest
 import torch
@@ -10,7 +15,8 @@ from torch import nn
 import zerokit
 from zerokit import checkpoint
 from zerokit.checkpoint import background
-from zerokit.checkpoint.holdings import collect
+from zerokit.checkpoint.holdings import Chunk, collect
+from zerokit.checkpoint.staging import StagingBuffers
 
 
 def _model(value: float):
@@ -65,3 +71,45 @@ def _reused(rank, world_size, path, prewarm):
 @pytest.mark.parametrize("prewarm", [False, True])
 def test_staging_buffers_are_reused_and_prewarmed(tmp_path, world, prewarm):
     run_distributed(_reused, world, str(tmp_path / "ckpt"), prewarm)
+
+
+def _resident(t: torch.Tensor) -> bool:
+    """Every page wholly inside ``t`` is in memory (``mincore``)."""
+    page = 4096
+    lo = -(-t.data_ptr() // page) * page
+    hi = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    pages = (ctypes.c_ubyte * ((hi - lo) // page))()
+    mincore = ctypes.CDLL(None).mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert mincore(lo, hi - lo, pages) == 0
+    return all(p & 1 for p in pages)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and mincore: Linux")
+def test_fresh_buffers_are_faulted_in_unchanged_and_kept():
+    likes = [
+        (torch.Size([1024, 512]), torch.float32),
+        (torch.Size([3]), torch.int64),
+        (torch.Size([300, 700]), torch.float32),
+    ]
+    chunks = [
+        Chunk(f"t{i}", 0, torch.empty(s, dtype=d, device="meta"), True)
+        for i, (s, d) in enumerate(likes)
+    ]
+    chunks.append(Chunk("not written", 0, torch.empty(5, device="meta"), False))
+    staging = StagingBuffers()
+    assert staging.fit(chunks)
+    assert [(b.shape, b.dtype) for b in staging.buffers] == likes
+    assert staging.nbytes == (1024 * 512 + 300 * 700) * 4 + 3 * 8
+    first = staging.buffers[0]
+    first[:100].fill_(7.0)  # written while the thread faults the block in: kept
+    # the float32 block, both buffers (nothing read: a read would map the zero page)
+    block = first.view(-1).as_strided((1024 * 512 + 300 * 700,), (1,))
+    deadline = time.monotonic() + 30
+    while not _resident(block):  # nothing else touches it: only the faulting thread can
+        assert time.monotonic() < deadline, "the fresh staging was never faulted in"
+        time.sleep(0.01)
+    assert torch.equal(first[:100], torch.full((100, 512), 7.0))
+    ptrs = [b.data_ptr() for b in staging.buffers]
+    assert not staging.fit(chunks)
+    assert [b.data_ptr() for b in staging.buffers] == ptrs, "kept buffers were made anew"

@@ -19,6 +19,7 @@ loadable; the next save clears the debris.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import fcntl
 import json
@@ -67,7 +68,13 @@ def async_save(
     """
     writer = writer_for(format)
     with begin_save("async_save", path, model, optimizer, extra, writer, timeout, _snapshot) as job:
-        pass  # agreed and staged: the rest is the writer thread's
+        # agreed, the staging faulted in meanwhile (see staging's note); a failed copy leaves
+        # nothing behind (the writer thread's part never starts)
+        try:
+            job.p.h.chunks = _STAGING.copy(job.p.h.chunks)
+        except BaseException:
+            job.release()
+            raise
     return run_in_background(_writer(), _Job(job).run, job.path)
 
 
@@ -80,6 +87,9 @@ def _writer() -> ThreadPoolExecutor:
         _WRITERS[pid] = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="zerokit-async-save", initializer=_yield_to_training
         )
+        # its thread started by another: Thread.start waits until the new thread runs (0.17 s
+        # measured on this loaded machine), which the first save's caller would wait
+        _thread.start_new_thread(_WRITERS[pid].submit, (int,))
     return _WRITERS[pid]
 
 
@@ -96,11 +106,14 @@ def _yield_to_training() -> None:
 
 
 def _snapshot(p: Prepared) -> Prepared:
-    """The stage: what will be written, copied into this process's staging buffers (reused
-    between saves); no view of a live parameter or state is left."""
+    """The stage: this process's staging buffers fitted (reused between saves; the chunks are
+    copied into them once the ranks agree), the extra state copied; no view of a live
+    parameter or state is left once ``async_save`` returns."""
     if p.h is None:
         return p
-    p.h.chunks, p.h.optimizer_chunks = _STAGING.copy(p.h.chunks), []
+    _STAGING.fit(p.h.chunks)
+    _writer()  # started now, while the ranks agree
+    p.h.optimizer_chunks = []
     p.extras = {k: (doc, [t.clone() for t in ts]) for k, (doc, ts) in p.extras.items()}
     return p
 
