@@ -33,14 +33,8 @@ class SaveFuture(Future):
 
 _IN_FLIGHT: list[SaveFuture] = []  # this process's save on the writer thread (at most one)
 _IN_FLIGHT_LOCK = threading.Lock()
-
-
-def _forget_in_child() -> None:
-    """A forked child has no writer thread: nothing of its parent's is in flight there."""
-    _IN_FLIGHT.clear()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
+# a forked child has no writer thread: nothing of its parent's is in flight there
+os.register_at_fork(after_in_child=_IN_FLIGHT.clear)
 
 
 def run_in_background(executor, work, path: str) -> SaveFuture:
