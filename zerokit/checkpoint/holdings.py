@@ -132,7 +132,7 @@ def collect(
     if pipe is not None:
         model = pipe.stage
     place = _place(model, pipe)
-    h = Holdings(layout=_layout_record(place), model_config=model_config(model))
+    h = Holdings(layout=place.layout, model_config=model_config(model))
     if pipe is not None:
         h.layout["pp_degree"] = pipe.num_stages
         h.pipeline = {
@@ -178,12 +178,10 @@ class _Place:
     written: dict  # global name -> whether this stage writes it (a shared layer: one stage)
     state: Any  # the model's ShardState, None for a bare model
     parts: dict[int, _Part]  # id(split parameter) -> its split and this rank's part
-    tp_layout: Any
     tp_rank: int
     group_rank: int
-    group_size: int
     replica_rank: int
-    ep_degree: int | None  # split experts: E / ep of each layer's experts per rank
+    layout: dict  # as the checkpoint records it: world size, level, dp/tp/ep degrees
 
     def global_name(self, name: str) -> str:  # a compiled module's "_orig_mod." never shows
         return self.checkpoint_names[name][0] if self.pipe is not None else plain_name(name)
@@ -222,7 +220,6 @@ def _place(model: nn.Module, pipe) -> _Place:
     experts = expert_splits(model)
     for i, e in experts.items():
         parts[i] = _Part(e.split, e.part, e.holders.rank() == 0)
-    ep_degree = len(next(iter(experts.values())).split.block_sizes) if experts else None
     if state is not None:
         group_rank, group_size = state.process_group.rank(), state.process_group.size()
         # hybrid sharding: every replica holds the same shards; replica 0 writes them
@@ -235,26 +232,21 @@ def _place(model: nn.Module, pipe) -> _Place:
         if pipe is not None and dist.is_initialized():  # the position among the stage's ranks
             in_stage = dist.get_rank() % (dist.get_world_size() // pipe.num_stages)
             group_rank = in_stage // (tp_layout.tp_degree if tp_layout else 1)
-    names = pipe.checkpoint_names() if pipe is not None else {}
-    return _Place(
-        pipe, names, dict(names.values()), state, parts,
-        tp_layout, tp_rank, group_rank, group_size, replica_rank, ep_degree,
-    )  # fmt: skip
-
-
-def _layout_record(place: _Place) -> dict:
-    state, tp_layout = place.state, place.tp_layout
-    record = {
+    layout = {
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "level": state.level if state else None,
         "dp_degree": tp_layout.dp_degree if tp_layout else None,
         "tp_degree": tp_layout.tp_degree if tp_layout else 1,
-        "zero_group_size": place.group_size,
+        "zero_group_size": group_size,
         "replicas": state.replica_group.size() if state and state.replica_group else 1,
     }
-    if place.ep_degree is not None:
-        record["ep_degree"] = place.ep_degree
-    return record
+    if experts:  # split experts: E / ep of each layer's experts per rank
+        layout["ep_degree"] = len(next(iter(experts.values())).split.block_sizes)
+    names = pipe.checkpoint_names() if pipe is not None else {}
+    return _Place(
+        pipe, names, dict(names.values()), state, parts,
+        tp_rank, group_rank, replica_rank, layout,
+    )  # fmt: skip
 
 
 def _collect_pieces(h: Holdings, place: _Place, names: dict, owner: dict) -> set[int]:
@@ -351,10 +343,9 @@ def holds_all_of(chunk: Chunk, key_tensor: torch.Tensor, meta: TensorMeta) -> bo
 
 
 def _collect_state(h: Holdings, chunk: Chunk, key_tensor: torch.Tensor, key: str, value) -> None:
-    """One state entry of one parameter piece. Three kinds of tensor: per element (shaped like
-    the piece: sliced by its range), held whole by the parameter's owner in a shape of its own
-    (Adafactor's ``row_var``/``col_var``), and block-quantized (torchao's ``OptimState8bit``,
-    ``OptimState4bit``, ``OptimStateFp8``: ``codes`` and one ``scale`` per block)."""
+    """One state entry of one parameter piece: per element, held whole in a shape of its own,
+    block-quantized (torchao's: ``codes`` and one ``scale`` per block), or a scalar; ARCHITECTURE,
+    "Checkpoints", tells the kinds apart."""
     meta = h.metas[chunk.name]
     state_name = f"{OPTIM_PREFIX}.{key}.{chunk.name}"
     is_tensor = isinstance(value, torch.Tensor)

@@ -1,9 +1,5 @@
-"""This process's save in flight: one at a time, and a failure never lost.
-
-An ``async_save`` runs on a writer thread; the next ``save`` or ``async_save`` of the process
-waits for it (``wait_in_flight``) and, if it failed and no one asked its future, raises its
-error there instead of going ahead.
-"""
+"""This process's save in flight: one at a time, and a failure never lost (the next save
+raises a failure no one asked the future for)."""
 
 from __future__ import annotations
 
@@ -15,8 +11,7 @@ from .index import CheckpointError
 
 
 class SaveFuture(Future):
-    """An async save's outcome. A failure nobody asked this future for is raised by the next
-    save of the process, so it is never lost (``seen``: asked, or raised there)."""
+    """An async save's outcome; ``seen``: asked, or raised by the next save."""
 
     def __init__(self, path: str):
         super().__init__()
