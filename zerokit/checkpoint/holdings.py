@@ -344,8 +344,8 @@ def holds_all_of(chunk: Chunk, key_tensor: torch.Tensor, meta: TensorMeta) -> bo
 
 def _collect_state(h: Holdings, chunk: Chunk, key_tensor: torch.Tensor, key: str, value) -> None:
     """One state entry of one parameter piece: per element, held whole in a shape of its own,
-    block-quantized (torchao's: ``codes`` and one ``scale`` per block), or a scalar; ARCHITECTURE,
-    "Checkpoints", tells the kinds apart."""
+    block-quantized (torchao's: ``codes`` and one ``scale`` per block), or a scalar (the kinds:
+    ARCHITECTURE, "Checkpoints")."""
     meta = h.metas[chunk.name]
     state_name = f"{OPTIM_PREFIX}.{key}.{chunk.name}"
     is_tensor = isinstance(value, torch.Tensor)
@@ -368,10 +368,9 @@ def _collect_state(h: Holdings, chunk: Chunk, key_tensor: torch.Tensor, key: str
         h.metas[state_name] = state_meta
         h.chunks.append(Chunk(state_name, start, value.detach().reshape(-1), chunk.primary))
     else:  # a scalar (Adam's step), kept in the index
-        dtype = value.dtype if is_tensor else None
         h.scalars.setdefault(chunk.name, {})[key] = {
-            "value": value.item() if dtype is not None else value,
-            "tensor_dtype": str(dtype).removeprefix("torch.") if dtype else None,
+            "value": value.item() if is_tensor else value,
+            "tensor_dtype": str(value.dtype).removeprefix("torch.") if is_tensor else None,
         }
 
 
