@@ -148,19 +148,14 @@ class ShardFile:
         for key, info in header.items():
             if key == "__metadata__":
                 continue
-            ok = (
-                isinstance(info, dict)
-                and info.get("dtype") in DTYPE_OF
-                and isinstance(info.get("shape"), list)
-                and all(type(n) is int and n >= 0 for n in info["shape"])
-                and isinstance(info.get("data_offsets"), list)
-                and len(info["data_offsets"]) == 2
-                and all(type(n) is int for n in info["data_offsets"])
-            )
-            if ok:
+            try:  # a field missing or of another type raises: not ok
                 begin, end = info["data_offsets"]
-                nbytes = math.prod(info["shape"]) * DTYPE_OF[info["dtype"]].itemsize
-                ok = 0 <= begin <= end <= data and end - begin == nbytes
+                shape, itemsize = info["shape"], DTYPE_OF[info["dtype"]].itemsize
+                ok = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+                ok = ok and type(begin) is int and type(end) is int and 0 <= begin <= end <= data
+                ok = ok and end - begin == math.prod(shape) * itemsize
+            except (TypeError, KeyError, ValueError):
+                ok = False
             if not ok:
                 raise CheckpointError(f"{bad}: bad header entry for {key!r}")
         return header, 8 + length
