@@ -15,6 +15,7 @@ a flat range of a tensor is at most ``2 * ndim - 1`` boxes, each contiguous in t
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import os
@@ -28,16 +29,10 @@ METADATA = ".metadata"
 MODEL, OPTIMIZER = "model", "optimizer"
 _WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 _DCP_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
+    "torch.distributed.checkpoint.metadata": set(
+        "Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata "
+        "TensorProperties MetadataIndex StorageMeta _MEM_FORMAT_ENCODING".split()
+    ),
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "pathlib": {"PosixPath", "PurePosixPath"},
@@ -70,8 +65,6 @@ def is_dcp(path: str | os.PathLike) -> bool:
 
 def read_metadata(directory: str):
     """The ``Metadata`` of a DCP directory and the sha256 of its bytes."""
-    import hashlib
-
     from torch.distributed.checkpoint.metadata import Metadata
 
     where = os.path.join(directory, METADATA)

@@ -1,29 +1,17 @@
-"""What one rank holds of the model and optimizer, named as the plain model names it.
-
-Save and load see every level (and a bare model) the same way: a set of global tensors (each
-parameter, persistent buffer and per-element optimizer state, with its full shape and dtype
-and, for a tensor-parallel one, its split) and, for each, the flat ranges of its tp-local
-tensor that this rank holds (``Chunk``: a 1-D view of where the values live). Optimizer
-scalars (Adam's ``step``) and hyperparameters are kept per parameter name. ``optimizer`` may
-be a list (each optimizer over its own parameters); an optimizer's state is per element, held
-whole in a shape of its own, or block-quantized (``_collect_state``).
-
-A ``PipelineModule`` is seen through its stage, under the names of the whole model
-(``PipelineModule.checkpoint_names``: ``layers.<i>.*``, ``shared.<key>.*``): different stages
-hold different tensors, and a shared layer held by several stages is written by the first.
-
-Experts split across ep ranks (``zerokit.moe``) are described as a tensor-parallel part is:
-the unsplit model's [E, ...] tensor, split along E in ep parts (``moe.state_dict.ExpertSplit``),
-this rank's part its ep rank's; the ranks holding the same part (its expert-data-parallel
-group, the experts' shard group) hold disjoint pieces of it, or, held whole, the first writes.
-"""
+"""What one rank holds of the model and optimizer, named as the plain model names it: each
+global tensor's full shape, dtype and split, and the chunks of it this rank holds (ARCHITECTURE,
+"Checkpoints"). Every split is one ``TPSplit`` and the part this rank holds, whatever made it:
+a tensor-parallel slice, a rank-local part (``tp.BatchGatherLinear``), or split experts (the
+unsplit [E, ...] tensor along E in ep parts, held whole by the first rank of its
+expert-data-parallel group). A ``PipelineModule`` is seen through its stage, under the whole
+model's names; a layer shared by several stages is written by the first."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -43,8 +31,8 @@ OPTIM_PREFIX = "optim"  # optimizer state of parameter P under key K: "optim.K.P
 class TensorMeta:
     shape: tuple[int, ...]  # the plain model's (full) shape
     dtype: torch.dtype
-    split: TPSplit | None  # tensor-parallel split, None if replicated
-    tp_rank: int  # which tp part this rank holds
+    split: TPSplit | None  # how the full tensor is split into parts, None if it is not
+    tp_rank: int  # which part this rank holds
 
     def local_shape(self) -> tuple[int, ...]:
         if self.split is None:
@@ -57,7 +45,7 @@ class TensorMeta:
 @dataclass
 class Chunk:
     name: str
-    start: int  # flat offset within this rank's tp-local tensor
+    start: int  # flat offset within this rank's part of the tensor
     tensor: torch.Tensor  # 1-D view of the values (a parameter shard piece, a buffer, a state)
     primary: bool  # this rank writes it (one copy of every element across all ranks)
 
@@ -69,22 +57,16 @@ class Holdings:
     aliases: dict[str, str] = field(default_factory=dict)  # tied name -> the name stored
     scalars: dict[str, dict] = field(default_factory=dict)  # param name -> optimizer scalars
     groups: list[dict] = field(default_factory=list)  # hyperparameters + parameter names
-    state_names: dict[str, dict[str, str]] = field(default_factory=dict)
-    """param name -> {optimizer state key -> its tensor's name}"""
-    optimizer_class: str | list[str] | None = None
-    """The optimizer's class; for a list of optimizers, each one's, in order."""
-    group_optimizer: list[int] = field(default_factory=list)
-    """Which optimizer of the list each entry of ``groups`` belongs to."""
+    state_names: dict[str, dict[str, str]] = field(default_factory=dict)  # param -> key -> name
+    optimizer_class: str | list[str] | None = None  # for a list of optimizers, each one's
+    group_optimizer: list[int] = field(default_factory=list)  # each group's optimizer (list)
+    # param name -> {state key -> how its block-quantized state is stored}
     quantized: dict[str, dict[str, dict]] = field(default_factory=dict)
-    """param name -> {state key -> how its block-quantized state is stored}"""
+    # (parameter chunk, the tensor the optimizer keys its state by, which optimizer), in order
     optimizer_chunks: list[tuple[Chunk, torch.Tensor, int]] = field(default_factory=list)
-    """(parameter chunk, the tensor the optimizer keys its state by, which optimizer of the
-    list), in group order."""
-    layout: dict = field(default_factory=dict)  # world size, level, dp/tp(/pp) degrees
-    pipeline: dict | None = None
-    """For a ``PipelineModule``: {"stage": this rank's stage, "stages": n, "bounds": [...]}."""
-    model_config: dict[str, str] = field(default_factory=dict)
-    """A Hugging Face model's ``config.json`` (and ``generation_config.json``) as text."""
+    layout: dict = field(default_factory=dict)  # world size, level, dp/tp(/pp/ep) degrees
+    pipeline: dict | None = None  # a PipelineModule's {"stage", "stages", "bounds"}
+    model_config: dict[str, str] = field(default_factory=dict)  # config.json's text, ...
 
     @property
     def param_names(self) -> list[str]:
@@ -130,6 +112,17 @@ def optimizers_of(optimizer) -> list[torch.optim.Optimizer]:
     return given
 
 
+def model_config(model: nn.Module) -> dict[str, str]:
+    """``config.json`` / ``generation_config.json`` of a model with a Hugging Face style
+    ``config`` (anything with ``to_json_string``), as ``save_pretrained`` writes them."""
+    files = {}
+    for attribute in ("config", "generation_config"):
+        config = getattr(model, attribute, None)
+        if callable(getattr(config, "to_json_string", None)):
+            files[f"{attribute}.json"] = config.to_json_string()
+    return files
+
+
 def collect(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
@@ -139,8 +132,7 @@ def collect(
     if pipe is not None:
         model = pipe.stage
     place = _place(model, pipe)
-    h = Holdings()
-    h.layout = _layout_record(place)
+    h = Holdings(layout=place.layout, model_config=model_config(model))
     if pipe is not None:
         h.layout["pp_degree"] = pipe.num_stages
         h.pipeline = {
@@ -157,31 +149,39 @@ def collect(
             names[id(p)], params[id(p)] = name, p
     owner = {}  # id(tensor the optimizer steps) -> the parameter chunk it is
     sharded = _collect_pieces(h, place, names, owner)
-    _collect_whole(h, place, names, params, sharded, owner)
+    for p_id, name in names.items():  # everything else whole: frozen (or unwrapped) parameters
+        if p_id not in sharded:
+            p = params[p_id]
+            meta = h.metas[name] = place.meta_of(p, p.shape)
+            chunk = Chunk(name, 0, p.detach().view(-1), place.writes_whole(p, name, meta))
+            h.chunks.append(chunk)
+            owner[p_id] = chunk
     _collect_buffers(h, place, model)
     if optimizer is not None:
         _collect_optimizer(h, optimizer, owner, names)
-    h.model_config = model_config(model)
     return h
+
+
+class _Part(NamedTuple):
+    split: TPSplit
+    part: int  # which part this rank holds
+    writes_whole: bool | None  # held whole, does this rank write it (None: ``is_primary``)
 
 
 @dataclass
 class _Place:
-    """Where this rank stands: its stage's names, its tp slice, its place in the shard and
-    replica groups; what it writes follows from these."""
+    """Where this rank stands: its stage's names, its part of each split tensor, its place in
+    the shard and replica groups; what it writes follows from these."""
 
     pipe: Any
     checkpoint_names: dict  # a stage's name -> (global name, whether this stage writes it)
     written: dict  # global name -> whether this stage writes it (a shared layer: one stage)
     state: Any  # the model's ShardState, None for a bare model
-    split_of: dict
-    local: dict  # rank-local parameters
-    tp_layout: Any
+    parts: dict[int, _Part]  # id(split parameter) -> its split and this rank's part
     tp_rank: int
     group_rank: int
-    group_size: int
     replica_rank: int
-    experts: dict = field(default_factory=dict)  # id(expert parameter) -> its ExpertSplit
+    layout: dict  # as the checkpoint records it: world size, level, dp/tp/ep degrees
 
     def global_name(self, name: str) -> str:  # a compiled module's "_orig_mod." never shows
         return self.checkpoint_names[name][0] if self.pipe is not None else plain_name(name)
@@ -190,71 +190,63 @@ class _Place:
         return self.written[name] if self.pipe is not None else True
 
     def meta_of(self, p: torch.Tensor, local_shape, dtype=None) -> TensorMeta:
-        if id(p) in self.experts:  # this rank's experts: its part of the [E, ...] tensor
-            held, shape = self.experts[id(p)], list(local_shape)
-            shape[held.split.dim] = held.split.full_size
-            return TensorMeta(tuple(shape), dtype or p.dtype, held.split, held.part)
-        if id(p) in self.local:  # rank-local: this rank's part of its layer's split
-            d, shape = self.local[id(p)], list(local_shape)
-            shape[d.split.dim] = d.split.full_size
-            return TensorMeta(tuple(shape), dtype or p.dtype, d.split, d.split_rank)
-        layer_split = self.split_of.get(id(p))
-        split = layer_split[1] if layer_split else None
-        shape = list(local_shape)
-        if split is not None:
-            shape[split.dim] = split.full_size
-        return TensorMeta(tuple(shape), dtype or p.dtype, split, self.tp_rank if split else 0)
+        shape, held = list(local_shape), self.parts.get(id(p))
+        if held is None:
+            return TensorMeta(tuple(shape), dtype or p.dtype, None, 0)
+        shape[held.split.dim] = held.split.full_size
+        return TensorMeta(tuple(shape), dtype or p.dtype, held.split, held.part)
 
     def is_primary(self, name: str, meta: TensorMeta, whole: bool) -> bool:
         replicated_copy = (meta.split is None and self.tp_rank != 0) or self.replica_rank != 0
         return self.writes(name) and not replicated_copy and (self.group_rank == 0 or not whole)
 
     def writes_whole(self, p: torch.Tensor, name: str, meta: TensorMeta) -> bool:
-        """Does this rank write ``p``, held whole? Experts: the first rank holding its part."""
-        if id(p) in self.experts:
-            return self.writes(name) and self.experts[id(p)].holders.rank() == 0
+        """Does this rank write ``p``, held whole? A rank-local part: it alone holds it; split
+        experts: the first rank holding its part; else as any tensor held whole."""
+        first = self.parts[id(p)].writes_whole if id(p) in self.parts else None
+        if first is not None:
+            return self.writes(name) and first
         return self.is_primary(name, meta, whole=True)
 
 
 def _place(model: nn.Module, pipe) -> _Place:
-    state = state_of(model)
-    split_of = tensor_parallel_params(model)
-    local = _rank_local(model, split_of, pipe is not None)
+    state, split_of = state_of(model), tensor_parallel_params(model)
     tp_layout = next((layer.layout for layer, _ in split_of.values()), None)
+    tp_rank = tp_layout.tp_rank if tp_layout else 0
+    # one description of every split, the most specific last: tp slices, rank-local, experts
+    parts = {i: _Part(s, tp_rank, None) for i, (_, s) in split_of.items() if s is not None}
+    for i, d in _rank_local(model, split_of, pipe is not None).items():
+        parts[i] = _Part(d.split, d.split_rank, True)
+    experts = expert_splits(model)
+    for i, e in experts.items():
+        parts[i] = _Part(e.split, e.part, e.holders.rank() == 0)
     if state is not None:
         group_rank, group_size = state.process_group.rank(), state.process_group.size()
         # hybrid sharding: every replica holds the same shards; replica 0 writes them
         replica_rank = state.replica_group.rank() if state.replica_group is not None else 0
     else:  # a bare model: every data-parallel replica holds all of it
-        replica_rank = 0
+        replica_rank, group_size = 0, 1
         group_rank = (
             tp_layout.dp_rank if tp_layout else (dist.get_rank() if dist.is_initialized() else 0)
         )
         if pipe is not None and dist.is_initialized():  # the position among the stage's ranks
             in_stage = dist.get_rank() % (dist.get_world_size() // pipe.num_stages)
             group_rank = in_stage // (tp_layout.tp_degree if tp_layout else 1)
-        group_size = 1
-    names = pipe.checkpoint_names() if pipe is not None else {}
-    return _Place(
-        pipe, names, dict(names.values()), state, split_of, local,
-        tp_layout, tp_layout.tp_rank if tp_layout else 0, group_rank, group_size, replica_rank,
-        expert_splits(model),
-    )  # fmt: skip
-
-
-def _layout_record(place: _Place) -> dict:
-    state, tp_layout = place.state, place.tp_layout
-    record = {
+    layout = {
         "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         "level": state.level if state else None,
         "dp_degree": tp_layout.dp_degree if tp_layout else None,
         "tp_degree": tp_layout.tp_degree if tp_layout else 1,
-        "zero_group_size": place.group_size,
+        "zero_group_size": group_size,
         "replicas": state.replica_group.size() if state and state.replica_group else 1,
     }
-    if place.experts:  # split experts: E / ep of each layer's experts per rank
-        record["ep_degree"] = len(next(iter(place.experts.values())).split.block_sizes)
-    return record
+    if experts:  # split experts: E / ep of each layer's experts per rank
+        layout["ep_degree"] = len(next(iter(experts.values())).split.block_sizes)
+    names = pipe.checkpoint_names() if pipe is not None else {}
+    return _Place(
+        pipe, names, dict(names.values()), state, parts,
+        tp_rank, group_rank, replica_rank, layout,
+    )  # fmt: skip
 
 
 def _collect_pieces(h: Holdings, place: _Place, names: dict, owner: dict) -> set[int]:
@@ -264,40 +256,20 @@ def _collect_pieces(h: Holdings, place: _Place, names: dict, owner: dict) -> set
     if place.state is None:
         return sharded
     for bucket in place.state.buckets:
+        # the fp32 master under mixed precision, whatever the compute copy's dtype
+        dtype, slots = bucket.layout.dtype, bucket.layout.slots
         for piece, view in zip(bucket.pieces, bucket.param_pieces):
             p = bucket.params[piece.slot]
             name = names[id(p)]
-            # the fp32 master under mixed precision, whatever the compute copy's dtype
-            meta = place.meta_of(p, bucket.layout.slots[piece.slot].shape, bucket.layout.dtype)
-            h.metas[name] = meta
+            meta = h.metas[name] = place.meta_of(p, slots[piece.slot].shape, dtype)
             # 1-D, also where the piece is shaped like its parameter (owned whole: Muon)
-            flat = view.view(-1)
-            chunk = Chunk(name, piece.start, flat, place.is_primary(name, meta, whole=False))
+            chunk = Chunk(name, piece.start, view.view(-1), place.is_primary(name, meta, False))
             h.chunks.append(chunk)
             owner[id(view)] = chunk
         for i, p in enumerate(bucket.params):  # a rank may hold no piece of a parameter
-            h.metas.setdefault(
-                names[id(p)], place.meta_of(p, bucket.layout.slots[i].shape, bucket.layout.dtype)
-            )
+            h.metas.setdefault(names[id(p)], place.meta_of(p, slots[i].shape, dtype))
             sharded.add(id(p))
     return sharded
-
-
-def _collect_whole(h: Holdings, place: _Place, names, params, sharded, owner) -> None:
-    """Everything else whole: frozen (or unwrapped) parameters."""
-    for p_id, name in names.items():
-        if p_id not in sharded:
-            p = params[p_id]
-            meta = place.meta_of(p, p.shape)
-            h.metas[name] = meta
-            # a rank-local part is on this rank alone: it writes it
-            if p_id in place.local:
-                primary = place.writes(name)
-            else:
-                primary = place.writes_whole(p, name, meta)
-            chunk = Chunk(name, 0, p.detach().view(-1), primary)
-            h.chunks.append(chunk)
-            owner[id(p)] = chunk
 
 
 def _collect_buffers(h: Holdings, place: _Place, model: nn.Module) -> None:
@@ -307,24 +279,8 @@ def _collect_buffers(h: Holdings, place: _Place, model: nn.Module) -> None:
             if buf is None or bname in module._non_persistent_buffers_set:
                 continue
             name = place.global_name(f"{prefix}.{bname}" if prefix else bname)
-            meta = TensorMeta(tuple(buf.shape), buf.dtype, None, 0)
-            h.metas[name] = meta
-            primary = place.is_primary(name, meta, whole=True)
-            h.chunks.append(Chunk(name, 0, buf.view(-1), primary))
-
-
-def model_config(model: nn.Module) -> dict[str, str]:
-    """``config.json`` / ``generation_config.json`` of a model with a Hugging Face style
-    ``config`` (anything with ``to_json_string``), as ``save_pretrained`` writes them."""
-    files = {}
-    for attribute, name in (
-        ("config", "config.json"),
-        ("generation_config", "generation_config.json"),
-    ):
-        config = getattr(model, attribute, None)
-        if callable(getattr(config, "to_json_string", None)):
-            files[name] = config.to_json_string()
-    return files
+            meta = h.metas[name] = TensorMeta(tuple(buf.shape), buf.dtype, None, 0)
+            h.chunks.append(Chunk(name, 0, buf.view(-1), place.is_primary(name, meta, True)))
 
 
 def _rank_local(model: nn.Module, split_of: dict, pipelined: bool) -> dict:
@@ -387,14 +343,15 @@ def holds_all_of(chunk: Chunk, key_tensor: torch.Tensor, meta: TensorMeta) -> bo
 
 
 def _collect_state(h: Holdings, chunk: Chunk, key_tensor: torch.Tensor, key: str, value) -> None:
-    """One state entry of one parameter piece. Three kinds of tensor: per element (shaped like
-    the piece: sliced by its range), held whole by the parameter's owner in a shape of its own
-    (Adafactor's ``row_var``/``col_var``), and block-quantized (torchao: its codes and scales)."""
+    """One state entry of one parameter piece: per element, held whole in a shape of its own,
+    block-quantized (torchao's: ``codes`` and one ``scale`` per block), or a scalar (the kinds:
+    ARCHITECTURE, "Checkpoints")."""
     meta = h.metas[chunk.name]
     state_name = f"{OPTIM_PREFIX}.{key}.{chunk.name}"
-    if is_quantized(value):
+    is_tensor = isinstance(value, torch.Tensor)
+    if is_tensor and all(hasattr(value, a) for a in ("codes", "scale", "block_size")):
         _collect_quantized(h, chunk, key_tensor, key, value)
-    elif isinstance(value, torch.Tensor) and value.dim() > 0:
+    elif is_tensor and value.dim() > 0:
         if tuple(value.shape) == tuple(key_tensor.shape):  # per element
             state_meta = TensorMeta(meta.shape, value.dtype, meta.split, meta.tp_rank)
             start = chunk.start
@@ -411,31 +368,17 @@ def _collect_state(h: Holdings, chunk: Chunk, key_tensor: torch.Tensor, key: str
         h.metas[state_name] = state_meta
         h.chunks.append(Chunk(state_name, start, value.detach().reshape(-1), chunk.primary))
     else:  # a scalar (Adam's step), kept in the index
-        dtype = value.dtype if isinstance(value, torch.Tensor) else None
         h.scalars.setdefault(chunk.name, {})[key] = {
-            "value": value.item() if dtype is not None else value,
-            "tensor_dtype": str(dtype).removeprefix("torch.") if dtype else None,
+            "value": value.item() if is_tensor else value,
+            "tensor_dtype": str(value.dtype).removeprefix("torch.") if is_tensor else None,
         }
-
-
-def is_quantized(value) -> bool:
-    """A block-quantized state tensor (torchao's ``OptimState8bit``, ``OptimState4bit``,
-    ``OptimStateFp8``): ``codes`` and one ``scale`` per block of ``block_size`` elements."""
-    return isinstance(value, torch.Tensor) and all(
-        hasattr(value, a) for a in ("codes", "scale", "block_size")
-    )
-
-
-def quantized_names(key: str, param: str) -> dict[str, str]:
-    return {part: f"{OPTIM_PREFIX}.{key}:{part}.{param}" for part in ("codes", "scale")}
 
 
 def _collect_quantized(h: Holdings, chunk: Chunk, key_tensor, key: str, value) -> None:
     """Note: saved exactly, as its codes (their bytes) and scales: a piece starts on a block
-    (``core/bucket_layout.place_owners``), so its codes and scales are slices of the ones one process
-    holds for the whole parameter, and a load at any world size cuts them again."""
-    meta = h.metas[chunk.name]
-    block = value.block_size
+    (``core/bucket_layout.place_owners``), so its codes and scales are slices of the ones one
+    process holds for the whole parameter, and a load at any world size cuts them again."""
+    meta, block = h.metas[chunk.name], value.block_size
     codes = value.codes.detach().reshape(-1)
     at = flat_part_start(meta)  # split experts: their codes and scales are a run of the whole's
     if at is None or codes.element_size() != 1 or (at + chunk.start) % block:
@@ -447,14 +390,14 @@ def _collect_quantized(h: Holdings, chunk: Chunk, key_tensor, key: str, value) -
     start = at + chunk.start  # in the whole parameter, flattened
     per_code = key_tensor.numel() // codes.numel()  # elements per code: 1, or 2 (4-bit)
     numel = math.prod(meta.shape)
-    names = quantized_names(key, chunk.name)
-    h.metas[names["codes"]] = TensorMeta((numel // per_code,), torch.uint8, None, 0)
-    h.chunks.append(
-        Chunk(names["codes"], start // per_code, codes.view(torch.uint8), chunk.primary)
-    )
+    names = {part: f"{OPTIM_PREFIX}.{key}:{part}.{chunk.name}" for part in ("codes", "scale")}
     scale = value.scale.detach().reshape(-1)
-    h.metas[names["scale"]] = TensorMeta((numel // block,), scale.dtype, None, 0)
-    h.chunks.append(Chunk(names["scale"], start // block, scale, chunk.primary))
+    for part, stored, per in (
+        ("codes", codes.view(torch.uint8), per_code),
+        ("scale", scale, block),
+    ):
+        h.metas[names[part]] = TensorMeta((numel // per,), stored.dtype, None, 0)
+        h.chunks.append(Chunk(names[part], start // per, stored, chunk.primary))
     signed = getattr(value, "signed", None)
     h.quantized.setdefault(chunk.name, {})[key] = {
         "class": type(value).__name__,
@@ -464,67 +407,68 @@ def _collect_quantized(h: Holdings, chunk: Chunk, key_tensor, key: str, value) -
     }
 
 
+# Range arithmetic, pure: where a rank's flat range of its part lies in the full tensor.
+
+
 def full_runs(meta: TensorMeta, start: int, numel: int) -> Iterator[tuple[int, int, int]]:
     """The flat element ranges ``[lo, hi)`` of the full tensor that hold elements
-    ``[start, start + numel)`` of this rank's (tp-local) tensor, each with its offset in that
-    request. Without a tp split: one range. With one: a run per row of the split dimension
-    (the tensor seen as [outer, rows, inner]), merged where contiguous."""
+    ``[start, start + numel)`` of this rank's part, each with its offset in that request.
+    Unsplit: one range. Split: a run per row of the split dimension (the tensor seen as
+    [outer, rows, inner]), merged where contiguous."""
     split = meta.split
     if split is None:
         yield start, start + numel, 0
         return
-    local = meta.local_shape()
-    d, full_rows, rows = split.dim, meta.shape[split.dim], local[split.dim]
+    d, full_rows, rows = split.dim, meta.shape[split.dim], meta.local_shape()[split.dim]
     inner = math.prod(meta.shape[d + 1 :])
-    part, before = split.block_sizes[meta.tp_rank], sum(split.block_sizes[: meta.tp_rank])
+    part, before = split.block_sizes[meta.tp_rank], split.start(meta.tp_rank)
     block = sum(split.block_sizes)
     end, row, pending = start + numel, start // max(inner, 1), None
     while inner and row * inner < end:
         outer, j = divmod(row, rows)
-        full_row = outer * full_rows + (j // part) * block + before + j % part
+        shift = (outer * full_rows + (j // part) * block + before + j % part - row) * inner
         lo, hi = max(start, row * inner), min(end, (row + 1) * inner)
-        run = (full_row * inner + lo - row * inner, full_row * inner + hi - row * inner, lo - start)
-        if pending and pending[1] == run[0]:
-            pending = (pending[0], run[1], pending[2])
+        if pending and pending[1] == lo + shift:
+            pending = (pending[0], hi + shift, pending[2])
         else:
             if pending:
                 yield pending
-            pending = run
+            pending = (lo + shift, hi + shift, lo - start)
         row += 1
     if pending:
         yield pending
 
 
+def _cuts_rows(split: TPSplit | None) -> bool:
+    """Unsplit, or split along dim 0 in one block (split experts' E / ep, a colwise weight):
+    each part is then one run of the whole tensor, flattened."""
+    return split is None or (split.dim == 0 and split.stride == 1)
+
+
 def flat_part_start(meta: TensorMeta) -> int | None:
-    """Where this rank's part starts in the whole tensor, flattened, when the part is one run
-    of it: 0 unsplit; split along dim 0 in one block (split experts' E / ep, a colwise weight),
-    its first row's first element. None for any other split."""
-    if meta.split is None:
-        return 0
-    if meta.split.dim != 0 or meta.split.stride != 1:
+    """Where this rank's part starts in the whole tensor, flattened, when it is one run of it
+    (``_cuts_rows``); else None."""
+    if not _cuts_rows(meta.split):
         return None
-    return meta.split.start(meta.tp_rank) * math.prod(meta.shape[1:])
+    return meta.split.start(meta.tp_rank) * math.prod(meta.shape[1:]) if meta.split else 0
 
 
 def row_part_runs(
     meta: TensorMeta, saved: TPSplit | None, start: int, numel: int
 ) -> list[tuple[int, int, int, int]] | None:
-    """Where elements ``[start, start + numel)`` of this rank's tensor lie in a checkpoint
-    whose parts are split by ``saved``, when both splits (or no split) cut whole rows of dim 0
-    (split experts at any ep; a tp colwise weight): ``(saved part, start in it, numel, offset
-    in the request)`` runs, so a load at another ep reads only this rank's rows. None for any
-    other pair of splits (the caller reads the tensor whole)."""
-    if not all(s is None or (s.dim == 0 and s.stride == 1) for s in (meta.split, saved)):
+    """Where elements ``[start, start + numel)`` of this rank's part lie in a checkpoint whose
+    parts are split by ``saved``, when both splits cut whole rows (``_cuts_rows``: split
+    experts at any ep): ``(saved part, start in it, numel, offset in the request)`` runs, so
+    a load at another ep reads only this rank's rows. None for other splits (read it whole)."""
+    if not (_cuts_rows(meta.split) and _cuts_rows(saved)):
         return None
     inner = math.prod(meta.shape[1:])
     sizes = saved.block_sizes if saved is not None else (meta.shape[0] if meta.shape else 1,)
-    bounds = [0]
-    for rows in sizes:  # each saved part's first and last flat element in the full tensor
-        bounds.append(bounds[-1] + rows * inner)
-    runs = []
-    for lo, hi, at in full_runs(meta, start, numel):
-        for part in range(len(sizes)):
-            a, b = max(lo, bounds[part]), min(hi, bounds[part + 1])
-            if a < b:
-                runs.append((part, a - bounds[part], b - a, at + a - lo))
+    lo = flat_part_start(meta) + start  # the request, one run of the whole tensor
+    runs, first = [], 0  # first: the saved part's first flat element in the whole tensor
+    for part, rows in enumerate(sizes):
+        a, b = max(lo, first), min(lo + numel, first + rows * inner)
+        if a < b:
+            runs.append((part, a - first, b - a, a - lo))
+        first += rows * inner
     return runs

@@ -1,9 +1,5 @@
-"""This process's save in flight: one at a time, and a failure never lost.
-
-An ``async_save`` runs on a writer thread; the next ``save`` or ``async_save`` of the process
-waits for it (``wait_in_flight``) and, if it failed and no one asked its future, raises its
-error there instead of going ahead.
-"""
+"""This process's save in flight: one at a time, and a failure never lost (the next save
+raises a failure no one asked the future for)."""
 
 from __future__ import annotations
 
@@ -15,8 +11,7 @@ from .index import CheckpointError
 
 
 class SaveFuture(Future):
-    """An async save's outcome. A failure nobody asked this future for is raised by the next
-    save of the process, so it is never lost (``seen``: asked, or raised there)."""
+    """An async save's outcome; ``seen``: asked, or raised by the next save."""
 
     def __init__(self, path: str):
         super().__init__()
@@ -33,14 +28,8 @@ class SaveFuture(Future):
 
 _IN_FLIGHT: list[SaveFuture] = []  # this process's save on the writer thread (at most one)
 _IN_FLIGHT_LOCK = threading.Lock()
-
-
-def _forget_in_child() -> None:
-    """A forked child has no writer thread: nothing of its parent's is in flight there."""
-    _IN_FLIGHT.clear()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
+# a forked child has no writer thread: nothing of its parent's is in flight there
+os.register_at_fork(after_in_child=_IN_FLIGHT.clear)
 
 
 def run_in_background(executor, work, path: str) -> SaveFuture:

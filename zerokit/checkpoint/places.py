@@ -64,13 +64,11 @@ def why_not_replaceable(path: str) -> str | None:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                 raise ValueError("not a regular file")
             index = json.loads(f.read(MAX_INDEX_BYTES))
-        is_ours = isinstance(index, dict) and index.get("format") == FORMAT
-        files = index.get("files") if is_ours else None
-        listed = set(files) if isinstance(files, dict) else set()
     except (OSError, ValueError):
-        is_ours, listed = False, set()
-    if not is_ours:
+        index = None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
         return f"{path}/{INDEX_NAME} is not a zerokit checkpoint index"
+    listed = index["files"] if isinstance(index.get("files"), dict) else {}
     others = [
         n
         for n in names

@@ -104,13 +104,13 @@ class ShardFile:
         self.header: dict = {}
         self.data_start = 0
 
-    def verify(self, size: int, sha256: str, hash: bool = True) -> None:
-        """Size and header; and the sha256 unless ``hash=False`` (``check_sha256`` later)."""
+    def verify(self, size: int, sha256: str | None) -> None:
+        """Size, sha256 (unless None: ``check_sha256`` later) and header."""
         if self.size != size:
             raise CheckpointError(
                 f"{self.where}: {self.size} bytes, the index says {size} (truncated?)"
             )
-        if hash:
+        if sha256 is not None:
             self.check_sha256(sha256)
         self.header, self.data_start = self._parse_header()
 
@@ -124,13 +124,12 @@ class ShardFile:
                 f"{self.where}: sha256 does not match the index (corrupted or replaced)"
             )
 
-    def buffers(self, key: str, lo: int, hi: int) -> list[memoryview]:
-        """Elements ``[lo, hi)`` of ``key`` as a view of the mapping (no copy); release it
-        before the reader is closed."""
+    def span(self, key: str, lo: int, hi: int) -> tuple[int, int]:
+        """Where elements ``[lo, hi)`` of the flattened tensor ``key`` lie in the file: their
+        first byte and how many bytes."""
         info = self.header[key]
         itemsize = DTYPE_OF[info["dtype"]].itemsize
-        begin = self.data_start + info["data_offsets"][0] + lo * itemsize
-        return [memoryview(self.mm)[begin : begin + (hi - lo) * itemsize]]
+        return self.data_start + info["data_offsets"][0] + lo * itemsize, (hi - lo) * itemsize
 
     def _parse_header(self) -> tuple[dict, int]:
         bad = f"{self.where}: not a valid safetensors file"
@@ -149,19 +148,14 @@ class ShardFile:
         for key, info in header.items():
             if key == "__metadata__":
                 continue
-            ok = (
-                isinstance(info, dict)
-                and info.get("dtype") in DTYPE_OF
-                and isinstance(info.get("shape"), list)
-                and all(type(n) is int and n >= 0 for n in info["shape"])
-                and isinstance(info.get("data_offsets"), list)
-                and len(info["data_offsets"]) == 2
-                and all(type(n) is int for n in info["data_offsets"])
-            )
-            if ok:
+            try:  # a field missing or of another type raises: not ok
                 begin, end = info["data_offsets"]
-                nbytes = math.prod(info["shape"]) * DTYPE_OF[info["dtype"]].itemsize
-                ok = 0 <= begin <= end <= data and end - begin == nbytes
+                shape, itemsize = info["shape"], DTYPE_OF[info["dtype"]].itemsize
+                ok = isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape)
+                ok = ok and type(begin) is int and type(end) is int and 0 <= begin <= end <= data
+                ok = ok and end - begin == math.prod(shape) * itemsize
+            except (TypeError, KeyError, ValueError):
+                ok = False
             if not ok:
                 raise CheckpointError(f"{bad}: bad header entry for {key!r}")
         return header, 8 + length
@@ -180,12 +174,10 @@ class ShardFile:
     def pread_into(self, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Elements ``[lo, hi)`` of the flattened tensor ``key`` read by ``pread`` (kept fd)
         straight into ``out`` (1-D, of the file's dtype): one copy by the kernel from the page
-        cache, no page faults on the mapping and nothing of the
-        file left mapped in this process."""
-        info = self.header[key]
-        itemsize = DTYPE_OF[info["dtype"]].itemsize
-        offset = self.data_start + info["data_offsets"][0] + lo * itemsize
-        view = memoryview(out.view(torch.uint8).numpy())[: (hi - lo) * itemsize]
+        cache, no page faults on the mapping and nothing of the file left mapped in this
+        process."""
+        offset, nbytes = self.span(key, lo, hi)
+        view = memoryview(out.view(torch.uint8).numpy())[:nbytes]
         while view.nbytes:
             n = os.preadv(self.fd, [view], offset)
             if n == 0:
@@ -200,23 +192,20 @@ class ShardFile:
             self.fd = None
 
     def read(self, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of the flattened tensor ``key``: a tensor of its own."""
-        info = self.header[key]
-        dtype = DTYPE_OF[info["dtype"]]
-        offset = self.data_start + info["data_offsets"][0] + lo * dtype.itemsize
-        raw = torch.frombuffer(
-            self.mm, dtype=torch.uint8, count=(hi - lo) * dtype.itemsize, offset=offset
-        )
-        return raw.clone().view(dtype)  # copied out: the mapping can be closed afterwards
-
-
-# what ``save_pretrained`` writes (the names ``pretrained.py`` reads)
-PRETRAINED_FILES = ("model.safetensors", "model.safetensors.index.json")
+        """Elements ``[lo, hi)`` of the flattened tensor ``key``: a tensor of its own (copied
+        out: the mapping can be closed afterwards)."""
+        offset, nbytes = self.span(key, lo, hi)
+        dtype = DTYPE_OF[self.header[key]["dtype"]]
+        if not nbytes:  # torch.frombuffer refuses an empty range
+            return torch.empty(0, dtype=dtype)
+        raw = torch.frombuffer(self.mm, dtype=torch.uint8, count=nbytes, offset=offset)
+        return raw.clone().view(dtype)
 
 
 def _no_index(directory: str, where: str) -> str:
     """Why a directory without ``index.json`` cannot be read, and what reads it if it can."""
-    if any(os.path.isfile(os.path.join(directory, name)) for name in PRETRAINED_FILES):
+    pretrained = ("model.safetensors", "model.safetensors.index.json")  # save_pretrained's
+    if any(os.path.isfile(os.path.join(directory, name)) for name in pretrained):
         return (
             f"{directory}: plain safetensors weights (a save_pretrained folder), not a zerokit "
             "checkpoint (no index.json): load them with "
@@ -261,8 +250,7 @@ class CheckpointReader:
 
     def close(self) -> None:
         for f in self._files.values():
-            if f.mm is not None:
-                f.mm.close()
+            f.close()
         self._files.clear()
         if self._dir_fd is not None:
             os.close(self._dir_fd)
@@ -282,10 +270,7 @@ class CheckpointReader:
         listed = self.index["files"][name]
         shard = ShardFile(self._dir_fd, name, os.path.join(self.directory, name))
         try:
-            if hash:
-                shard.verify(listed["size"], listed["sha256"])
-            else:
-                shard.verify(listed["size"], listed["sha256"], hash=False)
+            shard.verify(listed["size"], listed["sha256"] if hash else None)
             for tensor, entry in self.index["tensors"].items():
                 dtype = dtype_from_name(entry["dtype"], tensor)
                 for pieces in entry["parts"].values():
@@ -300,8 +285,7 @@ class CheckpointReader:
                             dtype = dtype_from_name(ref["dtype"], f"extra {key!r}")
                             shard.check_entry(ref["key"], dtype, ref["shape"], f"extra {key!r}")
         except BaseException:
-            if shard.mm is not None:
-                shard.mm.close()
+            shard.close()
             raise
         self._files[name] = shard
         return shard
@@ -331,13 +315,13 @@ class CheckpointReader:
     def buffers(self, name: str) -> list[memoryview]:
         """The bytes of an untransformed tensor (no tp split), its pieces in order, as views of
         the mappings: written out without a copy. Files must have been verified."""
-        entry = self.index["tensors"][name]
-        pieces = sorted(entry["parts"].get("0", []), key=lambda piece: piece["start"])
-        return [
-            view
-            for piece in pieces
-            for view in self._files[piece["file"]].buffers(piece["key"], 0, piece["numel"])
-        ]
+        pieces = sorted(self.index["tensors"][name]["parts"].get("0", []), key=lambda p: p["start"])
+        views = []
+        for piece in pieces:
+            shard = self._files[piece["file"]]
+            begin, nbytes = shard.span(piece["key"], 0, piece["numel"])
+            views.append(memoryview(shard.mm)[begin : begin + nbytes])
+        return views
 
     def read_part(self, name: str, tp_rank: int, start: int, numel: int) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of tp part ``tp_rank`` of ``name``, flattened."""
@@ -368,10 +352,5 @@ class CheckpointReader:
     def read_tensor(self, file: str, key: str) -> torch.Tensor:
         """A whole tensor stored under ``key`` (extra state)."""
         shard = self.verify_file(file)
-        info = shard.header[key]
-        numel = math.prod(info["shape"])
-        return (
-            shard.read(key, 0, numel).view(info["shape"])
-            if numel
-            else torch.empty(info["shape"], dtype=DTYPE_OF[info["dtype"]])
-        )
+        shape = shard.header[key]["shape"]
+        return shard.read(key, 0, math.prod(shape)).view(shape)
