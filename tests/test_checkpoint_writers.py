@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import time
 
 import pytest
 import torch
@@ -209,3 +210,29 @@ def test_torchrun_ranks_consolidate_a_set(saved, tmp_path):
     assert done.stdout.count("wrote ") == len(os.listdir(out))  # rank 0 reports, once
     one = consolidate(os.path.join(saved, "hf-gpt2"), str(tmp_path / "one"), SHARD)
     _same_bytes(sorted(one), sorted(str(out / n) for n in os.listdir(out)))
+
+
+def test_a_write_failing_while_the_sha256s_are_hashed_is_the_error_raised(
+    saved, tmp_path, monkeypatch
+):
+    """The checkpoint's files are hashed in threads beside the writing; a write that fails
+    first closes the reader while a hash still reads its mapping. The write's error is what
+    the caller gets (closing waits for the hash), not a BufferError from the mapping."""
+    reading = importlib.import_module("zerokit.checkpoint.reading")
+    real_hash, hashing = reading.ShardFile.check_sha256, []
+
+    def slow_hash(shard, sha256):
+        hashing.append(shard.where)
+        view = memoryview(shard.mm)  # held while hashing, as hashlib's update holds it
+        time.sleep(0.5)
+        del view
+        return real_hash(shard, sha256)
+
+    def full_disk(path, *args, **kwargs):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(reading.ShardFile, "check_sha256", slow_hash)
+    monkeypatch.setattr(CONSOLIDATE, "write_safetensors", full_disk)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        consolidate(os.path.join(saved, "hf-gpt2"), str(tmp_path / "out"), SHARD)
+    assert hashing and os.listdir(tmp_path) == []

@@ -105,7 +105,7 @@ class _Sources:
                 where = os.path.join(self.dir, name)
                 shard = ShardFile(dir_fd, name, where, keep_fd=True)
                 self.files[name] = shard
-                shard.header, shard.data_start = shard._parse_header()
+                shard.header, shard.data_start = shard.parse_header()
                 for key in shard.header:
                     if key == "__metadata__":
                         continue

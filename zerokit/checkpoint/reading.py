@@ -112,7 +112,7 @@ class ShardFile:
             )
         if sha256 is not None:
             self.check_sha256(sha256)
-        self.header, self.data_start = self._parse_header()
+        self.header, self.data_start = self.parse_header()
 
     def check_sha256(self, sha256: str) -> None:
         digest, view = hashlib.sha256(), memoryview(self.mm) if self.mm else memoryview(b"")
@@ -131,7 +131,7 @@ class ShardFile:
         itemsize = DTYPE_OF[info["dtype"]].itemsize
         return self.data_start + info["data_offsets"][0] + lo * itemsize, (hi - lo) * itemsize
 
-    def _parse_header(self) -> tuple[dict, int]:
+    def parse_header(self) -> tuple[dict, int]:
         bad = f"{self.where}: not a valid safetensors file"
         if self.size < 8:
             raise CheckpointError(f"{bad}: {self.size} bytes")
@@ -230,6 +230,7 @@ class CheckpointReader:
                 f"{self.directory}: not a directory, so not a checkpoint"
             ) from None
         self._files: dict[str, ShardFile] = {}
+        self._hashing: list = []  # verify_all's background sha256s, each a Future
         try:
             where = os.path.join(self.directory, INDEX_NAME)
             try:
@@ -249,6 +250,10 @@ class CheckpointReader:
             raise
 
     def close(self) -> None:
+        # a background hash still reading a mapping (an export that failed before waiting for
+        # it) would make closing that mapping raise BufferError: let it end first
+        for pending in self._hashing:
+            pending.cancel() or pending.exception()
         for f in self._files.values():
             f.close()
         self._files.clear()
@@ -310,6 +315,7 @@ class CheckpointReader:
             if hashed is None or n in hashed
         ]
         pool.shutdown(wait=False)
+        self._hashing = sums
         return lambda: [s.result() for s in sums] and None
 
     def buffers(self, name: str) -> list[memoryview]:
