@@ -115,12 +115,22 @@ def _add_writers(command) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``ckpt`` command: 0 done, 1 the checkpoint is not usable, 2 an error."""
+    group, made_here = (None, False) if args.ckpt_command == "inspect" else _torchrun_group()
+    try:
+        return _run(args, group)
+    finally:
+        if made_here:  # torn down, not its threads killed at exit ("terminate called", seen)
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, group) -> int:
     try:
         if args.ckpt_command == "inspect":
             report, ok = describe(args.checkpoint, tensors=args.tensors)
             _print(report)
             return 0 if ok else 1
-        group = _torchrun_group()
         if args.writers < 1:
             raise ValueError(f"--writers must be at least 1, got {args.writers}")
         max_size = parse_size(args.max_shard_size) if args.max_shard_size else None
@@ -163,14 +173,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _torchrun_group():
-    """Under torchrun (``WORLD_SIZE`` > 1) every rank is a writer: the world's gloo group."""
+    """Under torchrun (``WORLD_SIZE`` > 1) every rank is a writer: the world's gloo group,
+    and whether it was made here (then this command tears it down)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
+        return None, False
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    made_here = not dist.is_initialized()
+    if made_here:
         dist.init_process_group("gloo")
-    return dist.group.WORLD
+    return dist.group.WORLD, made_here
 
 
 def _rank_zero(group) -> bool:
