@@ -156,6 +156,20 @@ def test_offline_tools_read_a_list_as_lightning_stores_several_optimizers(tmp_pa
     assert shapes == [(73, 24), (24, 73)] * 2, shapes
 
 
+def test_convert_of_several_optimizers_says_to_leave_them_out(tmp_path):
+    """``zerokit ckpt convert`` carries one optimizer; a checkpoint of a list is refused by
+    name (not a TypeError deep inside), and ``--no-optimizer`` converts its model."""
+    from zerokit.checkpoint.convert import convert
+
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save_for_lightning, 2, path)
+    with pytest.raises(CheckpointError, match=r"2 optimizers.*--no-optimizer"):
+        convert(path, str(tmp_path / "dcp"), "dcp")
+    assert not os.path.exists(tmp_path / "dcp")
+    convert(path, str(tmp_path / "dcp"), "dcp", False)
+    assert os.path.isfile(tmp_path / "dcp" / ".metadata")
+
+
 def _one_optimizer_both_ways(rank, world, path):
     """A checkpoint of one optimizer keeps the format of one (a dict: what checkpoints saved
     before lists hold, version 2 included) and loads into a list of one, and back."""

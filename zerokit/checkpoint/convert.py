@@ -82,6 +82,11 @@ def _from_zerokit(reader: CheckpointReader, optimizer: bool) -> _Full:
     full = _Full(tensors, reader.read_full, dict(index["aliases"]))
     full.model_config = dict(index.get("model_config", {}))
     saved = index.get("optimizer")
+    if isinstance(saved, list) and optimizer:
+        raise CheckpointError(
+            f"{reader.directory}: saved with {len(saved)} optimizers, and convert carries one: "
+            "convert the model and extra state with the optimizers left out (--no-optimizer)"
+        )
     if saved is not None and optimizer:
         full.optimizer_class, full.groups = saved["class"], saved["param_groups"]
         full.state = optimizer_state(reader, saved)
