@@ -88,6 +88,67 @@ def test_a_failure_on_one_rank_is_raised_by_every_rank_future(tmp_path):
     run_distributed(_one_rank_fails, 2, str(tmp_path / "ckpt"))
 
 
+def _group_gone_before_the_future(rank, world_size, root):
+    """A script may end its process group while an async save still writes: the writer
+    thread never asks the group who it is (a rank but 0 taking itself for rank 0 would
+    publish an empty index over the previous checkpoint)."""
+    model = nn.Linear(8, 8)
+    nn.init.constant_(model.weight, 1.0)
+    model, _, _ = zerokit.group_sharded_parallel(model, torch.optim.SGD(model.parameters()), "os")
+    path = os.path.join(root, "ckpt")
+    checkpoint.save(path, model)
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    gate, run = threading.Event(), background._Job.run
+    background._Job.run = lambda job: (gate.wait(), run(job))[1]  # writes once the group is gone
+    future = checkpoint.async_save(path, model)
+    torch.distributed.destroy_process_group()
+    gate.set()
+    assert future.result() is None
+    again = f"file://{os.path.join(root, 'again')}"  # a new group: the load's, and the teardown's
+    torch.distributed.init_process_group(
+        "gloo", init_method=again, rank=rank, world_size=world_size
+    )
+    loaded = nn.Linear(8, 8)
+    checkpoint.load(path, loaded)
+    assert torch.equal(loaded.weight, torch.full((8, 8), 2.0))
+
+
+def test_an_async_save_outliving_its_process_group_is_published_whole(tmp_path):
+    run_distributed(_group_gone_before_the_future, 2, str(tmp_path))
+
+
+def _copy_fails_on_one_rank(rank, world_size, path):
+    model = nn.Linear(8, 8)
+    nn.init.constant_(model.weight, 1.0)
+    model, _, _ = zerokit.group_sharded_parallel(model, torch.optim.SGD(model.parameters()), "os")
+    checkpoint.save(path, model)
+    if rank == 1:
+
+        def broken_copy(chunks):
+            raise RuntimeError("the copy broke")
+
+        background._STAGING.copy = broken_copy
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    # every rank hears of it at the call (not a writer thread waiting out the timeout)
+    with pytest.raises(CheckpointError, match=r"rank 1: staging its state failed: .*copy broke"):
+        checkpoint.async_save(path, model, timeout=20)
+    loaded = nn.Linear(8, 8)
+    checkpoint.load(path, loaded)
+    assert torch.equal(loaded.weight, torch.ones(8, 8)), "the previous checkpoint changed"
+    if rank == 1:
+        del background._STAGING.copy
+    checkpoint.save(path, model)  # the lock was released, the temp directory removed
+    checkpoint.load(path, loaded)
+    assert torch.equal(loaded.weight, torch.full((8, 8), 2.0))
+    assert set(os.listdir(os.path.dirname(path))) <= {"ckpt", "ckpt.zerokit-lock"}  # no temp
+
+
+def test_a_copy_failing_on_one_rank_fails_every_rank_at_the_call(tmp_path):
+    run_distributed(_copy_fails_on_one_rank, 2, str(tmp_path / "ckpt"))
+
+
 _KILLED = textwrap.dedent(
     """
     import os, signal, sys

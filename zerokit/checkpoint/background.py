@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime.timeouts import collective_timeout
-from .agreement import named, raise_any, rank
+from .agreement import named, raise_any
 from .index import CheckpointError
 from .inflight import run_in_background, wait_in_flight
 from .places import LOCK_SUFFIX
@@ -67,14 +67,11 @@ def async_save(
     future for it.
     """
     writer = writer_for(format)
-    with begin_save("async_save", path, model, optimizer, extra, writer, timeout, _snapshot) as job:
-        # agreed, the staging faulted in meanwhile (see staging's note); a failed copy leaves
-        # nothing behind (the writer thread's part never starts)
-        try:
-            job.p.h.chunks = _STAGING.copy(job.p.h.chunks)
-        except BaseException:
-            job.release()
-            raise
+    staged = begin_save(
+        "async_save", path, model, optimizer, extra, writer, timeout, _snapshot, _fill
+    )
+    with staged as job:
+        pass  # agreed and copied: the rest is the writer thread's
     return run_in_background(_writer(), _Job(job).run, job.path)
 
 
@@ -118,6 +115,12 @@ def _snapshot(p: Prepared) -> Prepared:
     return p
 
 
+def _fill(p: Prepared) -> None:
+    """The copy into the staging, once the ranks agreed: its faulting overlapped the
+    agreement (see staging's note)."""
+    p.h.chunks = _STAGING.copy(p.h.chunks)
+
+
 def prewarm_async_save(model: nn.Module, optimizer=None) -> int:
     """Allocate (and fault in; pinned on CUDA) the host memory the next ``async_save`` of
     ``model`` and ``optimizer`` copies into, so the first save blocks no longer than the next
@@ -141,7 +144,7 @@ class _Job:
     stops = BaseException  # a writer thread that stops: nothing above it would hear
 
     def __init__(self, job: SaveJob):
-        self.job, self.tmp, self.rank = job, job.tmp, rank()
+        self.job, self.tmp, self.rank = job, job.tmp, job.rank
         self.ranks = dist.get_world_size() if dist.is_initialized() else 1
         self.error, self.inode = None, None  # this rank's own failure, its file's inode
 

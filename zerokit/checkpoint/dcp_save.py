@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from . import extra as extra_state
-from .agreement import rank
 from .dcp_format import METADATA, MODEL, OPTIMIZER, boxes
 from .fields import scalar_value
 from .holdings import OPTIM_PREFIX, Holdings, full_runs
@@ -122,7 +121,7 @@ class DcpWriter:
     def file_of(self, rank: int) -> str:
         return f"__{rank}_0.distcp"
 
-    def write(self, tmp: str, h: Holdings, extras: dict, per_rank: dict[str, bool]) -> dict:
+    def write(self, tmp: str, rank: int, h: Holdings, extras: dict, per_rank: dict) -> dict:
         if h.pipeline is not None:
             raise CheckpointError(
                 "format='dcp' cannot save a PipelineModule yet: save in "
@@ -134,10 +133,10 @@ class DcpWriter:
                 f"format='dcp' stores one value per extra key; {differing} "
                 "differ between ranks (save them in zerokit's format)"
             )
-        out = DcpFile(os.path.join(tmp, self.file_of(rank())))
+        out = DcpFile(os.path.join(tmp, self.file_of(rank)))
         try:
             _write_tensors(out, h)
-            if rank() == 0:
+            if rank == 0:
                 out.param_groups(h.groups)
                 for key, (doc, tensors) in extras.items():
                     out.value([key], extra_state.decode(doc, tensors, f"extra {key!r}"))

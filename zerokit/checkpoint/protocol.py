@@ -66,7 +66,7 @@ class Writer(Protocol):
 
     def file_of(self, rank: int) -> str: ...  # the file this rank writes (named in errors)
 
-    def write(self, tmp: str, h: Holdings, extras: dict, per_rank: dict[str, bool]) -> dict: ...
+    def write(self, tmp: str, rank: int, h: Holdings, extras: dict, per_rank: dict) -> dict: ...
 
     # seal (rank 0): every rank's write checked, and the file that makes it one checkpoint
     def seal(self, tmp: str, h: Holdings, shards: list, per_rank, world) -> tuple[str, bytes]: ...
@@ -170,6 +170,7 @@ class SaveJob:
     group: Any
     timeout: float | None  # the save's collective timeout (None: the default)
     lock: SaveLock | None  # rank 0's
+    rank: int  # fixed at the agreement: the writer thread may outlive the process group
     errno: int | None = None  # of this rank's failed write, if an OSError
 
     def finish(self, tell: Tell) -> None:
@@ -177,9 +178,9 @@ class SaveJob:
         try:
             shard, error = self.write_mine(tell.stops)
             shards = tell.written(error, shard)
-            tell.committed(self.seal_and_publish(shards) if rank() == 0 else None)
+            tell.committed(self.seal_and_publish(shards) if self.rank == 0 else None)
         finally:
-            if rank() == 0:
+            if self.rank == 0:
                 self.release()
 
     def write_mine(self, stops: type[BaseException]) -> tuple[dict | None, str | None]:
@@ -191,12 +192,13 @@ class SaveJob:
                     f"cannot see {self.tmp}, which rank 0 made: "
                     "all ranks must share one file system"
                 )
-            return self.writer.write(self.tmp, self.p.h, self.p.extras, self.per_rank), None
+            wrote = self.writer.write(self.tmp, self.rank, self.p.h, self.p.extras, self.per_rank)
+            return wrote, None
         except CheckpointError as e:
             return None, str(e)
         except stops as e:  # disk full, permissions: every rank must hear of it
             self.errno = getattr(e, "errno", None)
-            where = os.path.join(self.path, self.writer.file_of(rank()))
+            where = os.path.join(self.path, self.writer.file_of(self.rank))
             return None, f"writing its shard failed: {where}: {named(e)}"
 
     def seal_and_publish(self, shards: list) -> str | None:
@@ -213,10 +215,12 @@ class SaveJob:
     def release(self) -> None:
         """Rank 0: the temp directory removed unless it was swapped in (the previous
         checkpoint untouched), the lock released."""
-        if self.tmp is not None:
-            remove(self.tmp)
-        if self.lock is not None:
-            self.lock.release()
+        try:
+            if self.tmp is not None:
+                remove(self.tmp)
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
 
 class Together:
@@ -237,11 +241,14 @@ class Together:
 
 
 @contextmanager
-def begin_save(call: str, path, model, optimizer, extra, writer: Writer, timeout, stage=None):
+def begin_save(
+    call: str, path, model, optimizer, extra, writer: Writer, timeout, stage=None, fill=None
+):
     """agree and stage (see the module's note), once this process's save in flight is done:
     yields the ``SaveJob`` every rank finishes, the ranks kept alive and the shards whole
-    meanwhile. ``stage``: ``Prepared -> Prepared``, a copy training cannot change (async);
-    None writes the live shards."""
+    meanwhile. ``stage``: ``Prepared -> Prepared``, where a copy training cannot change is
+    made (async); None writes the live shards. ``fill(p)``: run once the ranks agreed, its
+    failure told to every rank with the temp directory's (async: the copy into staging)."""
     wait_in_flight()  # one save at a time
     path, group = os.path.abspath(os.fspath(path)), world_group()
     with alive(group), whole_shards(model, optimizer):  # state sharded over replicas
@@ -251,12 +258,16 @@ def begin_save(call: str, path, model, optimizer, extra, writer: Writer, timeout
         p = Prepared(*(got or (None, {})), error)
         p = stage(p) if stage else p
         per_rank, world = agree(path, p, writer, group, timeout)
-        lock, tmp, error = make_place(path) if rank() == 0 else (None, None, None)
-        job = SaveJob(path, tmp, p, writer, per_rank, world, group, timeout, lock)
+        me = rank()
+        lock, tmp, error = make_place(path) if me == 0 else (None, None, None)
+        job = SaveJob(path, tmp, p, writer, per_rank, world, group, timeout, lock, me)
         try:
+            if error is None and fill is not None:
+                _, error = attempt(lambda: fill(p), Exception, "staging its state failed: ")
             made = gather_json(f"checkpoint.{call}: directory", [error, tmp], group, timeout)
             if made[0][0] is not None:
                 raise CheckpointError(made[0][0])
+            raise_any(made)
         except BaseException:
             job.release()
             raise

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from . import extra as extra_state
-from .agreement import rank as this_rank
 from .holdings import Holdings
 from .index import (
     FORMAT,
@@ -116,10 +115,10 @@ class ZerokitWriter:
     def file_of(self, rank: int) -> str:
         return shard_file(rank)
 
-    def write(self, tmp: str, h: Holdings, extras: dict, per_rank: dict[str, bool]) -> dict:
+    def write(self, tmp: str, rank: int, h: Holdings, extras: dict, per_rank: dict) -> dict:
         """This rank's file: its primary chunks and the extra state it stores (per-rank keys
         on every rank, the others on rank 0); and what the index needs of it."""
-        rank, fname = this_rank(), shard_file(this_rank())
+        fname = shard_file(rank)
         pieces, entries = [], []  # pieces: (tensor, its tp part, the index's piece)
         for c in h.chunks:
             if not c.primary or not c.tensor.numel():

@@ -70,7 +70,10 @@ class StagingBuffers:
             self._faulted, self._faulted_in = threading.Event(), os.getpid()
             # not threading.Thread: its start() waits until the new thread runs (up to 0.16 s
             # measured at this machine's load), on the caller's path
-            _thread.start_new_thread(_fault_in, (self._blocks, self._faulted))
+            try:
+                _thread.start_new_thread(_fault_in, (self._blocks, self._faulted))
+            except RuntimeError:  # no thread to be had: the copy faults them in itself
+                self._faulted.set()
         return True
 
     def copy(self, chunks: list[Chunk]) -> list[Chunk]:

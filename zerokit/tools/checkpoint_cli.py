@@ -115,7 +115,11 @@ def _add_writers(command) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run a parsed ``ckpt`` command: 0 done, 1 the checkpoint is not usable, 2 an error."""
-    group, made_here = (None, False) if args.ckpt_command == "inspect" else _torchrun_group()
+    try:
+        group, made_here = (None, False) if args.ckpt_command == "inspect" else _torchrun_group()
+    except (ValueError, RuntimeError) as e:  # torchrun's environment incomplete
+        print(f"zerokit ckpt {args.ckpt_command}: error: {e}", file=sys.stderr)
+        return 2
     try:
         return _run(args, group)
     finally:
