@@ -61,21 +61,28 @@ def test_training_right_after_the_call_never_changes_what_is_written(tmp_path, l
     run_distributed(_mutated_after_the_call, 2, str(tmp_path), level, fmt)
 
 
-def _one_rank_fails(rank, world_size, path):
-    from zerokit.checkpoint import saving
-
+def _ones_saved(path: str) -> nn.Module:
+    """A wrapped Linear whose weight is all ones, saved at ``path`` (the previous checkpoint),
+    then set to twos (what the next save writes)."""
     model = nn.Linear(8, 8)
     nn.init.constant_(model.weight, 1.0)
     model, _, _ = zerokit.group_sharded_parallel(model, torch.optim.SGD(model.parameters()), "os")
     checkpoint.save(path, model)
+    with torch.no_grad():
+        model.weight.fill_(2.0)
+    return model
+
+
+def _one_rank_fails(rank, world_size, path):
+    from zerokit.checkpoint import saving
+
+    model = _ones_saved(path)
     if rank == 1:
 
         def disk_full(*args, **kwargs):
             raise OSError(28, "No space left on device")
 
         saving.write_safetensors = disk_full
-    with torch.no_grad():
-        model.weight.fill_(2.0)
     future = checkpoint.async_save(path, model)
     with pytest.raises(CheckpointError, match=r"rank 1: writing its shard failed: .*No space"):
         future.result()
@@ -92,13 +99,8 @@ def _group_gone_before_the_future(rank, world_size, root):
     """A script may end its process group while an async save still writes: the writer
     thread never asks the group who it is (a rank but 0 taking itself for rank 0 would
     publish an empty index over the previous checkpoint)."""
-    model = nn.Linear(8, 8)
-    nn.init.constant_(model.weight, 1.0)
-    model, _, _ = zerokit.group_sharded_parallel(model, torch.optim.SGD(model.parameters()), "os")
     path = os.path.join(root, "ckpt")
-    checkpoint.save(path, model)
-    with torch.no_grad():
-        model.weight.fill_(2.0)
+    model = _ones_saved(path)
     gate, run = threading.Event(), background._Job.run
     background._Job.run = lambda job: (gate.wait(), run(job))[1]  # writes once the group is gone
     future = checkpoint.async_save(path, model)
@@ -119,18 +121,13 @@ def test_an_async_save_outliving_its_process_group_is_published_whole(tmp_path):
 
 
 def _copy_fails_on_one_rank(rank, world_size, path):
-    model = nn.Linear(8, 8)
-    nn.init.constant_(model.weight, 1.0)
-    model, _, _ = zerokit.group_sharded_parallel(model, torch.optim.SGD(model.parameters()), "os")
-    checkpoint.save(path, model)
+    model = _ones_saved(path)
     if rank == 1:
 
         def broken_copy(chunks):
             raise RuntimeError("the copy broke")
 
         background._STAGING.copy = broken_copy
-    with torch.no_grad():
-        model.weight.fill_(2.0)
     # every rank hears of it at the call (not a writer thread waiting out the timeout)
     with pytest.raises(CheckpointError, match=r"rank 1: staging its state failed: .*copy broke"):
         checkpoint.async_save(path, model, timeout=20)
