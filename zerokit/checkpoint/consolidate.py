@@ -161,14 +161,14 @@ def _check_outputs(reader, output: str, max_shard_size, optimizer_output) -> Non
             raise CheckpointError(
                 f"{out} is inside the checkpoint {reader.directory} it reads: write it elsewhere"
             )
+    parent = os.path.dirname(os.path.abspath(output))
     if max_shard_size is None:
         _check_file_output(output, "output")
     elif os.path.lexists(output) and not os.path.isdir(output):
         raise CheckpointError(
             f"output {output} exists and is not a directory (--max-shard-size writes a directory)"
         )
-    elif not os.path.isdir(os.path.dirname(os.path.abspath(output))):
-        parent = os.path.dirname(os.path.abspath(output))
+    elif not os.path.isdir(parent):
         raise CheckpointError(f"output {output}: the directory {parent} does not exist")
     if optimizer_output is not None:
         _check_file_output(optimizer_output, "--optimizer")

@@ -118,8 +118,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         group, made_here = (None, False) if args.ckpt_command == "inspect" else _torchrun_group()
     except (ValueError, RuntimeError) as e:  # torchrun's environment incomplete
-        print(f"zerokit ckpt {args.ckpt_command}: error: {e}", file=sys.stderr)
-        return 2
+        return _failed(args, e)
     try:
         return _run(args, group)
     finally:
@@ -171,9 +170,13 @@ def _run(args: argparse.Namespace, group) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # and the interpreter's final flush must not fail
         return 0
     except (CheckpointError, ValueError, OSError) as e:
-        print(f"zerokit ckpt {args.ckpt_command}: error: {e}", file=sys.stderr)
-        return 2
+        return _failed(args, e)
     return 0
+
+
+def _failed(args: argparse.Namespace, e: Exception) -> int:
+    print(f"zerokit ckpt {args.ckpt_command}: error: {e}", file=sys.stderr)
+    return 2
 
 
 def _torchrun_group():
