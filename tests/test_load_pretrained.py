@@ -87,9 +87,11 @@ def test_load_pretrained_equals_one_process_at_every_level(tmp_path, world_size)
     _save(single, {k: v for k, v in values.items() if k != "head.weight"}, torch.bfloat16)
     sharded = str(tmp_path / "hf")
     _save(sharded, values, torch.float16, files=2)
-    run_distributed(
-        _loads_as_one_process, world_size, [(single, torch.bfloat16), (sharded, torch.float16)]
-    )
+    # fp32, both tied names: the tied pair staged and checked, the rest read into place
+    plain = str(tmp_path / "fp32.safetensors")
+    _save(plain, values, torch.float32)
+    sources = [(single, torch.bfloat16), (sharded, torch.float16), (plain, torch.float32)]
+    run_distributed(_loads_as_one_process, world_size, sources)
 
 
 # -- each rank reads its own elements only -----------------------------------------------------
@@ -200,6 +202,40 @@ def test_strict_and_bad_files_raise_on_every_rank_changing_nothing(tmp_path):
     _save(f"{tmp}/lost", values, torch.float32, files=2)
     os.remove(f"{tmp}/lost/model-00002-of-00002.safetensors")
     run_distributed(_strict, 2, tmp)
+
+
+def _failing_reads(rank: int, world_size: int, tmp: str) -> None:
+    """A read that fails on rank 1 (an I/O error): while staging (a bf16 file into fp32
+    masters) nothing changes; into place (an fp32 file, after every rank checked its files)
+    the model is partly loaded and every rank says so. Either way a load again succeeds."""
+    from zerokit.checkpoint.reading import ShardFile
+
+    values = _reference_values()
+    model = _wrapped_awkward()
+    original = ShardFile.pread_into
+
+    def failing(self, key, lo, hi, out):
+        raise OSError(5, "Input/output error")
+
+    if rank == 1:
+        ShardFile.pread_into = failing
+    _expect_unchanged(model, f"{tmp}/bf16.safetensors", r"^rank 1: .*bf16.safetensors: cannot read")
+    partly = r"^load_pretrained: rank 1: .*Input/output error; the model is partly loaded"
+    with pytest.raises(CheckpointError, match=partly):
+        load_pretrained(model, f"{tmp}/fp32.safetensors")
+    ShardFile.pread_into = original
+    assert load_pretrained(model, f"{tmp}/fp32.safetensors") == ([], [])
+    got = model.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in values.items())
+
+
+def test_a_read_failing_on_one_rank_is_told_on_every_rank(tmp_path):
+    values = _reference_values()
+    _save(str(tmp_path / "bf16.safetensors"), values, torch.bfloat16)
+    # the tied head left out: every tensor is read into place
+    fp32 = {k: v for k, v in values.items() if k != "head.weight"}
+    _save(str(tmp_path / "fp32.safetensors"), fp32, torch.float32)
+    run_distributed(_failing_reads, 2, str(tmp_path))
 
 
 # -- Hugging Face models -----------------------------------------------------------------------

@@ -5,12 +5,15 @@ The names are the unwrapped model's ``state_dict()`` names. A rank's holdings
 (``holdings.collect``: its shard pieces, its tp slices, whole frozen parameters and buffers)
 say which elements of which tensor it needs; those become byte ranges of the file, found from
 the safetensors header (``ShardFile``: the file is mapped for its header, the ranges read by
-``pread``, never the whole file). Two steps: (1) headers read, the names and shapes compared
-and, where this rank's shapes match, every range read into staging (the rank's shards plus
-its whole tensors), closed by one gather so that every rank raises the same
-``CheckpointError`` and nothing is changed unless every rank succeeded; (2) staging copied
-into the model (a bf16 or fp16 file into fp32 masters: the cast is exact), full parameters
-refreshed.
+``pread``, never the whole file). Two steps, each closed by one gather so that every rank
+raises the same ``CheckpointError``: (1) headers read (a file shorter than its header says is
+refused here) and the names and shapes compared; what cannot be read straight into place (a
+bf16 or fp16 file into fp32 masters, a tied parameter the files hold under several names, a
+tensor off the CPU) is read into staging, so any of these failing changes nothing; (2) the
+rest read by ``pread`` straight into the model's own tensors (no staging copy: the read is the
+whole cost), then the staging copied in and full parameters refreshed. Only a read failing
+in (2), after every file was checked (the disk failing, a file changed under the load),
+leaves the model partly loaded, and the error says so.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -50,13 +54,27 @@ def load_pretrained(
     """
     group = world_group()
     with alive(group):
-        error, report, staged, in_files = _stage(model, os.fspath(path))
-        # one agreement for the names, the shapes and the reads: read before it, the staging
-        # is simply dropped unless every rank succeeded (a round trip fewer per load)
-        replies = raise_any(gather_json("load_pretrained", [error, report], group, None))
-        missing, unexpected = _verdict([r for _, r in replies], in_files, strict)
+        error, report, plan, sources = _stage(model, os.fspath(path))
+        try:
+            # the names, the shapes and the staged reads agreed before any byte of the model
+            # changes; then the reads into place (the files are open still)
+            replies = raise_any(gather_json("load_pretrained", [error, report], group, None))
+            in_files = sorted(sources.names())
+            missing, unexpected = _verdict([r for _, r in replies], in_files, strict)
+            error = _read_in_place(plan.in_place, sources)
+        finally:
+            if sources is not None:
+                sources.close()
+        try:
+            raise_any(gather_json("load_pretrained: reads", [error, None], group, None))
+        except CheckpointError as e:
+            raise CheckpointError(
+                f"load_pretrained: {e}; the model is partly loaded (every file was whole when "
+                "checked, then a read failed: the disk, or a file changed while being read): "
+                "load it again"
+            ) from None
     with torch.no_grad():
-        for chunk, values in staged:
+        for chunk, values in plan.staged:
             chunk.tensor.copy_(values)
     state = state_of(holder_of(model))
     if state is not None:  # the shards changed: the full parameters follow
@@ -64,25 +82,24 @@ def load_pretrained(
     return missing, unexpected
 
 
-def _stage(model, path: str) -> tuple[str | None, dict, list, list[str]]:
-    """This rank's side, before the agreement: ``(error, report, staged, names in the
-    files)``. The ranges are read only if this rank's shapes match (else the load fails)."""
-    error, report, staged, sources = None, {}, [], None
+def _stage(model, path: str) -> tuple[str | None, dict, _Plan, _Sources | None]:
+    """This rank's side, before the agreement: ``(error, report, plan, sources)``, the
+    sources left open for the reads into place (``None`` if they could not be opened). The
+    ranges are planned, and those needing staging read, only if this rank's shapes match
+    (else the load fails)."""
+    error, report, plan, sources = None, {}, _Plan(), None
     try:
         sources = _Sources(path)
         holdings = collect(model, None)
         sources.merge_experts(holdings.metas)
         report = _compare(holdings, sources)
         if not report["mismatched"]:
-            staged = _read(holdings, sources)
+            plan = _plan(holdings, sources)
     except CheckpointError as e:
         error = str(e)
     except OSError as e:
         error = f"{path}: cannot read: {type(e).__name__}: {e}"
-    finally:
-        if sources is not None:
-            sources.close()
-    return error, report, staged, sorted(sources.names()) if sources is not None else []
+    return error, report, plan, sources
 
 
 class _Sources:
@@ -242,33 +259,61 @@ def _verdict(reports: list[dict], in_files: list[str], strict: bool) -> tuple[li
     return missing, unexpected
 
 
-def _read(h: Holdings, sources: _Sources) -> list[tuple[Chunk, torch.Tensor]]:
-    """Every chunk this rank holds, read from its ranges of the file, in the file's dtype. A
-    tied parameter whose names the files all hold is read under each: they must agree."""
+@dataclass
+class _Plan:
+    """This rank's reads: ``staged`` (chunk, its values read already) and ``in_place`` (chunk,
+    the file's name for it, its meta), read straight into the chunk once the ranks agree."""
+
+    staged: list[tuple[Chunk, torch.Tensor]] = field(default_factory=list)
+    in_place: list[tuple[Chunk, str, TensorMeta]] = field(default_factory=list)
+
+
+def _plan(h: Holdings, sources: _Sources) -> _Plan:
+    """Every chunk this rank holds: read into place where the file's bytes are the chunk's
+    (same dtype, CPU memory), else read now, in the file's dtype, into staging. A tied
+    parameter whose names the files all hold is read under each: they must agree."""
     found: dict[str, list[str]] = {}  # tensor -> its names the files hold
     for name, names in _names_of(h).items():
         present = [n for n in names if sources.holds(n)]
         if present:
             found[name] = present
-    staged = []
+    plan = _Plan()
     for chunk in h.chunks:
         present = found.get(chunk.name)
         if present is None or not chunk.tensor.numel():
             continue
-        values = _read_chunk(h.metas[chunk.name], chunk, present[0], sources)
+        meta, target = h.metas[chunk.name], chunk.tensor
+        same = sources.dtype(present[0]) == target.dtype and target.device.type == "cpu"
+        if len(present) == 1 and same and target.is_contiguous():
+            plan.in_place.append((chunk, present[0], meta))
+            continue
+        values = torch.empty(target.numel(), dtype=sources.dtype(present[0]))
+        _read_chunk(meta, chunk, present[0], sources, values)
         for other in present[1:]:  # this rank's elements of each: the ranks cover them all
-            again = _read_chunk(h.metas[chunk.name], chunk, other, sources)
+            again = torch.empty(target.numel(), dtype=sources.dtype(other))
+            _read_chunk(meta, chunk, other, sources, again)
             _same_values(values, again, present[0], other)
-        staged.append((chunk, values))
-    return staged
+        plan.staged.append((chunk, values))
+    return plan
 
 
-def _read_chunk(meta: TensorMeta, chunk: Chunk, source: str, sources: _Sources) -> torch.Tensor:
-    dtype = sources.dtype(source)
-    values = torch.empty(chunk.tensor.numel(), dtype=dtype)
+def _read_in_place(reads: list[tuple[Chunk, str, TensorMeta]], sources: _Sources) -> str | None:
+    """The planned reads into the model's tensors; what failed, to tell every rank."""
+    try:
+        for chunk, source, meta in reads:
+            _read_chunk(meta, chunk, source, sources, chunk.tensor.detach())
+    except CheckpointError as e:
+        return str(e)
+    except OSError as e:
+        return f"{sources.dir}: cannot read: {type(e).__name__}: {e}"
+    return None
+
+
+def _read_chunk(
+    meta: TensorMeta, chunk: Chunk, source: str, sources: _Sources, into: torch.Tensor
+) -> None:
     for full_lo, full_hi, at in full_runs(meta, chunk.start, chunk.tensor.numel()):
-        sources.read(source, full_lo, full_hi, values[at : at + full_hi - full_lo])
-    return values
+        sources.read(source, full_lo, full_hi, into[at : at + full_hi - full_lo])
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor, name_a: str, name_b: str) -> None:

@@ -9,7 +9,6 @@ import faulthandler
 import gc
 import os
 import sys
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -31,24 +30,30 @@ def spawn_local(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "
     ``backend="nccl"`` gives each rank its own GPU (``cuda:rank``); the default is gloo on CPU.
 
     ``fn`` must be importable (a module-level function). A failure on any rank is re-raised.
-    Ranks meet through a file in a fresh temporary directory, so runs never race for a port.
+    Ranks meet through a TCP store this process serves on a port the system picks, so runs
+    never race for a port; as under torchrun (a ``FileStore`` would poll: each of zerokit's
+    agreements took 10 ms more through one, 2 ms through this).
     """
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
-    with tempfile.TemporaryDirectory(prefix="zerokit-") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        mp.spawn(_entry, args=(nproc, init_file, backend, fn, args), nprocs=nproc, join=True)
+    server = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+    mp.spawn(_entry, args=(nproc, server.port, backend, fn, args), nprocs=nproc, join=True)
 
 
-def _entry(rank: int, world_size: int, init_file: str, backend: str, fn, args) -> None:
+def _entry(rank: int, world_size: int, rendezvous: str | int, backend: str, fn, args) -> None:
+    """One rank: ``rendezvous`` is a file for a ``FileStore`` (the tests' forked ranks), or
+    the port of the parent's ``TCPStore`` on this machine (``spawn_local``)."""
     faulthandler.enable()  # a native abort in a rank prints that rank's Python stack
     os.environ["OMP_NUM_THREADS"] = "1"  # ranks share the machine's cores
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size
-    )
+    if isinstance(rendezvous, int):
+        store = dist.TCPStore("127.0.0.1", rendezvous, world_size, is_master=False)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    else:
+        init = f"file://{rendezvous}"
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:
