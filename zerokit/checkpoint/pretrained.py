@@ -298,13 +298,14 @@ def _plan(h: Holdings, sources: _Sources) -> _Plan:
 
 
 def _read_in_place(reads: list[tuple[Chunk, str, TensorMeta]], sources: _Sources) -> str | None:
-    """The planned reads into the model's tensors; what failed, to tell every rank."""
+    """The planned reads into the model's tensors; what failed, to tell every rank (any
+    error: the other ranks wait for this one's word)."""
     try:
         for chunk, source, meta in reads:
             _read_chunk(meta, chunk, source, sources, chunk.tensor.detach())
     except CheckpointError as e:
         return str(e)
-    except OSError as e:
+    except Exception as e:
         return f"{sources.dir}: cannot read: {type(e).__name__}: {e}"
     return None
 
