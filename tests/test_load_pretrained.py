@@ -238,6 +238,52 @@ def test_a_read_failing_on_one_rank_is_told_on_every_rank(tmp_path):
     run_distributed(_failing_reads, 2, str(tmp_path))
 
 
+class _Experts(nn.Module):  # Hugging Face's fused 3-D experts, the files' per-expert names
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(2, 6, 4))
+        self.down_proj = nn.Parameter(torch.zeros(2, 4, 3))
+
+
+def _stage_of(rank: int) -> nn.Module:
+    """As pipeline stages do, the ranks hold different tensors: only rank 1 the experts."""
+    model = nn.Module()
+    if rank == 0:
+        model.a = nn.Linear(4, 4)
+    else:
+        model.layer = nn.Module()
+        model.layer.experts = _Experts()
+    return model
+
+
+def _stages_load(rank: int, world_size: int, tmp: str) -> None:
+    model = _stage_of(rank)
+    assert load_pretrained(model, f"{tmp}/moe.safetensors") == ([], [])
+    if rank == 1:  # each expert's gate and up rows, then its down
+        up = torch.arange(2.0).repeat_interleave(6 * 4).view(2, 6, 4)
+        assert torch.equal(model.layer.experts.gate_up_proj.detach(), up)
+    fds = len(os.listdir("/proc/self/fd"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"bad.safetensors: ValueError"):
+        load_pretrained(model, f"{tmp}/bad.safetensors")  # a per-expert name on a scalar
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert len(os.listdir("/proc/self/fd")) == fds, "a refused load left files open"
+
+
+def test_ranks_holding_different_tensors_reach_one_verdict(tmp_path):
+    """Per-expert files merged on the rank holding the experts are not "unexpected" on the
+    rank that does not (it would refuse alone and leave the other waiting); a malformed file
+    is refused on every rank with nothing changed and no file left open."""
+    values = {"a.weight": torch.ones(4, 4), "a.bias": torch.ones(4)}
+    for e in range(2):
+        for proj, shape in (("gate", (3, 4)), ("up", (3, 4)), ("down", (4, 3))):
+            values[f"layer.experts.{e}.{proj}_proj.weight"] = torch.full(shape, float(e))
+    save_file(values, str(tmp_path / "moe.safetensors"))
+    values["x.experts.0.down_proj.weight"] = torch.tensor(1.0)
+    save_file(values, str(tmp_path / "bad.safetensors"))
+    run_distributed(_stages_load, 2, str(tmp_path))
+
+
 # -- Hugging Face models -----------------------------------------------------------------------
 def _hf_models():
     transformers = pytest.importorskip("transformers")

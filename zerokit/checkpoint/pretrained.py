@@ -59,8 +59,7 @@ def load_pretrained(
             # the names, the shapes and the staged reads agreed before any byte of the model
             # changes; then the reads into place (the files are open still)
             replies = raise_any(gather_json("load_pretrained", [error, report], group, None))
-            in_files = sorted(sources.names())
-            missing, unexpected = _verdict([r for _, r in replies], in_files, strict)
+            missing, unexpected = _verdict([r for _, r in replies], strict)
             error = _read_in_place(plan.in_place, sources)
         finally:
             if sources is not None:
@@ -99,6 +98,12 @@ def _stage(model, path: str) -> tuple[str | None, dict, _Plan, _Sources | None]:
         error = str(e)
     except OSError as e:
         error = f"{path}: cannot read: {type(e).__name__}: {e}"
+    except Exception as e:  # every rank must hear of it, or the others would wait for this one
+        error = f"{path}: {type(e).__name__}: {e}"
+    except BaseException:
+        if sources is not None:
+            sources.close()
+        raise
     return error, report, plan, sources
 
 
@@ -231,7 +236,11 @@ def _compare(h: Holdings, sources: _Sources) -> dict:
                 "in the model"
             )
     names = sorted(n for ns in _names_of(h).values() for n in ns)
-    return {"names": names, "missing": missing, "mismatched": mismatched}
+    merged = sorted(n for parts, _ in sources.merged.values() for n in parts)
+    return {
+        "names": names, "missing": missing, "mismatched": mismatched,
+        "in_files": sorted(sources.names()), "merged": merged,
+    }  # fmt: skip
 
 
 def _listing(names: list[str]) -> str:
@@ -239,12 +248,13 @@ def _listing(names: list[str]) -> str:
     return f"{len(names)} ({shown}{', ...' if len(names) > _SHOWN else ''})"
 
 
-def _verdict(reports: list[dict], in_files: list[str], strict: bool) -> tuple[list, list]:
-    """The same on every rank: every rank's report and the same files. Raises on a shape
+def _verdict(reports: list[dict], strict: bool) -> tuple[list, list]:
+    """The same on every rank, from every rank's report alone (a pipeline stage merges only
+    its own experts' per-expert files: what any rank merged is expected). Raises on a shape
     mismatch always, on missing or unexpected names with ``strict``."""
-    known = {n for r in reports for n in r["names"]}
+    known = {n for r in reports for n in (*r["names"], *r["merged"])}
     missing = sorted({n for r in reports for n in r["missing"]})
-    unexpected = sorted(n for n in in_files if n not in known)
+    unexpected = sorted({n for r in reports for n in r["in_files"] if n not in known})
     mismatched = sorted({m for r in reports for m in r["mismatched"]})
     problems = []
     if mismatched:

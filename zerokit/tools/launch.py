@@ -8,6 +8,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import os
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.constants import default_pg_timeout
 
 
 def local_backend(nproc: int) -> str:
@@ -30,14 +32,22 @@ def spawn_local(fn: Callable[..., Any], nproc: int, *args: Any, backend: str = "
     ``backend="nccl"`` gives each rank its own GPU (``cuda:rank``); the default is gloo on CPU.
 
     ``fn`` must be importable (a module-level function). A failure on any rank is re-raised.
-    Ranks meet through a TCP store this process serves on a port the system picks, so runs
-    never race for a port; as under torchrun (a ``FileStore`` would poll: each of zerokit's
-    agreements took 10 ms more through one, 2 ms through this).
+    Ranks meet through a TCP store this process serves on a loopback port the system picks,
+    so runs never race for a port and no other host can reach it; as under torchrun (a
+    ``FileStore`` would poll: each of zerokit's agreements took 10 ms more through one, 2 ms
+    through this).
     """
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
-    server = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
-    mp.spawn(_entry, args=(nproc, server.port, backend, fn, args), nprocs=nproc, join=True)
+    with socket.socket() as listening:  # bound here: TCPStore alone listens on every address
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(128)
+        port = listening.getsockname()[1]
+        server = dist.TCPStore(  # noqa: F841 (serves the ranks until they have all ended)
+            "127.0.0.1", port, nproc, is_master=True, wait_for_workers=False,
+            timeout=default_pg_timeout, master_listen_fd=listening.fileno(),
+        )  # fmt: skip
+        mp.spawn(_entry, args=(nproc, port, backend, fn, args), nprocs=nproc, join=True)
 
 
 def _entry(rank: int, world_size: int, rendezvous: str | int, backend: str, fn, args) -> None:
@@ -49,7 +59,9 @@ def _entry(rank: int, world_size: int, rendezvous: str | int, backend: str, fn, 
     if backend == "nccl":
         torch.cuda.set_device(rank)
     if isinstance(rendezvous, int):
-        store = dist.TCPStore("127.0.0.1", rendezvous, world_size, is_master=False)
+        store = dist.TCPStore(  # the process group's timeout, as an init_method's store gets
+            "127.0.0.1", rendezvous, world_size, is_master=False, timeout=default_pg_timeout
+        )
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     else:
         init = f"file://{rendezvous}"
