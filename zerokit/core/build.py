@@ -211,7 +211,9 @@ def build(
     device = next((p.device for plan in plans for _, p in plan.params), _CPU)
     staging = StagingPool(device)
     # one per model: its reductions and its state read it
-    replica_sync = ReplicaSync(replicas, cannot_defer=_NO_DEFER if opts.optimizer_replicas > 1 else None)
+    replica_sync = ReplicaSync(
+        replicas, cannot_defer=_NO_DEFER if opts.optimizer_replicas > 1 else None
+    )
     groups, root, units = _build_groups(model, plans, opts, staging, replica_sync)
     checks.remember_wrapped(model.parameters())
     state = ShardState(

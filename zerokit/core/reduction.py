@@ -125,6 +125,8 @@ def _crosses(replicas: ProcessGroup | None, sync: ReplicaSync | None) -> bool:
     if replicas is None or replicas.size() == 1:
         return False
     return sync is None or not sync.skips_replicas()
+
+
 @dataclass(frozen=True)
 class ReduceScatterThenReduceScatter(ReduceScatter):
     """Hybrid sharding, optimizer state sharded over ``replicas``: reduce-scatter in
