@@ -217,6 +217,8 @@ def accumulated_step(model, opt, rank, world, k, mode, held) -> None:
             held.append(zerokit.memory.measure(model, opt).grads)
     opt.step()
     opt.zero_grad()
+
+
 def optimizer_state(args, rank: int, world: int) -> dict:
     """Hybrid sharding without and with ``shard_optimizer_over_replicas``, per level. The two
     runs alternate step by step (warm-up, then one timed step of each in turn), so a busy
