@@ -1,0 +1,191 @@
+"""A tiny Mixtral with its experts split across ranks (``zerokit.moe``), trained through the
+doors users come in by, for tests/test_moe_doors.py: Hugging Face's ``Trainer``
+(``ZeroTrainer``), Lightning's ``Trainer`` (``ZeroKitStrategy``) and Fabric. Each runs on
+forked ranks (``run_distributed``, the process group already up, so Lightning and accelerate
+launch nothing); each reference is the same door on one process with the whole model.
+
+The user's way in, at every door: split the experts with ``apply_expert_parallel(model,
+init_expert_groups(ep))`` once the process group exists, before the optimizer is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import hf_trainer_run as R
+import torch
+from moe_models import VOCAB, batches, tiny_moe
+
+from zerokit.moe import apply_expert_parallel, init_expert_groups
+
+SEQ = 16
+CLIP = 0.3  # under the first steps' gradient norms: the clip binds
+
+
+def _rank_env(rank: int, world: int) -> None:
+    """What a launcher sets: accelerate and Lightning read the rank from it."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0",
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+    )  # fmt: skip
+
+
+def split(model, ep: int | None):
+    """The user's step: the experts split over ``ep`` ranks (None: the whole model)."""
+    if ep:
+        apply_expert_parallel(model, init_expert_groups(ep))
+    return model
+
+
+# ---- Hugging Face Trainer ----
+
+
+def tokens(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": row, "labels": row.clone()} for row in ids]
+
+
+def hf_train(world: int, opts: dict, out: str) -> None:
+    """``hf_trainer_run``'s Trainer settings (accumulation 2, clipping, warmup, eval loop) on
+    the tiny Mixtral; rank 0 writes ``out/logs.json`` and ``save_model``'s ``out/model``."""
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer
+
+    from zerokit.integrations.hf_trainer import ZeroTrainer
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # forked: the parent's singletons
+    args = R.training_arguments(opts, world, out)  # the process group is up from here
+    model = split(tiny_moe("mixtral"), opts.get("ep"))
+    cls = ZeroTrainer if opts.get("level") else Trainer
+    trainer = cls(model=model, args=args, train_dataset=tokens(48, 1), eval_dataset=tokens(12, 2))
+    trainer.train(resume_from_checkpoint=opts.get("resume"))
+    trainer.save_model(os.path.join(out, "model"))
+    if trainer.args.process_index == 0:
+        with open(os.path.join(out, "logs.json"), "w") as f:
+            json.dump(trainer.state.log_history, f)
+
+
+def hf_rank(rank: int, world: int, opts: dict, out: str) -> None:
+    _rank_env(rank, world)
+    hf_train(world, opts, out)
+
+
+def hf_reference(out: str) -> None:
+    """The plain Trainer on one process, the whole model, in this process."""
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    try:
+        hf_train(1, {}, out)
+    finally:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+# ---- Lightning Fabric and Lightning's Trainer: the tests' MoE loop (moe_models) ----
+
+STEPS = 3
+
+
+def fabric_rank(rank: int, world: int, level: str) -> dict:
+    """``fabric.setup(model, opt)`` on the split model, ``fabric.backward``, a binding
+    ``fabric.clip_gradients``; returns the losses, the clip norms and the model."""
+    from lightning.fabric import Fabric
+
+    import zerokit.integrations.fabric  # noqa: F401  (registers the strategy names)
+
+    _rank_env(rank, world)
+    fabric = Fabric(accelerator="cpu", devices=world, strategy=f"zerokit_{level}")
+    fabric.launch()  # the ranks and their process group exist: nothing is started
+    model = split(tiny_moe("mixtral"), 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, opt = fabric.setup(model, opt)
+    losses, norms = [], []
+    for batch in batches(STEPS, 2 * world):
+        mine = batch.chunk(world)[rank]
+        loss = model(input_ids=mine, labels=mine).loss
+        fabric.backward(loss)
+        norms.append(fabric.clip_gradients(model, opt, max_norm=CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+    return {"losses": losses, "norms": norms, "model": model.module}
+
+
+def reference(world: int) -> dict:
+    """One process, the whole model, the global batches, the same clip."""
+    model = tiny_moe("mixtral")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, norms = [], []
+    for batch in batches(STEPS, 2 * world):
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "model": model}
+
+
+def lightning_rank(rank: int, world: int, level: str) -> dict:
+    """``Trainer(strategy=ZeroKitStrategy(level))`` on ``MoEModule``, its experts split in
+    ``configure_model``; ``gradient_clip_val`` binding."""
+    import lightning.pytorch as pl
+
+    from zerokit.integrations.lightning import ZeroKitStrategy
+
+    _rank_env(rank, world)
+    module = MoEModule(world)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=world, strategy=ZeroKitStrategy(level), max_steps=STEPS,
+        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    return {"losses": module.losses, "norms": module.norms, "model": module.model}
+
+
+def _moe_module_class():
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from zerokit.moe import ExpertParallelExperts
+
+    class MoEModule(pl.LightningModule):
+        """The tiny Mixtral, split over ep = 2 ranks once Lightning's process group exists
+        (``configure_model``, called again by each fit/validate: split once)."""
+
+        def __init__(self, world: int):
+            super().__init__()
+            self.model = tiny_moe("mixtral")
+            self.rows = torch.cat(batches(STEPS, 2 * world))  # global batches, one after another
+            self.losses, self.norms = [], []
+
+        def configure_model(self):
+            if not any(isinstance(m, ExpertParallelExperts) for m in self.model.modules()):
+                split(self.model, 2)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(input_ids=batch, labels=batch).loss
+            self.losses.append(self.all_gather(loss.detach()).mean().item())
+            return loss
+
+        def on_before_optimizer_step(self, optimizer):
+            from zerokit import clip_grad_norm_  # the norm before the clip (inf: no change)
+
+            self.norms.append(clip_grad_norm_(self.trainer.strategy.model, float("inf")).item())
+
+        def train_dataloader(self):
+            world, rank = self.trainer.world_size, self.trainer.global_rank
+            sampler = DistributedSampler(self.rows, num_replicas=world, rank=rank, shuffle=False)
+            return DataLoader(self.rows, batch_size=2, sampler=sampler)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+    return MoEModule
+
+
+def MoEModule(world: int):  # noqa: N802  (a class, made when lightning is imported)
+    return _moe_module_class()(world)

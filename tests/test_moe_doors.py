@@ -1,0 +1,84 @@
+"""Expert parallelism through the doors users come in by: a tiny Mixtral, its experts split
+over ep = 2 of 2 ranks (``zerokit.moe.apply_expert_parallel`` before the model is handed
+in), trained by Hugging Face's Trainer, Lightning's Trainer and Fabric, equals the same door
+on one process holding the whole model, on the same global batch (tests/moe_doors_run.py).
+
+Tolerances: 2e-5 on losses and parameters, tests/test_moe.py's (fp32, AdamW, a few steps;
+the distance measured is given at each test).
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import hf_trainer_run as R
+import moe_doors_run as D
+from dist_helpers import run_distributed
+from moe_models import assert_same_as_reference
+
+from zerokit.moe import ExpertParallelExperts
+
+TOL = 2e-5
+HF_TOL = 5e-6  # tests/test_hf_trainer.py's: ten times Trainer + DDP's distance there
+
+
+def _hf_distance(ref: str, got: str, skip=()) -> float:
+    """The largest difference in the logged losses and the exported weights, each directory
+    read by ``from_pretrained`` (the plain Trainer's ``save_pretrained`` writes one tensor per
+    expert, zerokit's export the 3-D parameters: both load as the model's)."""
+    (logs_a, _), (logs_b, _) = R.results(ref), R.results(got)
+    w_a, w_b = (_exported(run) for run in (ref, got))
+    assert len(logs_a) == len(logs_b) and sorted(w_a) == sorted(w_b)
+    losses = [abs(a[k] - b[k]) for a, b in zip(logs_a, logs_b) for k in a
+              if k.endswith("loss") and k not in skip]  # fmt: skip
+    assert any(k == "eval_loss" for a in logs_a for k in a)  # the eval loop ran
+    weights = [(w_a[k] - w_b[k]).abs().max().item() for k in w_a]
+    return max(losses + weights)
+
+
+def _exported(run: str) -> dict[str, torch.Tensor]:
+    from transformers import MixtralForCausalLM
+
+    return MixtralForCausalLM.from_pretrained(os.path.join(run, "model")).state_dict()
+
+
+def test_hf_trainer_ep2_equals_one_process(tmp_path):
+    """ZeroTrainer at 'p_g_os', world 2, ep 2: losses and the exported (whole) experts."""
+    D.hf_reference(str(tmp_path / "ref"))
+    run_distributed(D.hf_rank, 2, {"level": "p_g_os", "ep": 2}, str(tmp_path / "zk"))
+    dist = _hf_distance(str(tmp_path / "ref"), str(tmp_path / "zk"))
+    assert dist <= HF_TOL, dist
+
+
+def _equal(got: dict, want: dict, what: str) -> None:
+    """Losses, clip norms (the clip binds) and every parameter, a rank's experts against the
+    same experts of the whole model."""
+    assert min(want["norms"]) > D.CLIP, f"{what}: the clip does not bind"
+    assert any(isinstance(m, ExpertParallelExperts) for m in got["model"].modules()), what
+    for key in ("losses", "norms"):
+        for step, (g, w) in enumerate(zip(got[key], want[key], strict=True)):
+            assert abs(g - w) <= TOL, f"{what}: step {step}: {key} {g} != {w}"
+    assert_same_as_reference(got["model"], want["model"], TOL, what)
+
+
+def _fabric(rank, world, level):
+    _equal(D.fabric_rank(rank, world, level), D.reference(world), f"Fabric {level}")
+
+
+def test_fabric_ep2_equals_one_process():
+    pytest.importorskip("lightning")
+    run_distributed(_fabric, 2, "p_g_os")
+
+
+def _lightning(rank, world, level):
+    _equal(D.lightning_rank(rank, world, level), D.reference(world), f"Lightning {level}")
+
+
+def test_lightning_ep2_equals_one_process():
+    pytest.importorskip("lightning")
+    run_distributed(_lightning, 2, "os_g")
