@@ -82,3 +82,18 @@ def _lightning(rank, world, level):
 def test_lightning_ep2_equals_one_process():
     pytest.importorskip("lightning")
     run_distributed(_lightning, 2, "os_g")
+
+
+def test_hf_trainer_ep2_resumes_as_the_unbroken_run(tmp_path):
+    """checkpoint-2 written at 'os_g' with ep 2 (the experts saved as the whole model's
+    [E, ...] tensors beside the Trainer's own files), resumed at 'p_g_os' with ep 2: equal
+    to the uninterrupted one-process run."""
+    D.hf_reference(str(tmp_path / "ref"))
+    run_distributed(D.hf_rank, 2, {"level": "os_g", "ep": 2, "save_steps": 2}, str(tmp_path / "a"))
+    ckpt = str(tmp_path / "a" / "checkpoint-2")
+    assert {"zerokit", "scheduler.pt", "trainer_state.json"} <= set(os.listdir(ckpt))
+    resumed = {"level": "p_g_os", "ep": 2, "resume": ckpt}
+    run_distributed(D.hf_rank, 2, resumed, str(tmp_path / "b"))
+    # train_loss is the mean over this train() call's steps, 3-4 here: the Trainer's own way
+    dist = _hf_distance(str(tmp_path / "ref"), str(tmp_path / "b"), skip=("train_loss",))
+    assert dist <= HF_TOL, dist
