@@ -88,9 +88,7 @@ def hf_reference(out: str) -> None:
 STEPS = 3
 
 
-def fabric_rank(rank: int, world: int, level: str) -> dict:
-    """``fabric.setup(model, opt)`` on the split model, ``fabric.backward``, a binding
-    ``fabric.clip_gradients``; returns the losses, the clip norms and the model."""
+def launch_fabric(rank: int, world: int, level: str = "p_g_os"):
     from lightning.fabric import Fabric
 
     import zerokit.integrations.fabric  # noqa: F401  (registers the strategy names)
@@ -98,6 +96,13 @@ def fabric_rank(rank: int, world: int, level: str) -> dict:
     _rank_env(rank, world)
     fabric = Fabric(accelerator="cpu", devices=world, strategy=f"zerokit_{level}")
     fabric.launch()  # the ranks and their process group exist: nothing is started
+    return fabric
+
+
+def fabric_rank(rank: int, world: int, level: str) -> dict:
+    """``fabric.setup(model, opt)`` on the split model, ``fabric.backward``, a binding
+    ``fabric.clip_gradients``; returns the losses, the clip norms and the model."""
+    fabric = launch_fabric(rank, world, level)
     model = split(tiny_moe("mixtral"), 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     model, opt = fabric.setup(model, opt)
@@ -111,6 +116,17 @@ def fabric_rank(rank: int, world: int, level: str) -> dict:
         opt.zero_grad()
         losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
     return {"losses": losses, "norms": norms, "model": model.module}
+
+
+def fabric_eval(rank: int, world: int) -> float:
+    """``fabric.setup(model)`` (no optimizer: evaluation) on the split model; the global
+    batch's mean loss."""
+    fabric = launch_fabric(rank, world)
+    model = fabric.setup(split(tiny_moe("mixtral"), 2))
+    mine = batches(1, 2 * world)[0].chunk(world)[rank]
+    with torch.no_grad():
+        loss = model(input_ids=mine, labels=mine).loss
+    return fabric.all_reduce(loss, reduce_op="mean").item()
 
 
 def reference(world: int) -> dict:
@@ -136,7 +152,7 @@ def lightning_rank(rank: int, world: int, level: str) -> dict:
     from zerokit.integrations.lightning import ZeroKitStrategy
 
     _rank_env(rank, world)
-    module = MoEModule(world)
+    module = moe_module(world)
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, strategy=ZeroKitStrategy(level), max_steps=STEPS,
         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
@@ -187,5 +203,6 @@ def _moe_module_class():
     return MoEModule
 
 
-def MoEModule(world: int):  # noqa: N802  (a class, made when lightning is imported)
+def moe_module(world: int):
+    """A ``MoEModule`` (its class made here: lightning is imported only by its tests)."""
     return _moe_module_class()(world)

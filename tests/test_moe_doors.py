@@ -97,3 +97,19 @@ def test_hf_trainer_ep2_resumes_as_the_unbroken_run(tmp_path):
     # train_loss is the mean over this train() call's steps, 3-4 here: the Trainer's own way
     dist = _hf_distance(str(tmp_path / "ref"), str(tmp_path / "b"), skip=("train_loss",))
     assert dist <= HF_TOL, dist
+
+
+def _fabric_eval(rank, world):
+    batch = D.batches(1, 2 * world)[0]
+    with torch.no_grad():
+        want = D.tiny_moe("mixtral")(input_ids=batch, labels=batch).loss.item()
+    got = D.fabric_eval(rank, world)
+    assert abs(got - want) <= TOL, (got, want)
+
+
+def test_fabric_ep2_setup_without_optimizer_keeps_each_ranks_experts():
+    """``fabric.setup(model)`` (evaluation: nothing sharded) starts every rank from rank 0's
+    dense weights, and each rank's experts from its own (they are other experts than rank
+    0's): the loss one process computes."""
+    pytest.importorskip("lightning")
+    run_distributed(_fabric_eval, 2)

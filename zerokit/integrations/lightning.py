@@ -49,7 +49,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
@@ -66,7 +65,7 @@ from ..checkpoint.lightning_file import EXTRA_PREFIX
 from ..checkpoint.reading import CheckpointReader
 from ..clip import clip_grad_norm_
 from ..config import ShardingConfig
-from ..core import broadcast_module_state, state_of
+from ..core import state_of
 from ..mixed_precision import MixedPrecision
 from . import _lightning_common as common
 from .fabric import ZeroKitFabricStrategy
@@ -248,7 +247,7 @@ class ZeroKitStrategy(DDPStrategy):
             self.model = self._wrap(module)
         else:  # evaluation only: nothing to shard; every rank starts from rank 0's weights
             self.model_to_device()
-            broadcast_module_state(module, dist.group.WORLD, params=True)
+            common.start_alike(module)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
