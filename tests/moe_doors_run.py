@@ -144,9 +144,11 @@ def reference(world: int) -> dict:
     return {"losses": losses, "norms": norms, "model": model}
 
 
-def lightning_rank(rank: int, world: int, level: str) -> dict:
+def lightning_rank(rank: int, world: int, level: str, validate: bool = False) -> dict:
     """``Trainer(strategy=ZeroKitStrategy(level))`` on ``MoEModule``, its experts split in
-    ``configure_model``; ``gradient_clip_val`` binding."""
+    ``configure_model``: ``fit`` with a binding ``gradient_clip_val`` (the losses, the norms
+    before the clip, the model, ``strategy.full_state_dict()``), or ``validate`` alone (the
+    losses)."""
     import lightning.pytorch as pl
 
     from zerokit.integrations.lightning import ZeroKitStrategy
@@ -158,8 +160,12 @@ def lightning_rank(rank: int, world: int, level: str) -> dict:
         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
+    if validate:
+        trainer.validate(module, verbose=False)
+        return {"losses": module.val_losses}
     trainer.fit(module)
-    return {"losses": module.losses, "norms": module.norms, "model": module.model}
+    whole = trainer.strategy.full_state_dict()
+    return {"losses": module.losses, "norms": module.norms, "model": module.model, "whole": whole}
 
 
 def _moe_module_class():
@@ -176,16 +182,21 @@ def _moe_module_class():
             super().__init__()
             self.model = tiny_moe("mixtral")
             self.rows = torch.cat(batches(STEPS, 2 * world))  # global batches, one after another
-            self.losses, self.norms = [], []
+            self.losses, self.norms, self.val_losses = [], [], []
 
         def configure_model(self):
             if not any(isinstance(m, ExpertParallelExperts) for m in self.model.modules()):
                 split(self.model, 2)
 
-        def training_step(self, batch, batch_idx):
+        def training_step(self, batch, batch_idx, losses=None):
             loss = self.model(input_ids=batch, labels=batch).loss
-            self.losses.append(self.all_gather(loss.detach()).mean().item())
+            (self.losses if losses is None else losses).append(
+                self.all_gather(loss.detach()).mean().item()
+            )
             return loss
+
+        def validation_step(self, batch, batch_idx):
+            self.training_step(batch, batch_idx, self.val_losses)
 
         def on_before_optimizer_step(self, optimizer):
             from zerokit import clip_grad_norm_  # the norm before the clip (inf: no change)
@@ -196,6 +207,8 @@ def _moe_module_class():
             world, rank = self.trainer.world_size, self.trainer.global_rank
             sampler = DistributedSampler(self.rows, num_replicas=world, rank=rank, shuffle=False)
             return DataLoader(self.rows, batch_size=2, sampler=sampler)
+
+        val_dataloader = train_dataloader
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)

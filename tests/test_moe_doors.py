@@ -76,7 +76,21 @@ def test_fabric_ep2_equals_one_process():
 
 
 def _lightning(rank, world, level):
-    _equal(D.lightning_rank(rank, world, level), D.reference(world), f"Lightning {level}")
+    got, want = D.lightning_rank(rank, world, level), D.reference(world)
+    _equal(got, want, f"Lightning {level}")
+    # strategy.full_state_dict(): the LightningModule's names (its ``model.``), every expert
+    whole = {f"model.{k}": v for k, v in want["model"].state_dict().items()}
+    assert got["whole"].keys() == whole.keys()
+    for name, value in whole.items():
+        torch.testing.assert_close(got["whole"][name], value, atol=TOL, rtol=0, msg=name)
+
+
+def _lightning_validate(rank, world):
+    got = D.lightning_rank(rank, world, "p_g_os", validate=True)["losses"]
+    model = D.tiny_moe("mixtral")
+    with torch.no_grad():
+        want = [model(input_ids=b, labels=b).loss.item() for b in D.batches(D.STEPS, 2 * world)]
+    assert len(got) == len(want) and max(abs(g - w) for g, w in zip(got, want)) <= TOL, got
 
 
 def test_lightning_ep2_equals_one_process():
@@ -113,3 +127,10 @@ def test_fabric_ep2_setup_without_optimizer_keeps_each_ranks_experts():
     0's): the loss one process computes."""
     pytest.importorskip("lightning")
     run_distributed(_fabric_eval, 2)
+
+
+def test_lightning_ep2_validate_alone():
+    """``trainer.validate`` with no fit (nothing sharded): each rank keeps its own experts
+    (rank 0 holds others), the losses one process computes."""
+    pytest.importorskip("lightning")
+    run_distributed(_lightning_validate, 2)
