@@ -219,3 +219,21 @@ def _moe_module_class():
 def moe_module(world: int):
     """A ``MoEModule`` (its class made here: lightning is imported only by its tests)."""
     return _moe_module_class()(world)
+
+
+def hf_refusals(rank: int, world: int, out: str) -> None:
+    """What ZeroTrainer cannot do with split experts, refused on every rank, by name."""
+    import pytest
+    from accelerate.state import AcceleratorState
+
+    from zerokit.integrations.hf_trainer import ZeroTrainer, ZeroTrainingArguments
+
+    _rank_env(rank, world)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    base = {"output_dir": out, "use_cpu": True, "report_to": [], "zerokit_level": "os_g"}
+    args = ZeroTrainingArguments(**base, optim="adafactor")
+    with pytest.raises(ValueError, match="optim='adafactor'.*experts are split"):
+        ZeroTrainer(model=split(tiny_moe("mixtral"), 2), args=args)
+    trainer = ZeroTrainer(model=split(tiny_moe("mixtral"), 2), args=ZeroTrainingArguments(**base))
+    with pytest.raises(ValueError, match="save_model before training, with the experts split"):
+        trainer.save_model()

@@ -134,3 +134,9 @@ def test_lightning_ep2_validate_alone():
     (rank 0 holds others), the losses one process computes."""
     pytest.importorskip("lightning")
     run_distributed(_lightning_validate, 2)
+
+
+def test_hf_trainer_refusals_with_split_experts(tmp_path):
+    """``optim="adafactor"`` (whole parameters, and a rank holds E / ep experts of each) at
+    start-up; ``save_model`` before training (rank 0 holds only its experts)."""
+    run_distributed(D.hf_refusals, 2, str(tmp_path))
