@@ -56,7 +56,7 @@ def hf_train(world: int, opts: dict, out: str) -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)  # forked: the parent's singletons
     args = R.training_arguments(opts, world, out)  # the process group is up from here
-    model = split(tiny_moe("mixtral"), opts.get("ep"))
+    model = split(tiny_moe("mixtral", aux=opts.get("aux", False)), opts.get("ep"))
     cls = ZeroTrainer if opts.get("level") else Trainer
     trainer = cls(model=model, args=args, train_dataset=tokens(48, 1), eval_dataset=tokens(12, 2))
     trainer.train(resume_from_checkpoint=opts.get("resume"))
@@ -71,12 +71,13 @@ def hf_rank(rank: int, world: int, opts: dict, out: str) -> None:
     hf_train(world, opts, out)
 
 
-def hf_reference(out: str) -> None:
-    """The plain Trainer on one process, the whole model, in this process."""
+def hf_reference(out: str, opts: dict | None = None) -> None:
+    """The plain Trainer on one process, the whole model, in this process; ``opts``: the
+    model's and the Trainer's (``aux``, ``extra``), not zerokit's."""
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         os.environ.pop(name, None)
     try:
-        hf_train(1, {}, out)
+        hf_train(1, {k: v for k, v in (opts or {}).items() if k in ("aux", "extra")}, out)
     finally:
         from accelerate.state import AcceleratorState
 
@@ -232,7 +233,7 @@ def hf_refusals(rank: int, world: int, out: str) -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
     base = {"output_dir": out, "use_cpu": True, "report_to": [], "zerokit_level": "os_g"}
     args = ZeroTrainingArguments(**base, optim="adafactor")
-    with pytest.raises(ValueError, match="optim='adafactor'.*experts are split"):
+    with pytest.raises(ValueError, match=r"optim='adafactor'.*experts are split"):
         ZeroTrainer(model=split(tiny_moe("mixtral"), 2), args=args)
     trainer = ZeroTrainer(model=split(tiny_moe("mixtral"), 2), args=ZeroTrainingArguments(**base))
     with pytest.raises(ValueError, match="save_model before training, with the experts split"):
