@@ -87,6 +87,7 @@ def hf_reference(out: str, opts: dict | None = None) -> None:
 # ---- Lightning Fabric and Lightning's Trainer: the tests' MoE loop (moe_models) ----
 
 STEPS = 3
+SAVE_AT = 2  # Fabric: saved after 2 steps, resumed for the third
 
 
 def launch_fabric(rank: int, world: int, level: str = "p_g_os"):
@@ -100,23 +101,39 @@ def launch_fabric(rank: int, world: int, level: str = "p_g_os"):
     return fabric
 
 
-def fabric_rank(rank: int, world: int, level: str) -> dict:
+def fabric_rank(rank: int, world: int, level: str, ckpt: str, resume_level: str) -> dict:
     """``fabric.setup(model, opt)`` on the split model, ``fabric.backward``, a binding
-    ``fabric.clip_gradients``; returns the losses, the clip norms and the model."""
+    ``fabric.clip_gradients``, ``fabric.save`` after ``SAVE_AT`` steps; then a fresh split
+    model, at ``resume_level``, ``fabric.load``s it and trains the rest. Returns the losses,
+    the clip norms, the model and the resumed model."""
     fabric = launch_fabric(rank, world, level)
-    model = split(tiny_moe("mixtral"), 2)
+    model, opt = _fabric_setup(fabric, seed=0)
+    record: dict = {"losses": [], "norms": []}
+    for step, batch in enumerate(batches(STEPS, 2 * world)):
+        if step == SAVE_AT:
+            fabric.save(ckpt, {"model": model, "optimizer": opt})
+        _fabric_step(fabric, model, opt, batch.chunk(world)[rank], record)
+    fabric = launch_fabric(rank, world, resume_level)
+    resumed, opt = _fabric_setup(fabric, seed=123)  # resuming must not depend on its weights
+    fabric.load(ckpt, {"model": resumed, "optimizer": opt})
+    for batch in batches(STEPS, 2 * world)[SAVE_AT:]:
+        _fabric_step(fabric, resumed, opt, batch.chunk(world)[rank], {"losses": [], "norms": []})
+    return {**record, "model": model.module, "resumed": resumed.module}
+
+
+def _fabric_setup(fabric, seed: int):
+    model = split(tiny_moe("mixtral", seed=seed), 2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    model, opt = fabric.setup(model, opt)
-    losses, norms = [], []
-    for batch in batches(STEPS, 2 * world):
-        mine = batch.chunk(world)[rank]
-        loss = model(input_ids=mine, labels=mine).loss
-        fabric.backward(loss)
-        norms.append(fabric.clip_gradients(model, opt, max_norm=CLIP).item())
-        opt.step()
-        opt.zero_grad()
-        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
-    return {"losses": losses, "norms": norms, "model": model.module}
+    return fabric.setup(model, opt)
+
+
+def _fabric_step(fabric, model, opt, mine: torch.Tensor, record: dict) -> None:
+    loss = model(input_ids=mine, labels=mine).loss
+    fabric.backward(loss)
+    record["norms"].append(fabric.clip_gradients(model, opt, max_norm=CLIP).item())
+    opt.step()
+    opt.zero_grad()
+    record["losses"].append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
 
 
 def fabric_eval(rank: int, world: int) -> float:

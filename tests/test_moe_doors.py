@@ -66,13 +66,18 @@ def _equal(got: dict, want: dict, what: str) -> None:
     assert_same_as_reference(got["model"], want["model"], TOL, what)
 
 
-def _fabric(rank, world, level):
-    _equal(D.fabric_rank(rank, world, level), D.reference(world), f"Fabric {level}")
+def _fabric(rank, world, level, ckpt, resume_level):
+    got, want = D.fabric_rank(rank, world, level, ckpt, resume_level), D.reference(world)
+    _equal(got, want, f"Fabric {level}")
+    what = f"Fabric saved at {level}, resumed at {resume_level}"
+    assert_same_as_reference(got["resumed"], want["model"], TOL, what)
 
 
-def test_fabric_ep2_equals_one_process():
+def test_fabric_ep2_equals_one_process(tmp_path):
+    """Trained at 'p_g_os'; saved after 2 steps, a fresh split model loads it at 'os' and
+    trains the third step: both equal one process."""
     pytest.importorskip("lightning")
-    run_distributed(_fabric, 2, "p_g_os")
+    run_distributed(_fabric, 2, "p_g_os", str(tmp_path / "ckpt"), "os")
 
 
 def _lightning(rank, world, level):
