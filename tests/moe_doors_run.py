@@ -147,12 +147,12 @@ def fabric_eval(rank: int, world: int) -> float:
     return fabric.all_reduce(loss, reduce_op="mean").item()
 
 
-def reference(world: int) -> dict:
-    """One process, the whole model, the global batches, the same clip."""
+def reference(world: int, epochs: int = 1) -> dict:
+    """One process, the whole model, the global batches (``epochs`` times), the same clip."""
     model = tiny_moe("mixtral")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses, norms = [], []
-    for batch in batches(STEPS, 2 * world):
+    for batch in batches(STEPS, 2 * world) * epochs:
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
@@ -167,23 +167,38 @@ def lightning_rank(rank: int, world: int, level: str, validate: bool = False) ->
     ``configure_model``: ``fit`` with a binding ``gradient_clip_val`` (the losses, the norms
     before the clip, the model, ``strategy.full_state_dict()``), or ``validate`` alone (the
     losses)."""
-    import lightning.pytorch as pl
-
-    from zerokit.integrations.lightning import ZeroKitStrategy
-
     _rank_env(rank, world)
-    module = moe_module(world)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=world, strategy=ZeroKitStrategy(level), max_steps=STEPS,
-        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+    module, trainer = moe_module(world), _lightning_trainer(world, level, max_steps=STEPS)
     if validate:
         trainer.validate(module, verbose=False)
         return {"losses": module.val_losses}
     trainer.fit(module)
     whole = trainer.strategy.full_state_dict()
     return {"losses": module.losses, "norms": module.norms, "model": module.model, "whole": whole}
+
+
+def lightning_resumed(rank: int, world: int, ckpt: str) -> dict:
+    """An epoch (``STEPS`` steps) at 'p_g_os', ``trainer.save_checkpoint``; a fresh module
+    resumes from it at 'os_g' for a second epoch. Returns its losses and model."""
+    _rank_env(rank, world)
+    trainer = _lightning_trainer(world, "p_g_os", max_epochs=1)
+    trainer.fit(moe_module(world))
+    trainer.save_checkpoint(ckpt)
+    module = moe_module(world, seed=123)  # resuming must not depend on its weights
+    _lightning_trainer(world, "os_g", max_epochs=2).fit(module, ckpt_path=ckpt)
+    return {"losses": module.losses, "model": module.model}
+
+
+def _lightning_trainer(world: int, level: str, **limits):
+    import lightning.pytorch as pl
+
+    from zerokit.integrations.lightning import ZeroKitStrategy
+
+    return pl.Trainer(
+        accelerator="cpu", devices=world, strategy=ZeroKitStrategy(level), gradient_clip_val=CLIP,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, **limits,
+    )  # fmt: skip
 
 
 def _moe_module_class():
@@ -196,9 +211,9 @@ def _moe_module_class():
         """The tiny Mixtral, split over ep = 2 ranks once Lightning's process group exists
         (``configure_model``, called again by each fit/validate: split once)."""
 
-        def __init__(self, world: int):
+        def __init__(self, world: int, seed: int):
             super().__init__()
-            self.model = tiny_moe("mixtral")
+            self.model = tiny_moe("mixtral", seed=seed)
             self.rows = torch.cat(batches(STEPS, 2 * world))  # global batches, one after another
             self.losses, self.norms, self.val_losses = [], [], []
 
@@ -234,9 +249,9 @@ def _moe_module_class():
     return MoEModule
 
 
-def moe_module(world: int):
+def moe_module(world: int, seed: int = 0):
     """A ``MoEModule`` (its class made here: lightning is imported only by its tests)."""
-    return _moe_module_class()(world)
+    return _moe_module_class()(world, seed)
 
 
 def hf_refusals(rank: int, world: int, out: str) -> None:

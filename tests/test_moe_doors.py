@@ -90,6 +90,20 @@ def _lightning(rank, world, level):
         torch.testing.assert_close(got["whole"][name], value, atol=TOL, rtol=0, msg=name)
 
 
+def _lightning_resumed(rank, world, ckpt):
+    got, want = D.lightning_resumed(rank, world, ckpt), D.reference(world, epochs=2)
+    for step, (g, w) in enumerate(zip(got["losses"], want["losses"][D.STEPS :], strict=True)):
+        assert abs(g - w) <= TOL, f"resumed: step {step}: loss {g} != {w}"
+    assert_same_as_reference(got["model"], want["model"], TOL, "Lightning resumed at 'os_g'")
+
+
+def test_lightning_ep2_resumes_as_the_unbroken_run(tmp_path):
+    """An epoch at 'p_g_os' saved (``trainer.save_checkpoint``), a fresh module resumed at
+    'os_g' for the second (``fit(ckpt_path=)``): one process's 2 epochs."""
+    pytest.importorskip("lightning")
+    run_distributed(_lightning_resumed, 2, str(tmp_path / "ckpt"))
+
+
 def _lightning_validate(rank, world):
     got = D.lightning_rank(rank, world, "p_g_os", validate=True)["losses"]
     model = D.tiny_moe("mixtral")
