@@ -35,7 +35,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import MixedPrecision as FabricAMP
 from lightning.fabric.plugins.precision import Precision
@@ -47,7 +46,7 @@ from .. import checkpoint as zk_checkpoint
 from ..api import group_sharded_parallel
 from ..clip import clip_grad_norm_
 from ..config import ShardingConfig
-from ..core import ShardedModule, broadcast_module_state
+from ..core import ShardedModule
 from ..mixed_precision import MixedPrecision
 from . import _lightning_common as common
 
@@ -183,9 +182,8 @@ class ZeroKitFabricStrategy(DDPStrategy):
         return module, optimizers, scheduler
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """A model without an optimizer (evaluation): nothing to shard; every rank starts from
-        rank 0's weights."""
-        broadcast_module_state(module, dist.group.WORLD, params=True)
+        """A model without an optimizer (evaluation): ``common.start_alike``."""
+        common.start_alike(module)
         return module
 
     def setup_optimizer(self, optimizer):

@@ -27,6 +27,9 @@ How the Trainer's steps map:
   loads it at any world size and level, ``load_best_model_at_end`` the best one's model;
 * ``save_model()`` -> a Hugging Face directory (``config.json`` + safetensors), consolidated
   by streaming the sharded checkpoint: no rank holds the whole model.
+* experts split across ranks (``zerokit.moe.apply_expert_parallel`` on the model before it
+  is handed in) -> sharded as ``group_sharded_parallel`` shards them, saved and exported as
+  the whole model's; a whole-parameter ``optim`` is refused with them, at start-up.
 
 Note: the Trainer has no public hook for clipping, for its checkpoint files or for keeping
 accelerate from wrapping the model, so this module overrides private methods. It is tested
@@ -51,6 +54,7 @@ from ..checkpoint.reading import CheckpointReader
 from ..clip import clip_grad_norm_
 from ..config import DEFAULT_LEVEL, ShardingConfig, load_config, merge_arguments
 from ..mixed_precision import as_policy
+from ..moe import expert_groups_of
 
 WHO = "zerokit.integrations.hf_trainer"
 # the versions whose private Trainer methods this module overrides, tested in CI
@@ -151,6 +155,19 @@ def sharding_of(args: TrainingArguments, sharding: ShardingConfig | None) -> Sha
     return sharding
 
 
+def refuse_whole_on_split_experts(args, sharding: ShardingConfig, model: Any) -> None:
+    """Experts split across ranks (``zerokit.moe``) hold E / ep experts of each expert
+    parameter: a whole-parameter optimizer's step on them would not be one process's."""
+    if sharding.whole_parameter_optimizer and expert_groups_of(model):
+        optim = getattr(args.optim, "value", args.optim)
+        raise ValueError(
+            f"{WHO}: optim={optim!r} (or whole_parameter_optimizer=True) steps each parameter "
+            "whole on one rank, and this model's experts are split across ranks (zerokit.moe), "
+            "each rank holding E / ep of every expert parameter. Use an elementwise optim "
+            "('adamw_torch'), or leave the experts whole (ep = 1)"
+        )
+
+
 class ZeroTrainerMixin:
     """What ``ZeroTrainer`` adds to a ``Trainer`` class; see the module docstring."""
 
@@ -163,6 +180,7 @@ class ZeroTrainerMixin:
         super().__init__(*args, **kwargs)
         check_arguments(self.args, self.model)
         self.sharding = sharding_of(self.args, sharding)
+        refuse_whole_on_split_experts(self.args, self.sharding, self.model)
         self._zero_sharded = False
 
     # ---- the model and optimizer, sharded together ----
@@ -199,6 +217,12 @@ class ZeroTrainerMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self._zero_sharded:  # nothing sharded yet (saved before training): as Trainer
+            if expert_groups_of(self.model):  # rank 0 would write its own experts as all
+                raise ValueError(
+                    f"{WHO}: save_model before training, with the experts split across ranks "
+                    "(zerokit.moe): save after train(), or gather the whole model with "
+                    "zerokit.moe.full_state_dict(model) on every rank and save that"
+                )
             return super().save_model(output_dir, _internal_call)
         if _internal_call:  # a checkpoint-N: the resumable sharded state
             optimizer = None if self.args.save_only_model else self._base_optimizer()

@@ -49,7 +49,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
@@ -66,8 +65,10 @@ from ..checkpoint.lightning_file import EXTRA_PREFIX
 from ..checkpoint.reading import CheckpointReader
 from ..clip import clip_grad_norm_
 from ..config import ShardingConfig
-from ..core import broadcast_module_state, state_of
+from ..core import state_of
 from ..mixed_precision import MixedPrecision
+from ..moe import expert_groups_of
+from ..moe import full_state_dict as moe_full_state_dict
 from . import _lightning_common as common
 from .fabric import ZeroKitFabricStrategy
 
@@ -248,7 +249,7 @@ class ZeroKitStrategy(DDPStrategy):
             self.model = self._wrap(module)
         else:  # evaluation only: nothing to shard; every rank starts from rank 0's weights
             self.model_to_device()
-            broadcast_module_state(module, dist.group.WORLD, params=True)
+            common.start_alike(module)
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
@@ -295,12 +296,12 @@ class ZeroKitStrategy(DDPStrategy):
         return None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The LightningModule's whole state dict, under its own names. Collective at level
-        'p_g_os' (it gathers): every rank calls it."""
-        if self._root is not None:
-            return self._root.state_dict()
-        assert self.lightning_module is not None
-        return self.lightning_module.state_dict()
+        """The LightningModule's whole state dict, under its own names, experts split across
+        ranks gathered (``zerokit.moe.full_state_dict``). Collective at level 'p_g_os' or with
+        split experts: every rank calls it."""
+        module = self._root if self._root is not None else self.lightning_module
+        assert module is not None
+        return moe_full_state_dict(module) if expert_groups_of(module) else module.state_dict()
 
     # -- checkpoints: zerokit's sharded directory, Lightning's state in its extra ---------
 
