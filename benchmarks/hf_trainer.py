@@ -30,9 +30,13 @@ def _model(hidden: int, layers: int, vocab: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 32), num_key_value_heads=max(1, hidden // 64),
-        vocab_size=vocab, max_position_embeddings=256,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 32),
+        num_key_value_heads=max(1, hidden // 64),
+        vocab_size=vocab,
+        max_position_embeddings=256,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
@@ -74,18 +78,29 @@ def _rank(rank: int, world: int, runner: str, opts: dict, out: str) -> None:
     from zerokit.integrations.hf_trainer import ZeroTrainer, ZeroTrainingArguments
 
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29511",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29511",
     )
     model = _model(opts["hidden"], opts["layers"], opts["vocab"])
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, opts["vocab"], (opts["steps"] * 8, opts["seq"]), generator=g)
     data = [{"input_ids": row, "labels": row} for row in ids]
     common = {
-        "output_dir": os.path.join(out, runner), "per_device_train_batch_size": 8 // world,
-        "max_steps": opts["steps"], "learning_rate": 1e-3, "warmup_steps": 1,
-        "logging_steps": 1000, "save_strategy": "no", "report_to": [], "use_cpu": True,
-        "disable_tqdm": True, "seed": 0,
+        "output_dir": os.path.join(out, runner),
+        "per_device_train_batch_size": 8 // world,
+        "max_steps": opts["steps"],
+        "learning_rate": 1e-3,
+        "warmup_steps": 1,
+        "logging_steps": 1000,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "seed": 0,
     }
     if runner in ("os", "os_g", "p_g_os"):
         args, cls = ZeroTrainingArguments(**common, zerokit_level=runner), ZeroTrainer
@@ -155,16 +170,24 @@ def main(argv=None) -> None:
                 bytes_ = max(rk["bytes"] for rk in ranks)
                 rows.setdefault(runner, []).append((statistics.median(times), bytes_))
     rows = {
-        k: v if isinstance(v, str) else (statistics.median(t for t, _ in v), v[0][1],
-                                         min(t for t, _ in v), max(t for t, _ in v))
+        k: v
+        if isinstance(v, str)
+        else (
+            statistics.median(t for t, _ in v),
+            v[0][1],
+            min(t for t, _ in v),
+            max(t for t, _ in v),
+        )
         for k, v in rows.items()
     }
     params = sum(p.numel() for p in _model(a.hidden, a.layers, a.vocab).parameters())
     base_t, base_b, _, _ = rows.get("ddp") or next(
         r for r in rows.values() if not isinstance(r, str)
     )
-    print(f"tiny Llama {params / 1e6:.2f}M parameters, {a.world} gloo CPU ranks, AdamW fp32, "
-          f"global batch 8 x {a.seq} tokens, median step of {a.steps - 2}, median of {a.repeat} runs")
+    print(
+        f"tiny Llama {params / 1e6:.2f}M parameters, {a.world} gloo CPU ranks, AdamW fp32, "
+        f"global batch 8 x {a.seq} tokens, median step of {a.steps - 2}, median of {a.repeat} runs"
+    )
     print("| Trainer + | step (ms) | runs' range (ms) | vs DDP | bytes/rank (MiB) | vs DDP |")
     print("|---|---|---|---|---|---|")
     for runner, row in rows.items():
@@ -173,8 +196,10 @@ def main(argv=None) -> None:
             print(f"| {name} | not run: {row} | | | | |")
             continue
         t, b, lo, hi = row
-        print(f"| {name} | {t * 1e3:.1f} | {lo * 1e3:.0f}-{hi * 1e3:.0f} | {t / base_t:.2f}x | "
-              f"{b / 2**20:.2f} | {b / base_b:.2f}x |")
+        print(
+            f"| {name} | {t * 1e3:.1f} | {lo * 1e3:.0f}-{hi * 1e3:.0f} | {t / base_t:.2f}x | "
+            f"{b / 2**20:.2f} | {b / base_b:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -22,8 +22,13 @@ def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
@@ -42,20 +47,43 @@ def training_arguments(opts: dict, world: int, out: str):
     accum = opts.get("accum", 2)
     per_device = opts.get("global_batch", 12) // (world * accum)
     kwargs = {
-        "output_dir": out, "per_device_train_batch_size": per_device,
-        "gradient_accumulation_steps": accum, "max_steps": opts.get("steps", 4),
-        "learning_rate": 3e-3, "warmup_steps": 2, "lr_scheduler_type": "linear",
-        "max_grad_norm": opts.get("max_grad_norm", 0.3), "logging_steps": 1,
-        "eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 2,
-        "save_strategy": "no", "report_to": [], "use_cpu": True, "seed": 0,
-        "disable_tqdm": True, "dataloader_num_workers": 0, "bf16": opts.get("bf16", False),
+        "output_dir": out,
+        "per_device_train_batch_size": per_device,
+        "gradient_accumulation_steps": accum,
+        "max_steps": opts.get("steps", 4),
+        "learning_rate": 3e-3,
+        "warmup_steps": 2,
+        "lr_scheduler_type": "linear",
+        "max_grad_norm": opts.get("max_grad_norm", 0.3),
+        "logging_steps": 1,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "per_device_eval_batch_size": 2,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "bf16": opts.get("bf16", False),
         "optim": opts.get("optim", "adamw_torch"),
         "gradient_checkpointing": opts.get("checkpointing", False),
-        **({"save_strategy": "steps", "save_steps": opts["save_steps"]}
-           if opts.get("save_steps") else {}),
-        **({"save_strategy": "steps", "save_steps": 2, "load_best_model_at_end": True,
-            "metric_for_best_model": "eval_loss", "greater_is_better": opts["best"] == "max"}
-           if opts.get("best") else {}),
+        **(
+            {"save_strategy": "steps", "save_steps": opts["save_steps"]}
+            if opts.get("save_steps")
+            else {}
+        ),
+        **(
+            {
+                "save_strategy": "steps",
+                "save_steps": 2,
+                "load_best_model_at_end": True,
+                "metric_for_best_model": "eval_loss",
+                "greater_is_better": opts["best"] == "max",
+            }
+            if opts.get("best")
+            else {}
+        ),
         **opts.get("extra", {}),
     }
     if opts.get("level"):
@@ -88,8 +116,11 @@ def train(world: int, opts: dict, out: str) -> None:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         kwargs["optimizers"] = (opt, sched)
     trainer = trainer_cls(
-        model=model, args=args, train_dataset=token_dataset(SAMPLES, 1),
-        eval_dataset=token_dataset(EVAL_SAMPLES, 2), **kwargs,
+        model=model,
+        args=args,
+        train_dataset=token_dataset(SAMPLES, 1),
+        eval_dataset=token_dataset(EVAL_SAMPLES, 2),
+        **kwargs,
     )
     seen = []  # the dtype the first decoder layer computes in (bf16=True: bfloat16)
     layer = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -112,8 +143,12 @@ def train(world: int, opts: dict, out: str) -> None:
 def run(rank: int, world: int, opts: dict, out: str) -> None:
     """One forked rank (``run_distributed``): accelerate reads its rank from the env."""
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
     )
     train(world, opts, out)
 
@@ -163,7 +198,10 @@ def tiny_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>",
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<eos>",
         chat_template=CHAT_TEMPLATE,
     )
 
@@ -175,10 +213,14 @@ def chat_dataset(n: int, seed: int):
     rows = []
     for _ in range(n):
         q, a = (torch.randint(0, len(WORDS), (k,), generator=g).tolist() for k in (4, 3))
-        rows.append({"messages": [
-            {"role": "user", "content": " ".join(WORDS[i] for i in q)},
-            {"role": "assistant", "content": " ".join(WORDS[i] for i in a)},
-        ]})
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": " ".join(WORDS[i] for i in q)},
+                    {"role": "assistant", "content": " ".join(WORDS[i] for i in a)},
+                ]
+            }
+        )
     return Dataset.from_list(rows)
 
 
@@ -193,11 +235,25 @@ def sft(world: int, opts: dict, out: str) -> None:
 
     accum = 2
     args = SFTConfig(
-        output_dir=out, per_device_train_batch_size=12 // (world * accum),
-        gradient_accumulation_steps=accum, max_steps=4, learning_rate=3e-3, warmup_steps=1,
-        max_grad_norm=0.3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-        seed=0, disable_tqdm=True, max_length=32, dataset_num_proc=None, bf16=False,
-        eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2,
+        output_dir=out,
+        per_device_train_batch_size=12 // (world * accum),
+        gradient_accumulation_steps=accum,
+        max_steps=4,
+        learning_rate=3e-3,
+        warmup_steps=1,
+        max_grad_norm=0.3,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        max_length=32,
+        dataset_num_proc=None,
+        bf16=False,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=2,
     )
     kwargs = {}
     cls = SFTTrainer
@@ -205,8 +261,12 @@ def sft(world: int, opts: dict, out: str) -> None:
         cls = zero_trainer_class(SFTTrainer)
         kwargs["sharding"] = ShardingConfig(level=opts["level"])
     trainer = cls(
-        model=tiny_llama(), args=args, train_dataset=chat_dataset(48, 1),
-        eval_dataset=chat_dataset(12, 2), processing_class=tiny_tokenizer(), **kwargs,
+        model=tiny_llama(),
+        args=args,
+        train_dataset=chat_dataset(48, 1),
+        eval_dataset=chat_dataset(12, 2),
+        processing_class=tiny_tokenizer(),
+        **kwargs,
     )
     trainer.train()
     trainer.save_model(opts.get("export_to") or os.path.join(out, "model"))
@@ -217,8 +277,12 @@ def sft(world: int, opts: dict, out: str) -> None:
 
 def sft_rank(rank: int, world: int, opts: dict, out: str) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
     )
     sft(world, opts, out)
 

@@ -21,8 +21,8 @@ from test_optimizers import newton_schulz_in_fp32
 from torch import nn
 
 import zerokit
-from zerokit.core import plan_units
 from zerokit import NotGatheredError
+from zerokit.core import plan_units
 from zerokit.core.state import state_of
 
 STEPS = 4

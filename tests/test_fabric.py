@@ -96,13 +96,13 @@ def test_level_given_only_in_config_is_the_level(tmp_path):
     """``ZeroKitFabricStrategy(config=ShardingConfig(level="os"))`` trains at 'os' (its own
     level argument is not given, so it does not compete with config's); one given both ways
     differently is refused naming both. One rank: the wrap, not the training, is under test."""
+    import logging
+
     from lightning.fabric import Fabric
     from torch import nn
 
     from zerokit import ShardingConfig
     from zerokit.integrations.fabric import ZeroKitFabricStrategy
-
-    import logging
 
     environ = dict(os.environ)  # Fabric sets the rendezvous variables: none may leak
     logger = logging.getLogger("zerokit")  # nor the handler the wrap installs

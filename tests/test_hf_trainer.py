@@ -26,8 +26,12 @@ LOSS_TOL = WEIGHT_TOL = 5e-6
 def _distances(ref: str, got: str, skip: tuple[str, ...] = ()) -> tuple[float, float]:
     (logs_a, w_a), (logs_b, w_b) = R.results(ref), R.results(got)
     assert len(logs_a) == len(logs_b) and sorted(w_a) == sorted(w_b)
-    losses = [(a[k], b[k]) for a, b in zip(logs_a, logs_b) for k in a
-              if k.endswith("loss") and k not in skip]
+    losses = [
+        (a[k], b[k])
+        for a, b in zip(logs_a, logs_b)
+        for k in a
+        if k.endswith("loss") and k not in skip
+    ]
     assert any(k == "eval_loss" for a in logs_a for k in a)  # the eval loop ran
     loss = max(abs(x - y) for x, y in losses)
     weight = max((w_a[k].float() - w_b[k].float()).abs().max().item() for k in w_a)
@@ -158,6 +162,7 @@ def test_save_model_failing_on_the_saving_rank_fails_every_rank(tmp_path):
 
 
 # ---- refused at start-up, before anything is built (every rank runs the same check) ----
+
 
 def _refused(match, monkeypatch=None, **kwargs):
     from zerokit.integrations.hf_trainer import ZeroTrainer, ZeroTrainingArguments

@@ -75,8 +75,10 @@ class ZeroTrainingArguments(TrainingArguments):
 
     zerokit_level: str | None = field(
         default=None,
-        metadata={"help": "zerokit ZeRO level: 'os', 'os_g' or 'p_g_os' (default: the "
-                  f"--zerokit_config file's, else {DEFAULT_LEVEL!r})"},
+        metadata={
+            "help": "zerokit ZeRO level: 'os', 'os_g' or 'p_g_os' (default: the "
+            f"--zerokit_config file's, else {DEFAULT_LEVEL!r})"
+        },
     )
     zerokit_config: str | None = field(
         default=None,
@@ -104,7 +106,8 @@ def check_arguments(args: TrainingArguments, model: Any) -> None:
         "deepspeed": args.deepspeed,
         "fsdp": args.fsdp,
         "fsdp_config (fsdp_version)": (args.fsdp_config or {}).get("fsdp_version")
-        if isinstance(args.fsdp_config, dict) else args.fsdp_config,
+        if isinstance(args.fsdp_config, dict)
+        else args.fsdp_config,
         "parallelism_config": getattr(args, "parallelism_config", None),
         "fp16": args.fp16,
         "torch_compile": args.torch_compile,
@@ -264,8 +267,10 @@ def export_hf(trainer: Trainer, output_dir: str) -> None:
     """``save_model``: the sharded model written, then streamed into a Hugging Face directory
     (``config.json`` + safetensors) by rank 0, with the tokenizer and the training arguments.
     Collective."""
-    staging = os.path.join(os.path.dirname(os.path.abspath(output_dir)),
-                           f".{os.path.basename(os.path.abspath(output_dir))}.zerokit-staging")
+    staging = os.path.join(
+        os.path.dirname(os.path.abspath(output_dir)),
+        f".{os.path.basename(os.path.abspath(output_dir))}.zerokit-staging",
+    )
     zk_checkpoint.save(staging, trainer.model)
     failure = None
     if trainer.args.should_save:
