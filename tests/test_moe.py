@@ -118,6 +118,34 @@ def test_families_world2_ep2(family):
     run_distributed(_equal, 2, 2, LEVELS, 4, family, 0, aux)
 
 
+def _frozen_experts(rank, world, levels):
+    """Experts frozen (an adapter trains the rest): no unit holds them, yet each rank starts
+    from its own experts, not world rank 0's (which hold other experts)."""
+    tokens = batches(STEPS, 2 * world)
+    for level in levels:
+        model = tiny_moe("mixtral")
+        ref = reference_copy(model)
+        for name, p in ref.named_parameters():
+            p.requires_grad_(".experts." not in name)
+        want = train_reference(ref, tokens)
+        apply_expert_parallel(model, init_expert_groups(2))
+        for m in model.modules():
+            if isinstance(m, ExpertParallelExperts):
+                m.requires_grad_(False)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trainable, lr=1e-2, weight_decay=0.1)
+        model, opt, _ = zerokit.group_sharded_parallel(model, opt, level, segment_size=10)
+        got = train_ranks(model, opt, tokens, rank, world)
+        what = f"frozen experts, world {world} ep 2 level {level}"
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert abs(g - w) <= ATOL, f"{what}: step {step}: loss {g} != {w}"
+        assert_same_as_reference(model, ref, ATOL, what)
+
+
+def test_world2_frozen_experts():
+    run_distributed(_frozen_experts, 2, ("os_g", "p_g_os"))
+
+
 def _knobs(rank, world, level, knobs, tol):
     """``knobs`` (mixed precision, step_in_backward) with split experts: the losses and
     parameters of one fp32 process on the global batch, within ``tol``."""

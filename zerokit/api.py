@@ -337,6 +337,7 @@ def _build(call: _Call, checked: _Checked):
         mixed_precision=checked.policy, tp_group=tp_group_of(model), replica_group=replicas,
         initial_shards=shards, outer=compiled, needs=checked.needs,
         optimizer_over_replicas=config.shard_optimizer_over_replicas,
+        own_groups=expert_groups_of(model),
     )  # fmt: skip
     state = build(model, call.optimizers, checked.plans, options)
     state.grad_norm = global_grad_norm

@@ -9,8 +9,8 @@ level it is: the rest holds the objects built from the level's rules, or asks th
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -62,6 +62,9 @@ class CoreOptions:
     # hybrid sharding: the optimizer state sharded over the replicas too (each steps 1/R of
     # its shard: ShardingConfig.shard_optimizer_over_replicas); no-op without replicas
     optimizer_over_replicas: bool = False
+    # modules whose tensors start from their own group's rank 0, trainable or frozen (a
+    # layer's split experts: world rank 0 holds other experts); their units' groups
+    own_groups: Mapping[nn.Module, ProcessGroup] = field(default_factory=dict)
 
     @property
     def optimizer_replicas(self) -> int:
@@ -190,14 +193,16 @@ def build(
     # every rank starts from rank 0's model: replica 0's, then shard-group rank 0's (each
     # rank keeps its own rank-local parameters: they are different slices)
     from_shards = opts.initial_shards is not None
-    own = [plan for plan in plans if plan.group is not None]  # units on groups of their own
-    skip = frozenset(id(p) for plan in own for _, p in plan.params)
+    own = {  # frozen ones too: a unit plans only the trainable
+        id(t): (t, g) for m, g in opts.own_groups.items() for t in (*m.parameters(), *m.buffers())
+    }
+    skip = frozenset(own)
     if opts.replica_group is not None:
         broadcast_module_state(model, opts.replica_group, params=not from_shards, skip=skip)
     broadcast_module_state(model, group, params=not from_shards, skip=skip)
-    for plan in own if not from_shards else ():  # from their own group's rank 0
-        for _, p in plan.params:
-            broadcast_(p.data, plan.group)
+    for tensor, own_group in own.values():  # from their own group's rank 0
+        if not (from_shards and isinstance(tensor, nn.Parameter)):
+            broadcast_(tensor.data, own_group)
     full_precision = [  # trainable ones are units of their own (plan.full_precision)
         m
         for m in model.modules()
