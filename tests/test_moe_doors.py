@@ -178,6 +178,6 @@ def test_lightning_ep2_validate_alone():
 
 
 def test_hf_trainer_refusals_with_split_experts(tmp_path):
-    """``optim="adafactor"`` (whole parameters, and a rank holds E / ep experts of each) at
-    start-up; ``save_model`` before training (rank 0 holds only its experts)."""
+    """``optim="adafactor"`` (whole parameters, and a rank holds E / ep experts of each) when
+    the Trainer builds it; ``save_model`` before training (rank 0 holds only its experts)."""
     run_distributed(D.hf_refusals, 2, str(tmp_path))

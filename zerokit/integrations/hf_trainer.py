@@ -158,19 +158,6 @@ def sharding_of(args: TrainingArguments, sharding: ShardingConfig | None) -> Sha
     return sharding
 
 
-def refuse_whole_on_split_experts(args, sharding: ShardingConfig, model: Any) -> None:
-    """Experts split across ranks (``zerokit.moe``) hold E / ep experts of each expert
-    parameter: a whole-parameter optimizer's step on them would not be one process's."""
-    if sharding.whole_parameter_optimizer and expert_groups_of(model):
-        optim = getattr(args.optim, "value", args.optim)
-        raise ValueError(
-            f"{WHO}: optim={optim!r} (or whole_parameter_optimizer=True) steps each parameter "
-            "whole on one rank, and this model's experts are split across ranks (zerokit.moe), "
-            "each rank holding E / ep of every expert parameter. Use an elementwise optim "
-            "('adamw_torch'), or leave the experts whole (ep = 1)"
-        )
-
-
 class ZeroTrainerMixin:
     """What ``ZeroTrainer`` adds to a ``Trainer`` class; see the module docstring."""
 
@@ -183,7 +170,6 @@ class ZeroTrainerMixin:
         super().__init__(*args, **kwargs)
         check_arguments(self.args, self.model)
         self.sharding = sharding_of(self.args, sharding)
-        refuse_whole_on_split_experts(self.args, self.sharding, self.model)
         self._zero_sharded = False
 
     # ---- the model and optimizer, sharded together ----
@@ -220,7 +206,8 @@ class ZeroTrainerMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if not self._zero_sharded:  # nothing sharded yet (saved before training): as Trainer
-            if expert_groups_of(self.model):  # rank 0 would write its own experts as all
+            # rank 0 would write its own experts as all (an adapter holds none of them)
+            if expert_groups_of(self.model) and not is_peft(self.model):
                 raise ValueError(
                     f"{WHO}: save_model before training, with the experts split across ranks "
                     "(zerokit.moe): save after train(), or gather the whole model with "
