@@ -78,13 +78,9 @@ def _rank(rank: int, world: int, runner: str, opts: dict, out: str) -> None:
     from zerokit.integrations.hf_trainer import ZeroTrainer, ZeroTrainingArguments
 
     os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29511",
-    )
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29511",
+    )  # fmt: skip
     model = _model(opts["hidden"], opts["layers"], opts["vocab"])
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, opts["vocab"], (opts["steps"] * 8, opts["seq"]), generator=g)

@@ -140,16 +140,24 @@ def train(world: int, opts: dict, out: str) -> None:
             f.write(os.path.basename(trainer.state.best_model_checkpoint or ""))
 
 
+def write_logs(trainer, out: str) -> None:
+    """Rank 0: the Trainer's log history, for the comparison."""
+    if trainer.args.process_index == 0:
+        with open(os.path.join(out, "logs.json"), "w") as f:
+            json.dump(trainer.state.log_history, f)
+
+
+def rank_env(rank: int, world: int) -> None:
+    """What a launcher sets: accelerate reads the rank from it."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT="29500",
+    )  # fmt: skip
+
+
 def run(rank: int, world: int, opts: dict, out: str) -> None:
     """One forked rank (``run_distributed``): accelerate reads its rank from the env."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-    )
+    rank_env(rank, world)
     train(world, opts, out)
 
 
@@ -270,20 +278,11 @@ def sft(world: int, opts: dict, out: str) -> None:
     )
     trainer.train()
     trainer.save_model(opts.get("export_to") or os.path.join(out, "model"))
-    if trainer.args.process_index == 0:
-        with open(os.path.join(out, "logs.json"), "w") as f:
-            json.dump(trainer.state.log_history, f)
+    write_logs(trainer, out)
 
 
 def sft_rank(rank: int, world: int, opts: dict, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="29500",
-    )
+    rank_env(rank, world)
     sft(world, opts, out)
 
 

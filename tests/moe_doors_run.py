@@ -10,7 +10,6 @@ init_expert_groups(ep))`` once the process group exists, before the optimizer is
 
 from __future__ import annotations
 
-import json
 import os
 
 import hf_trainer_run as R
@@ -71,9 +70,7 @@ def hf_train(world: int, opts: dict, out: str) -> None:
     trainer = cls(model=model, args=args, train_dataset=tokens(48, 1), eval_dataset=tokens(12, 2))
     trainer.train(resume_from_checkpoint=opts.get("resume"))
     trainer.save_model(os.path.join(out, "model"))
-    if trainer.args.process_index == 0:
-        with open(os.path.join(out, "logs.json"), "w") as f:
-            json.dump(trainer.state.log_history, f)
+    R.write_logs(trainer, out)
 
 
 def hf_rank(rank: int, world: int, opts: dict, out: str) -> None:
