@@ -18,7 +18,6 @@ from torch.distributed import ProcessGroup
 
 from ..mixed_precision import MixedPrecision
 from . import checks
-from .collectives import broadcast_
 from .flat_param import FlatParamBucket
 from .gradients import FullGradients, ScatteredGradients, ShardedGradients
 from .group import UnitGroup
@@ -193,16 +192,11 @@ def build(
     # every rank starts from rank 0's model: replica 0's, then shard-group rank 0's (each
     # rank keeps its own rank-local parameters: they are different slices)
     from_shards = opts.initial_shards is not None
-    own = {  # frozen ones too: a unit plans only the trainable
-        id(t): (t, g) for m, g in opts.own_groups.items() for t in (*m.parameters(), *m.buffers())
-    }
-    skip = frozenset(own)
-    if opts.replica_group is not None:
-        broadcast_module_state(model, opts.replica_group, params=not from_shards, skip=skip)
-    broadcast_module_state(model, group, params=not from_shards, skip=skip)
-    for tensor, own_group in own.values():  # from their own group's rank 0
-        if not (from_shards and isinstance(tensor, nn.Parameter)):
-            broadcast_(tensor.data, own_group)
+    if opts.replica_group is not None:  # a replica is a copy: all of replica 0's
+        broadcast_module_state(model, opts.replica_group, params=not from_shards)
+    broadcast_module_state(
+        model, group, params=not from_shards, own_groups=opts.own_groups
+    )  # split experts from their own group's rank 0 (frozen ones too: no unit plans them)
     full_precision = [  # trainable ones are units of their own (plan.full_precision)
         m
         for m in model.modules()

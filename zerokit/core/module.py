@@ -11,7 +11,7 @@ stage 3 adds state_dict hooks that gather on demand (``hooks.py``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -158,14 +158,25 @@ def restore_module_(model: nn.Module) -> nn.Module:
 
 
 def broadcast_module_state(
-    model: nn.Module, group: ProcessGroup, *, params: bool, skip: frozenset[int] = frozenset()
+    model: nn.Module,
+    group: ProcessGroup,
+    *,
+    params: bool,
+    own_groups: Mapping[nn.Module, ProcessGroup] | None = None,
 ) -> None:
     """Make every rank's buffers (and parameters, if ``params``) equal to group rank 0's;
     rank-local (``is_distributed``) tensors stay each rank's own: they are different slices.
-    ``skip``: ids of tensors left alone (a unit's own group broadcasts them)."""
+    ``own_groups``: modules whose tensors come from their own group's rank 0 instead (a
+    layer's split experts: group rank 0 holds other experts), trainable or frozen."""
     with torch.no_grad():
+        seen = set()
+        for module, own_group in (own_groups or {}).items():
+            for tensor in (*module.buffers(), *(module.parameters() if params else ())):
+                if id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    broadcast_(tensor.data, own_group)
+            seen.update(id(p) for p in module.parameters())  # not from ``group`` either
         tensors = list(model.buffers()) + (list(model.parameters()) if params else [])
-        seen = set(skip)
         for tensor in tensors:
             if id(tensor) not in seen and not is_distributed(tensor):
                 seen.add(id(tensor))

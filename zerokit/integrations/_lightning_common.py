@@ -14,7 +14,7 @@ from torch import nn
 
 from ..checkpoint.reading import CheckpointReader
 from ..config import DEFAULT_LEVEL, ShardingConfig, knob_names, merge_arguments, parse_level
-from ..core import broadcast_, broadcast_module_state
+from ..core import broadcast_module_state
 from ..mixed_precision import LIGHTNING_PRECISIONS, MixedPrecision, as_policy
 from ..moe import expert_groups_of
 from ..scaler import ShardedGradScaler
@@ -106,13 +106,8 @@ def start_alike(module: nn.Module) -> None:
     """A model set up without an optimizer (evaluation): nothing to shard; every rank starts
     from rank 0's weights, and experts split across ranks (``zerokit.moe``) from their
     expert-data-parallel group's rank 0, since rank 0 holds other experts."""
-    experts = expert_groups_of(module)
-    held = frozenset(id(p) for m in experts for p in m.parameters())
-    broadcast_module_state(module, dist.group.WORLD, params=True, skip=held)
-    with torch.no_grad():
-        for m, group in experts.items():
-            for p in m.parameters():
-                broadcast_(p.data, group)
+    own_groups = expert_groups_of(module)
+    broadcast_module_state(module, dist.group.WORLD, params=True, own_groups=own_groups)
 
 
 def saved_extra_keys(path: str, prefix: str = "") -> list[str]:

@@ -29,7 +29,8 @@ How the Trainer's steps map:
   by streaming the sharded checkpoint: no rank holds the whole model.
 * experts split across ranks (``zerokit.moe.apply_expert_parallel`` on the model before it
   is handed in) -> sharded as ``group_sharded_parallel`` shards them, saved and exported as
-  the whole model's; a whole-parameter ``optim`` is refused with them, at start-up.
+  the whole model's; a whole-parameter ``optim`` stepping them is refused when ``train()``
+  builds it.
 
 Note: the Trainer has no public hook for clipping, for its checkpoint files or for keeping
 accelerate from wrapping the model, so this module overrides private methods. It is tested
