@@ -292,12 +292,12 @@ def _plan(h: Holdings, sources: _Sources) -> _Plan:
         present = found.get(chunk.name)
         if present is None or not chunk.tensor.numel():
             continue
-        meta, target = h.metas[chunk.name], chunk.tensor
-        same = sources.dtype(present[0]) == target.dtype and target.device.type == "cpu"
+        meta, target, dtype = h.metas[chunk.name], chunk.tensor, sources.dtype(present[0])
+        same = dtype == target.dtype and target.device.type == "cpu"
         if len(present) == 1 and same and target.is_contiguous():
             plan.in_place.append((chunk, present[0], meta))
             continue
-        values = torch.empty(target.numel(), dtype=sources.dtype(present[0]))
+        values = torch.empty(target.numel(), dtype=dtype)
         _read_chunk(meta, chunk, present[0], sources, values)
         for other in present[1:]:  # this rank's elements of each: the ranks cover them all
             again = torch.empty(target.numel(), dtype=sources.dtype(other))
